@@ -1,0 +1,188 @@
+"""The one place that knows about devices: the mesh and the logical-axis rules.
+
+Models only *name* axes: parameters carry an ``axes=(...)`` metadata tuple of logical
+names and activations call :func:`constrain` with logical names. This module maps those
+names onto mesh axes with one short table of rules. Entry points (trainer, sampler,
+conversion) build a mesh, pick a rule table and call :func:`activate`; nothing else does.
+
+Mesh axes, outermost first:
+  data    pure data parallelism (replicated params)
+  fsdp    data parallelism with parameters and optimizer state sharded (ZeRO-3)
+  tensor  tensor (model) parallelism inside attention heads / MLP hidden
+  expert  expert parallelism for MoE layers
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+LogicalAxes = tuple[str | None, ...]
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+# Logical name -> mesh axis (or axes). A mesh axis is used at most once per array: if two
+# dims of one array map to the same mesh axis, the later one is left replicated.
+DEFAULT_RULES: Rules = (
+    # activations
+    ("batch", ("data", "fsdp", "expert")),
+    ("seq", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("act_expert", "expert"),
+    ("cache_seq", None),
+    # parameters
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
+    ("norm", None),
+)
+
+# Expert parallelism for large MoE models: experts spread over the expert axis, the rest
+# of each weight sharded FSDP-style.
+MOE_EP_RULES: Rules = DEFAULT_RULES
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Shape of the device mesh.
+
+    Attributes:
+      data: pure data-parallel ways. -1 means "all remaining devices".
+      fsdp: fully-sharded data-parallel ways.
+      tensor: tensor-parallel ways.
+      expert: expert-parallel ways (MoE).
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+    def shape(self, n_devices: int) -> tuple[int, int, int, int]:
+        sizes = [self.data, self.fsdp, self.tensor, self.expert]
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError(f"MeshConfig: at most one axis may be -1, got {self}")
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(f"MeshConfig: axis sizes must be positive or -1, got {self}")
+        known = int(np.prod([s for s in sizes if s != -1]))
+        if -1 in sizes:
+            if n_devices % known:
+                raise ValueError(f"MeshConfig {self}: {n_devices} devices not divisible by {known}")
+            sizes[sizes.index(-1)] = n_devices // known
+        if int(np.prod(sizes)) != n_devices:
+            raise ValueError(
+                f"MeshConfig {self} needs {int(np.prod(sizes))} devices, {n_devices} available"
+            )
+        return tuple(sizes)  # type: ignore[return-value]
+
+
+def make_mesh(config: MeshConfig | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a (data, fsdp, tensor, expert) mesh over ``devices`` (default: all)."""
+    config = config or MeshConfig()
+    devices = list(devices if devices is not None else jax.devices())
+    shape = config.shape(len(devices))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Active:
+    mesh: Mesh
+    rules: dict[str, str | tuple[str, ...] | None]
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("spade_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
+    """Makes ``mesh`` and ``rules`` the target of :func:`constrain` inside the block."""
+    token = _ACTIVE.set(_Active(mesh, dict(rules)))
+    try:
+        with jax.set_mesh(mesh):
+            yield mesh
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_mesh() -> Mesh | None:
+    active = _ACTIVE.get()
+    return active.mesh if active else None
+
+
+def logical_to_spec(
+    axes: LogicalAxes, rules: Rules | dict | None = None, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec using ``rules``.
+
+    Mesh axes of size 1 are dropped, and a mesh axis already used by an earlier dim of the
+    same array is not reused (that dim stays replicated).
+    """
+    if rules is None:
+        active = _ACTIVE.get()
+        rules = active.rules if active else dict(DEFAULT_RULES)
+        mesh = mesh or (active.mesh if active else None)
+    rules = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in axes:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"no sharding rule for logical axis {name!r}; add it to the rule table")
+        target = rules[name]
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        keep = tuple(
+            t for t in targets if t not in used and (mesh is None or mesh.shape[t] > 1)
+        )
+        used.update(keep)
+        out.append(keep[0] if len(keep) == 1 else (keep or None))
+    return PartitionSpec(*out)
+
+
+def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    """Sharding constraint on an activation by logical names; a no-op without a mesh."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    spec = logical_to_spec(axes, active.rules, active.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active.mesh, spec))
+
+
+def named_sharding(axes: LogicalAxes, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, rules, mesh))
+
+
+def param_axes(variable) -> LogicalAxes:
+    """Logical axes of an nnx Variable (its ``axes`` metadata); replicated if absent."""
+    meta = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
+    axes = meta.get("axes")
+    if axes is None:
+        return (None,) * np.ndim(variable.get_value() if hasattr(variable, "get_value") else variable)
+    return tuple(axes)
+
+
+def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """NamedSharding for every leaf of an nnx State, from each Variable's ``axes`` metadata."""
+    from flax import nnx
+
+    def one(var):
+        return named_sharding(param_axes(var), mesh, rules)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
