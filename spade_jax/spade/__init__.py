@@ -1,0 +1,109 @@
+"""SPADE loop pieces that do not need the model: designer reward, corpus, memory, metrics.
+
+Kept import-light (numpy and etils only, no jax): the round loop built on these pieces lives
+next to them and imports the model itself.
+
+- where the regret is computed: `reward.py` (`designer_reward`)
+- corpus grounding: `corpus.py` (readers, mixture, resumable sampler), `default_corpus.py`
+- environment memory: `memory.py`
+- diversity (Vendi) and the offline program featuriser: `diversity.py`
+- code-level difficulty stats and the learnable share: `env_stats.py`
+- skill sets (six-skill main run, two-skill ablation): `skills.py`
+"""
+
+from spade_jax.spade.corpus import (
+    Corpus,
+    CorpusExhaustedError,
+    CorpusSampler,
+    CorpusSamplerConfig,
+    Document,
+    InMemoryCorpus,
+    JsonlCorpus,
+    MixtureCorpus,
+    ParquetCorpus,
+    TextShardConfig,
+)
+from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
+from spade_jax.spade.diversity import (
+    FeaturiserConfig,
+    ProgramFeaturiser,
+    normalized_vendi_score,
+    vendi_score,
+    vendi_score_from_similarity,
+)
+from spade_jax.spade.env_stats import (
+    LearnableShareConfig,
+    LearnableShareTracker,
+    formula_reveal,
+    formula_reveal_reason,
+    reward_levels,
+    strict_partial_levels,
+)
+from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord, MemoryConfig
+from spade_jax.spade.reward import (
+    DESIGNER_REWARDS,
+    DesignerReward,
+    DesignerRewardConfig,
+    DesignerRewardRule,
+    EMALearningPotential,
+    EMALearningPotentialConfig,
+    HintRegretReward,
+    LearningPotential,
+    Regime,
+    designer_reward,
+    make_designer_reward,
+    register_designer_reward,
+)
+from spade_jax.spade.skills import (
+    MAIN_SKILLS,
+    SKILL_SETS,
+    TWO_SKILL_CURRICULUM,
+    Skill,
+    get_skill_set,
+)
+
+__all__ = [
+    "DESIGNER_REWARDS",
+    "MAIN_SKILLS",
+    "SKILL_SETS",
+    "TWO_SKILL_CURRICULUM",
+    "Corpus",
+    "CorpusExhaustedError",
+    "CorpusSampler",
+    "CorpusSamplerConfig",
+    "DefaultCorpusConfig",
+    "DesignerReward",
+    "DesignerRewardConfig",
+    "DesignerRewardRule",
+    "Document",
+    "EMALearningPotential",
+    "EMALearningPotentialConfig",
+    "EnvironmentMemory",
+    "EnvironmentRecord",
+    "FeaturiserConfig",
+    "HintRegretReward",
+    "InMemoryCorpus",
+    "JsonlCorpus",
+    "LearnableShareConfig",
+    "LearnableShareTracker",
+    "LearningPotential",
+    "MemoryConfig",
+    "MixtureCorpus",
+    "ParquetCorpus",
+    "ProgramFeaturiser",
+    "Regime",
+    "Skill",
+    "TextShardConfig",
+    "default_corpus",
+    "designer_reward",
+    "formula_reveal",
+    "formula_reveal_reason",
+    "get_skill_set",
+    "make_designer_reward",
+    "normalized_vendi_score",
+    "register_designer_reward",
+    "reward_levels",
+    "strict_partial_levels",
+    "vendi_score",
+    "vendi_score_from_similarity",
+]
