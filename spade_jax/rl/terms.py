@@ -1,0 +1,89 @@
+"""Equation terms shared by the policy losses: the clipped ratio surrogate, the k3 KL
+estimator, and the three ways of reducing a ``[B, T]`` token loss to a scalar.
+
+Shapes: B = sequences in the batch, T = tokens per sequence (padded). ``loss_mask`` is 1
+on tokens the policy generated and is trained on, 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def check_token_arrays(loss_mask: Array, **arrays: Array | None) -> None:
+    """Raises a ValueError naming any ``[B, T]`` input whose shape differs from the mask."""
+    if loss_mask.ndim != 2:
+        raise ValueError(f"loss_mask must be [B, T], got shape {loss_mask.shape}")
+    for name, array in arrays.items():
+        if array is not None and array.shape != loss_mask.shape:
+            raise ValueError(
+                f"{name} has shape {array.shape} but loss_mask has shape {loss_mask.shape}"
+            )
+
+
+def token_advantages(advantages: Array, loss_mask: Array) -> Array:
+    """Broadcasts sequence advantages ``[B]`` to tokens ``[B, T]``; passes ``[B, T]`` through."""
+    if advantages.shape == loss_mask.shape:
+        return advantages.astype(jnp.float32)
+    if advantages.shape == loss_mask.shape[:1]:
+        return jnp.broadcast_to(advantages[:, None], loss_mask.shape).astype(jnp.float32)
+    raise ValueError(
+        f"advantages must be [B] or [B, T] = {loss_mask.shape}, got shape {advantages.shape}"
+    )
+
+
+class ClippedSurrogate(NamedTuple):
+    """Token-level terms of the PPO/GRPO clipped objective, each ``[B, T]``."""
+
+    ratio: Array  # pi_theta / pi_old
+    pg_loss1: Array  # -A * ratio
+    pg_loss2: Array  # -A * clip(ratio, 1 - eps_low, 1 + eps_high)
+    pg_loss: Array  # max(pg_loss1, pg_loss2)
+    clipped: Array  # 1.0 where the clipped branch is the active one
+
+
+def clipped_surrogate(
+    log_ratio: Array, advantages_bt: Array, clip_eps_low: float, clip_eps_high: float
+) -> ClippedSurrogate:
+    """``max(-A r, -A clip(r, 1-eps_low, 1+eps_high))`` with ``r = exp(log_ratio)``."""
+    ratio = jnp.exp(log_ratio)
+    pg_loss1 = -advantages_bt * ratio
+    pg_loss2 = -advantages_bt * jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    pg_loss = jnp.maximum(pg_loss1, pg_loss2)
+    clipped = (pg_loss2 > pg_loss1).astype(jnp.float32)
+    return ClippedSurrogate(ratio, pg_loss1, pg_loss2, pg_loss, clipped)
+
+
+def k3_kl(logp: Array, ref_logp: Array) -> Array:
+    """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: ``e^d - d - 1``,
+    ``d = ref_logp - logp``; non-negative and unbiased under samples from pi_theta."""
+    delta = ref_logp - logp
+    return jnp.exp(delta) - delta - 1.0
+
+
+def masked_token_mean(x_bt: Array, loss_mask: Array) -> Array:
+    """Mean over every valid token in the batch (DAPO's token-level mean)."""
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.sum(x_bt * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def seq_mean_token_mean(x_bt: Array, loss_mask: Array) -> Array:
+    """Mean over tokens within each sequence, then over sequences (GRPO). Sequences with no
+    valid token are left out of the outer mean."""
+    mask = loss_mask.astype(jnp.float32)
+    tokens_b = jnp.sum(mask, axis=1)
+    seq_mean_b = jnp.sum(x_bt * mask, axis=1) / jnp.maximum(tokens_b, 1.0)
+    has_tokens_b = (tokens_b > 0).astype(jnp.float32)
+    return jnp.sum(seq_mean_b * has_tokens_b) / jnp.maximum(jnp.sum(has_tokens_b), 1.0)
+
+
+def seq_mean_token_sum_norm(x_bt: Array, loss_mask: Array, norm_tokens: int) -> Array:
+    """Sum over tokens divided by a constant length, then mean over sequences (Dr.GRPO):
+    no per-sequence length normalisation, so long wrong answers are not favoured."""
+    mask = loss_mask.astype(jnp.float32)
+    return jnp.mean(jnp.sum(x_bt * mask, axis=1) / float(norm_tokens))
