@@ -1,0 +1,104 @@
+"""Settings of the environment sandbox (one frozen dataclass, validated on construction)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spade_jax.envs.contract import DEFAULT_ALLOWED_IMPORTS
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and layers of the sandbox that runs environment programs.
+
+    Every limit below is enforced by the kernel in the worker or by the supervisor in the
+    trainer process; none relies on the program's cooperation.
+    """
+
+    # Wall-clock deadline of one reset()/step() call; past it the worker's process group is
+    # SIGKILLed and the call returns reason "timeout".
+    call_deadline_s: float = 5.0
+    # Deadline for loading a program (module-level code + Environment()).
+    load_deadline_s: float = 10.0
+    # RLIMIT_AS of a worker (address space, MiB).
+    memory_limit_mb: int = 1024
+    # RLIMIT_CPU of a worker (CPU seconds over its whole life; one worker = one handle).
+    cpu_limit_s: int = 120
+    # RLIMIT_NOFILE of a worker.
+    max_open_files: int = 32
+    # Static-gate caps on the program source.
+    max_source_bytes: int = 64 * 1024
+    max_ast_nodes: int = 50_000
+    # Caps the supervisor enforces on what comes back and what goes in.
+    max_observation_chars: int = 16_384
+    max_action_chars: int = 16_384
+    max_message_bytes: int = 1 << 20
+    # The supervisor truncates an episode that runs this many steps (gymnasium TimeLimit).
+    max_episode_steps: int = 1_000
+    # Workers forked ahead of demand, so open() does not wait for a fork + seccomp load.
+    spare_workers: int = 2
+    # Layers. Turning one off makes the runtime refuse untrusted code unless
+    # allow_weak_isolation is set (tests switch the static gate off to show the runtime
+    # contains what the gate would have filtered).
+    static_gate: bool = True
+    use_namespaces: bool = True
+    use_seccomp: bool = True
+    drop_privileges: bool = True
+    sandbox_uid: int = 65534
+    sandbox_gid: int = 65534
+    allow_weak_isolation: bool = False
+    allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS
+    # Path of the bubblewrap binary; None = look it up on PATH.
+    bwrap_path: str | None = None
+
+    def __post_init__(self) -> None:
+        positive = {
+            "call_deadline_s": self.call_deadline_s,
+            "load_deadline_s": self.load_deadline_s,
+            "memory_limit_mb": self.memory_limit_mb,
+            "cpu_limit_s": self.cpu_limit_s,
+            "max_source_bytes": self.max_source_bytes,
+            "max_ast_nodes": self.max_ast_nodes,
+            "max_observation_chars": self.max_observation_chars,
+            "max_action_chars": self.max_action_chars,
+            "max_message_bytes": self.max_message_bytes,
+            "max_episode_steps": self.max_episode_steps,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"SandboxConfig.{name} must be > 0, got {value!r}")
+        if self.memory_limit_mb < 128:
+            raise ValueError(
+                f"SandboxConfig.memory_limit_mb={self.memory_limit_mb} is below the ~128 MiB "
+                "a Python worker needs to start"
+            )
+        if self.max_open_files < 8:
+            raise ValueError(
+                f"SandboxConfig.max_open_files must be >= 8, got {self.max_open_files}"
+            )
+        if self.spare_workers < 0:
+            raise ValueError(f"SandboxConfig.spare_workers must be >= 0, got {self.spare_workers}")
+        # An observation of N chars is at most 6N bytes of ASCII-escaped JSON.
+        if self.max_message_bytes < 6 * self.max_observation_chars + 4096:
+            raise ValueError(
+                "SandboxConfig.max_message_bytes must hold a maximal observation: need >= "
+                f"{6 * self.max_observation_chars + 4096}, got {self.max_message_bytes}"
+            )
+        if not (0 < self.sandbox_uid < 2**31 and 0 < self.sandbox_gid < 2**31):
+            raise ValueError("SandboxConfig.sandbox_uid/gid must be non-root ids")
+        if not isinstance(self.allowed_imports, frozenset):
+            raise TypeError("SandboxConfig.allowed_imports must be a frozenset of module names")
+
+    def worker_limits(self) -> dict[str, object]:
+        """The plain-JSON subset a worker needs (sent to the zygote with each spawn)."""
+        return {
+            "memory_limit_bytes": self.memory_limit_mb << 20,
+            "cpu_limit_s": self.cpu_limit_s,
+            "max_open_files": self.max_open_files,
+            "max_observation_chars": self.max_observation_chars,
+            "max_message_bytes": self.max_message_bytes,
+            "use_seccomp": self.use_seccomp,
+            "drop_privileges": self.drop_privileges,
+            "uid": self.sandbox_uid,
+            "gid": self.sandbox_gid,
+        }

@@ -1,0 +1,95 @@
+"""The environment program contract: the text the designer sees, and the import allow-list.
+
+`PROGRAM_CONTRACT` is shown verbatim in the designer's system prompt and in the docs, so the
+rules a program is validated against and the rules the model is told are the same text.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+# Modules a program may import. The sandbox zygote imports exactly these before it forks
+# workers, so a worker (running as an unprivileged uid that cannot read the interpreter's
+# files) finds them in sys.modules and nothing else. The static gate checks the same list.
+DEFAULT_ALLOWED_IMPORTS: frozenset[str] = frozenset(
+    {
+        "__future__",
+        "abc",
+        "bisect",
+        "cmath",
+        "collections",
+        "copy",
+        "dataclasses",
+        "decimal",
+        "enum",
+        "fractions",
+        "functools",
+        "heapq",
+        "itertools",
+        "json",
+        "math",
+        "numbers",
+        "operator",
+        "random",
+        "re",
+        "statistics",
+        "string",
+        "textwrap",
+        "typing",
+        "unicodedata",
+    }
+)
+
+_CONTRACT_TEMPLATE = """\
+An environment program is Python source that defines `class Environment`:
+
+    class Environment:
+        def __init__(self):            # no required arguments
+            ...
+        def reset(self, seed: int | None = None) -> tuple[str, dict]:
+            # start a new episode; return (observation, info)
+            ...
+        def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+            # return (observation, reward, terminated, truncated, info)
+            ...
+
+Rules (a program that breaks one is rejected before any agent sees it):
+- Observations and actions are text (`str`). Rewards are plain `float` (or `int`);
+  terminated/truncated are `bool`; info is a `dict` of plain values.
+- The return of an episode (the sum of its rewards) lies in [0, 1]. Partial rewards are
+  allowed and encouraged: e.g. 0.25 for each of four sub-goals.
+- reset(seed) is deterministic: the same seed and the same actions give the same
+  observations and rewards. Use `random.Random(seed)`, never the global `random` state,
+  the clock or object ids.
+- Every episode ends (terminated or truncated) within {step_cap} steps, whatever the actions.
+- step() must not raise on any action text, including "", very long or non-ASCII text:
+  treat unparseable actions as wrong answers and say so in the observation.
+- Only these imports are available:
+{allowed}.
+  No files, network, processes, threads, clock or environment variables; no eval/exec/open/__import__; no dunder tricks.
+- Each call must finish well within a second and use little memory; observations are at
+  most {max_observation_chars} characters.
+- The hint is given to the agent, never to the program: the program must not try to tell
+  whether the agent had a hint.
+"""
+
+
+def render_contract(
+    allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS,
+    max_observation_chars: int = 16384,
+    step_cap: int = 64,
+) -> str:
+    """The contract text with a concrete allow-list and caps filled in."""
+    allowed = textwrap.fill(
+        ", ".join(sorted(m for m in allowed_imports if m != "__future__")),
+        width=88,
+        initial_indent="    ",
+        subsequent_indent="    ",
+    )
+    return _CONTRACT_TEMPLATE.format(
+        allowed=allowed, max_observation_chars=max_observation_chars, step_cap=step_cap
+    )
+
+
+# The contract with the default sandbox and validation settings (designer prompt, README).
+PROGRAM_CONTRACT: str = render_contract()

@@ -1,0 +1,456 @@
+"""EnvPool: the public face of the sandbox. Opens programs in fresh workers, steps them.
+
+    pool = EnvPool(SandboxConfig())
+    handle = pool.open(source)                 # fresh worker; handle.error if it failed
+    first = handle.reset(seed=3)               # ResetResult
+    result = handle.step("answer")             # StepResult, reward checked here
+    results = pool.step_many([(h, a), ...])    # concurrent across workers
+    snap = handle.snapshot(); twin = pool.fork(snap)   # counterfactual branch
+    handle.close(); pool.close()
+
+One handle = one worker process for its whole life, and a worker never serves a second
+handle: hint and no-hint rollouts of the same program share no process and no state.
+Every call returns a result object; untrusted behaviour never raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import os
+import secrets
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from spade_jax.envs import supervisor
+from spade_jax.envs.config import SandboxConfig
+from spade_jax.envs.launcher import Zygote, ZygoteError, find_bwrap
+from spade_jax.envs.results import (
+    ResetResult,
+    SandboxError,
+    StepResult,
+    failed_reset,
+    failed_step,
+)
+from spade_jax.envs.static_gate import check_source
+
+log = logging.getLogger(__name__)
+
+# Tolerance on the [0, 1] episode-return bound (sums of partial rewards like 0.1 * 10).
+RETURN_TOLERANCE = 1e-6
+
+
+# ----------------------------------------------------------------------------- isolation
+
+
+@dataclasses.dataclass(frozen=True)
+class IsolationLayer:
+    name: str
+    active: bool
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class IsolationReport:
+    """Which sandbox layers are in force, measured by a probe worker at pool start."""
+
+    layers: tuple[IsolationLayer, ...]
+
+    @property
+    def missing(self) -> list[str]:
+        return [layer.name for layer in self.layers if not layer.active]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {x.name: {"active": x.active, "detail": x.detail} for x in self.layers}
+
+
+def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> IsolationReport:
+    iso = hello.get("isolation", {})
+    attacks = hello.get("attacks", {})
+    limits = config.worker_limits()
+    rl = iso.get("rlimits", {})
+    rlimits_ok = (
+        rl.get("RLIMIT_AS") == limits["memory_limit_bytes"]
+        and rl.get("RLIMIT_FSIZE") == 0
+        and rl.get("RLIMIT_CORE") == 0
+        and rl.get("RLIMIT_NOFILE") == config.max_open_files
+        and rl.get("RLIMIT_CPU") == config.cpu_limit_s + 1
+    )
+    own_ns = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "net", "ipc", "mnt")}
+    theirs = iso.get("namespaces", {})
+    separate = [ns for ns in own_ns if theirs.get(ns) not in (None, own_ns[ns])]
+    ns_ok = namespaced and len(separate) == 4 and iso.get("root_read_only") is True
+    seccomp_ok = iso.get("seccomp_mode") == 2 and all(
+        attacks.get(k) == 1
+        for k in ("fork", "socket", "write_file")  # 1 = EPERM
+    )
+    uid = iso.get("uid")
+    layers = (
+        IsolationLayer("static_gate", config.static_gate, "parse, size caps, import allow-list"),
+        IsolationLayer("process", True, "separate worker process per handle, forked by zygote"),
+        IsolationLayer("supervisor", True, "deadline kill, size caps, type/finite checks here"),
+        IsolationLayer("rlimits", rlimits_ok, f"worker reports {rl}"),
+        IsolationLayer("no_new_privs", iso.get("no_new_privs") is True, "PR_SET_NO_NEW_PRIVS"),
+        IsolationLayer(
+            "unprivileged_uid",
+            uid not in (None, 0, os.getuid()),
+            f"worker uid {uid}, trainer uid {os.getuid()}",
+        ),
+        IsolationLayer(
+            "seccomp",
+            seccomp_ok,
+            f"mode {iso.get('seccomp_mode')}, {iso.get('seccomp_rules')} rules, "
+            f"probe errnos {attacks}, errors {iso.get('errors')}",
+        ),
+        IsolationLayer(
+            "namespaces",
+            ns_ok,
+            f"separate {separate}, read-only root {iso.get('root_read_only')}, "
+            f"{iso.get('visible_pids')} pids visible",
+        ),
+    )
+    return IsolationReport(layers)
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSnapshot:
+    """A mid-episode state, restorable in a fresh worker by replaying its actions.
+
+    Restoring = load the program, reset(seed), step through `actions`, and check that the
+    transcript digest matches: validated programs are deterministic in (seed, actions), so
+    this reproduces the state exactly without pickling anything across processes.
+    """
+
+    source: str
+    seed: int
+    actions: tuple[str, ...]
+    digest: str
+    observation: str
+    episode_return: float
+
+
+# ----------------------------------------------------------------------------- handles
+
+
+class EnvHandle:
+    """One program instance in its own worker. Methods return result objects."""
+
+    def __init__(
+        self,
+        pool: EnvPool,
+        source: str,
+        worker: supervisor.WorkerProcess | None,
+        error: SandboxError | None,
+    ) -> None:
+        self.pool = pool
+        self.source = source
+        self.worker = worker
+        self.error = error  # set if the program failed to load or was refused
+        self.seed: int | None = None
+        self.actions: list[str] = []
+        self.episode_return = 0.0
+        self.done = True
+        self.last_observation = ""
+        self._digest = hashlib.blake2b(digest_size=16)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def transcript_digest(self) -> str:
+        """Hash of (seed, every observation, reward and flag) of the current episode."""
+        return self._digest.hexdigest()
+
+    def reset(self, seed: int | None = None) -> ResetResult:
+        return self.pool.reset_many([(self, seed)])[0]
+
+    def step(self, action: str) -> StepResult:
+        return self.pool.step_many([(self, action)])[0]
+
+    def snapshot(self) -> EpisodeSnapshot:
+        if self.seed is None:
+            raise RuntimeError("snapshot() needs an episode: call reset() first")
+        return EpisodeSnapshot(
+            self.source,
+            self.seed,
+            tuple(self.actions),
+            self.transcript_digest,
+            self.last_observation,
+            self.episode_return,
+        )
+
+    def usage(self) -> dict[str, float] | SandboxError:
+        """CPU seconds and peak RSS (KiB) of this handle's worker, as it reports them."""
+        if self.worker is None:
+            return self.error or SandboxError("closed")
+        reply = supervisor.exchange(
+            [(self.worker, {"op": "usage"}, self.pool.config.call_deadline_s)]
+        )[0]
+        if isinstance(reply, SandboxError):
+            return reply
+        cpu, rss = reply.get("cpu_s"), reply.get("max_rss_kb")
+        if type(cpu) not in (int, float) or type(rss) not in (int, float):
+            return SandboxError("bad_type", "usage reply")
+        return {"cpu_s": float(cpu), "max_rss_kb": float(rss)}
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self.error is None:
+            self.error = SandboxError("closed")
+
+    def _fail(self, error: SandboxError) -> None:
+        """A call failed: the episode is over; a dead worker makes the handle unusable."""
+        self.done = True
+        if self.worker is not None and self.worker.dead is not None:
+            self.error = self.worker.dead
+            self.worker = None
+
+    def __enter__(self) -> EnvHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- pool
+
+
+class EnvPool:
+    """Sandboxed execution of environment programs (see the module docstring)."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config if config is not None else SandboxConfig()
+        self._lock = threading.RLock()
+        self._spares: collections.deque[supervisor.WorkerProcess] = collections.deque()
+        self._namespaced = self.config.use_namespaces and find_bwrap(self.config) is not None
+        self._zygote = self._start_zygote()
+        self._isolation = self._probe()
+        if self._isolation.missing:
+            message = (
+                f"SANDBOX WEAK: layers missing: {', '.join(self._isolation.missing)}. "
+                + (
+                    "Running untrusted programs anyway (allow_weak_isolation=True)."
+                    if self.config.allow_weak_isolation
+                    else "Untrusted programs will be REFUSED (reason weak_isolation); set "
+                    "SandboxConfig(allow_weak_isolation=True) to run them regardless."
+                )
+                + f" Details: {self._isolation.as_dict()}"
+            )
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        self._refill()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def _start_zygote(self) -> Zygote:
+        if self.config.use_namespaces and not self._namespaced:
+            log.warning("bubblewrap not found: the sandbox runs without namespaces")
+        return Zygote(self.config, use_namespaces=self._namespaced)
+
+    def _probe(self) -> IsolationReport:
+        limits = dict(self.config.worker_limits(), probe=True)
+        pid, channel = self._zygote.spawn(limits)
+        worker = supervisor.WorkerProcess(self._zygote, pid, channel, self.config.max_message_bytes)
+        hello = supervisor.await_hello(worker, self.config.load_deadline_s)
+        worker.close()
+        if isinstance(hello, SandboxError):
+            raise ZygoteError(f"the isolation probe worker failed: {hello}")
+        return _measure_layers(self.config, hello, self._namespaced)
+
+    def isolation_report(self) -> IsolationReport:
+        return self._isolation
+
+    def close(self) -> None:
+        with self._lock:
+            while self._spares:
+                self._spares.popleft().close()
+            self._zygote.close()
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- workers -----------------------------------------------------------------------
+
+    def _spawn(self) -> supervisor.WorkerProcess:
+        try:
+            pid, channel = self._zygote.spawn(self.config.worker_limits())
+        except ZygoteError as err:
+            log.error("zygote failed (%s); restarting it", err)
+            self._zygote.close()
+            self._zygote = self._start_zygote()
+            pid, channel = self._zygote.spawn(self.config.worker_limits())
+        return supervisor.WorkerProcess(self._zygote, pid, channel, self.config.max_message_bytes)
+
+    def _refill(self) -> None:
+        while len(self._spares) < self.config.spare_workers:
+            self._spares.append(self._spawn())
+
+    def _take_worker(self) -> supervisor.WorkerProcess | SandboxError:
+        for _ in range(3):
+            worker = self._spares.popleft() if self._spares else self._spawn()
+            hello = supervisor.await_hello(worker, self.config.load_deadline_s)
+            if not isinstance(hello, SandboxError):
+                return worker
+            log.error("discarding a sandbox worker that failed to start: %s", hello)
+        return SandboxError("crash", "three workers in a row failed to start")
+
+    # -- programs ----------------------------------------------------------------------
+
+    def open(self, source: str) -> EnvHandle:
+        """Loads `source` into a fresh worker. Failures are in `handle.error`."""
+        return self.open_many([source])[0]
+
+    def open_many(self, sources: Sequence[str]) -> list[EnvHandle]:
+        """Loads several programs (or copies of one) concurrently, one worker each."""
+        for source in sources:
+            if not isinstance(source, str):
+                raise TypeError(f"program source must be str, got {type(source).__name__}")
+        handles: list[EnvHandle] = []
+        calls = []
+        with self._lock:
+            for source in sources:
+                error = None
+                if self._isolation.missing and not self.config.allow_weak_isolation:
+                    error = SandboxError(
+                        "weak_isolation", f"missing layers: {', '.join(self._isolation.missing)}"
+                    )
+                elif self.config.static_gate:
+                    error = check_source(source, self.config).error
+                worker = None
+                if error is None:
+                    taken = self._take_worker()
+                    if isinstance(taken, SandboxError):
+                        error = taken
+                    else:
+                        worker = taken
+                        calls.append((len(handles), worker, source))
+                handles.append(EnvHandle(self, source, worker, error))
+            self._refill()
+        replies = supervisor.exchange(
+            [(w, {"op": "load", "source": s}, self.config.load_deadline_s) for _, w, s in calls]
+        )
+        for (index, worker, _), reply in zip(calls, replies, strict=True):
+            error = reply if isinstance(reply, SandboxError) else None
+            if error is None and reply.get("ok") is not True:
+                error = supervisor.check_reset(reply, self.config).error
+            if error is not None:
+                worker.kill(error)
+                handles[index].worker = None
+                handles[index].error = error
+        return handles
+
+    def reset_many(self, calls: Sequence[tuple[EnvHandle, int | None]]) -> list[ResetResult]:
+        results: list[ResetResult | None] = [None] * len(calls)
+        live = []
+        for index, (handle, seed) in enumerate(calls):
+            if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+                raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+            if handle.worker is None or handle.error is not None:
+                results[index] = failed_reset(handle.error or SandboxError("closed"))
+                continue
+            seed = secrets.randbelow(2**31) if seed is None else seed
+            live.append((index, handle, seed))
+        replies = supervisor.exchange(
+            [
+                (h.worker, {"op": "reset", "seed": s}, self.config.call_deadline_s)
+                for _, h, s in live
+            ]
+        )
+        for (index, handle, seed), reply in zip(live, replies, strict=True):
+            result = supervisor.check_reset(reply, self.config)
+            handle.seed, handle.actions, handle.episode_return = seed, [], 0.0
+            handle._digest = hashlib.blake2b(repr(seed).encode(), digest_size=16)
+            if result.ok:
+                handle.done = False
+                handle.last_observation = result.observation
+                handle._digest.update(result.observation.encode("utf-8", "surrogatepass"))
+            else:
+                handle._fail(result.error)
+            results[index] = result
+        return results  # type: ignore[return-value]
+
+    def step_many(self, calls: Sequence[tuple[EnvHandle, str]]) -> list[StepResult]:
+        """Steps many handles concurrently (each in its own worker); one result per call."""
+        results: list[StepResult | None] = [None] * len(calls)
+        live = []
+        for index, (handle, action) in enumerate(calls):
+            if not isinstance(action, str):
+                raise TypeError(f"action must be str, got {type(action).__name__}")
+            if handle.worker is None or handle.error is not None:
+                results[index] = failed_step(handle.error or SandboxError("closed"))
+            elif handle.done:
+                results[index] = failed_step(SandboxError("episode_over", "call reset() first"))
+            else:
+                live.append((index, handle, action[: self.config.max_action_chars]))
+        replies = supervisor.exchange(
+            [
+                (h.worker, {"op": "step", "action": a}, self.config.call_deadline_s)
+                for _, h, a in live
+            ]
+        )
+        for (index, handle, action), reply in zip(live, replies, strict=True):
+            results[index] = self._account(handle, action, calls[index][1], reply)
+        return results  # type: ignore[return-value]
+
+    def _account(self, handle: EnvHandle, action: str, raw_action: str, reply: Any) -> StepResult:
+        """Checks one step reply and updates the handle's episode bookkeeping."""
+        result = supervisor.check_step(reply, self.config)
+        if not result.ok:
+            handle._fail(result.error)
+            return result
+        handle.actions.append(action)
+        handle.episode_return += result.reward
+        handle.last_observation = result.observation
+        truncated = result.truncated or (
+            not result.terminated and len(handle.actions) >= self.config.max_episode_steps
+        )
+        handle._digest.update(
+            repr((result.observation, result.reward, result.terminated, truncated)).encode(
+                "utf-8", "surrogatepass"
+            )
+        )
+        info = result.info
+        if len(action) != len(raw_action):
+            info = dict(info, action_truncated=True)
+        error = None
+        if result.terminated or truncated:
+            handle.done = True
+            total = handle.episode_return
+            if not -RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
+                error = SandboxError("return_out_of_range", f"episode return {total!r}")
+        return dataclasses.replace(result, truncated=truncated, info=info, error=error)
+
+    def fork(self, snapshot: EpisodeSnapshot) -> EnvHandle:
+        """A new handle, in a fresh worker, at the snapshot's state (by verified replay)."""
+        if not isinstance(snapshot, EpisodeSnapshot):
+            raise TypeError(f"fork() takes an EpisodeSnapshot, got {type(snapshot).__name__}")
+        handle = self.open(snapshot.source)
+        if not handle.ok:
+            return handle
+        first = handle.reset(snapshot.seed)
+        if not first.ok:
+            return handle
+        for action in snapshot.actions:
+            if not handle.step(action).ok:
+                break
+        if handle.ok and handle.transcript_digest != snapshot.digest:
+            handle.close()
+            handle.error = SandboxError("nondeterministic_replay", "transcript digest differs")
+        return handle

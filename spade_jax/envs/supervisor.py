@@ -1,0 +1,252 @@
+"""Trainer-side supervision of sandbox workers: deadlines, size caps, checks, kills.
+
+Nothing here trusts a worker. A reply is accepted only if it is a well-formed frame under
+the byte cap, echoes the request's nonce, and every field has the exact JSON type the
+contract says; the reward is re-checked for finiteness here, in the trainer's own
+interpreter, whatever the worker claimed. Any violation, timeout or death becomes a
+`SandboxError` and the worker is killed; it is never reused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import socket
+import time
+from typing import Any
+
+from spade_jax.envs import protocol
+from spade_jax.envs.config import SandboxConfig
+from spade_jax.envs.launcher import Zygote
+from spade_jax.envs.results import (
+    ResetResult,
+    SandboxError,
+    StepResult,
+    failed_reset,
+    failed_step,
+)
+
+
+class WorkerProcess:
+    """One sandboxed worker: its pid inside the zygote's namespace and our socket end."""
+
+    def __init__(self, zygote: Zygote, pid: int, channel: socket.socket, max_bytes: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.channel = channel
+        self.channel.setblocking(False)
+        self.fd = channel.fileno()
+        self.reader = protocol.FrameReader(max_bytes)
+        self.hello: dict | None = None
+        self.dead: SandboxError | None = None
+
+    def kill(self, error: SandboxError) -> None:
+        """Kills the worker's process group; later calls fail with `error`."""
+        if self.dead is None:
+            self.dead = error
+            self.zygote.kill(self.pid)
+            self.channel.close()
+
+    def close(self) -> None:
+        """Normal end of life: closing our end makes the worker read EOF and exit; the
+        kill is there in case a program is still computing."""
+        self.kill(SandboxError("closed", "handle closed"))
+
+
+def exchange(
+    calls: list[tuple[WorkerProcess, dict, float]],
+) -> list[dict | SandboxError]:
+    """Sends each (worker, request, deadline_s) and waits for all replies concurrently.
+
+    Returns, per call, the reply dict (nonce checked, 'n' removed) or a SandboxError; a
+    worker that misses its deadline or misbehaves is killed.
+    """
+    results: list[dict | SandboxError | None] = [None] * len(calls)
+    pending: dict[int, tuple[int, WorkerProcess, str, float]] = {}
+    start = time.monotonic()
+    for index, (worker, request, deadline_s) in enumerate(calls):
+        if worker.dead is not None:
+            results[index] = worker.dead
+            continue
+        nonce = protocol.new_nonce()
+        request["n"] = nonce
+        try:
+            worker.channel.send(protocol.encode(request))  # small; socket buffer holds it
+        except BlockingIOError:
+            _send_slow(worker, protocol.encode(request), start + deadline_s)
+        except OSError as err:
+            worker.kill(SandboxError("crash", f"worker channel closed: {err}"))
+            results[index] = worker.dead
+            continue
+        if worker.dead is not None:
+            results[index] = worker.dead
+            continue
+        pending[worker.fd] = (index, worker, nonce, start + deadline_s)
+
+    poller = select.poll()
+    for fd in pending:
+        poller.register(fd, select.POLLIN)
+    while pending:
+        now = time.monotonic()
+        for fd, (index, worker, _, deadline) in list(pending.items()):
+            if now >= deadline:
+                limit = deadline - start
+                worker.kill(SandboxError("timeout", f"no reply within {limit:.3g}s"))
+                results[index] = worker.dead
+                poller.unregister(fd)
+                del pending[fd]
+        if not pending:
+            break
+        wait_ms = max(0.0, min(d for _, _, _, d in pending.values()) - now) * 1000
+        for fd, _ in poller.poll(math.ceil(wait_ms)):
+            index, worker, nonce, _ = pending[fd]
+            reply = _receive(worker, nonce)
+            if reply is None:
+                continue  # partial frame
+            results[index] = reply
+            poller.unregister(fd)
+            del pending[fd]
+    return results  # type: ignore[return-value]
+
+
+def _send_slow(worker: WorkerProcess, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
+    while view:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            worker.kill(SandboxError("timeout", "worker stopped reading its requests"))
+            return
+        select.select([], [worker.fd], [], remaining)
+        try:
+            view = view[worker.channel.send(view) :]
+        except BlockingIOError:
+            continue
+        except OSError as err:
+            worker.kill(SandboxError("crash", f"worker channel closed: {err}"))
+            return
+
+
+def _receive(worker: WorkerProcess, nonce: str) -> dict | SandboxError | None:
+    try:
+        chunk = worker.channel.recv(1 << 16)
+    except BlockingIOError:
+        return None
+    except OSError as err:
+        chunk = b""
+        del err
+    if not chunk:
+        worker.kill(SandboxError("crash", "worker died during the call"))
+        return worker.dead
+    try:
+        messages = worker.reader.feed(chunk)
+    except protocol.ProtocolError as err:
+        worker.kill(SandboxError(err.code, err.detail))
+        return worker.dead
+    if not messages:
+        return None
+    if len(messages) > 1 or worker.reader.pending or messages[0].get("n") != nonce:
+        worker.kill(SandboxError("protocol_violation", "reply with a wrong nonce or extra data"))
+        return worker.dead
+    reply = messages[0]
+    del reply["n"]
+    return reply
+
+
+def await_hello(worker: WorkerProcess, deadline_s: float) -> dict | SandboxError:
+    """Reads the worker's first message: what isolation it applied, as the kernel reports."""
+    if worker.hello is not None:
+        return worker.hello
+    deadline = time.monotonic() + deadline_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            worker.kill(SandboxError("timeout", "worker did not start"))
+            return worker.dead  # type: ignore[return-value]
+        readable, _, _ = select.select([worker.fd], [], [], remaining)
+        if not readable:
+            continue
+        reply = _receive(worker, "hello")
+        if reply is None:
+            continue
+        if isinstance(reply, SandboxError):
+            return reply
+        if not reply.get("ok"):
+            worker.kill(SandboxError("crash", str(reply.get("detail", "worker setup failed"))))
+            return worker.dead  # type: ignore[return-value]
+        worker.hello = reply
+        return reply
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _error_of(reply: dict | SandboxError) -> SandboxError | None:
+    if isinstance(reply, SandboxError):
+        return reply
+    if reply.get("ok") is True:
+        return None
+    code = reply.get("code")
+    detail = reply.get("detail", "")
+    try:
+        return SandboxError(code if type(code) is str else "protocol_violation", str(detail)[:2000])
+    except ValueError:  # a code we never defined: the worker was subverted
+        return SandboxError("protocol_violation", f"unknown reason code {str(code)[:50]!r}")
+
+
+def _check_observation(value: Any, config: SandboxConfig) -> SandboxError | None:
+    if type(value) is not str:
+        return SandboxError("bad_type", f"observation is {type(value).__name__}")
+    if len(value) > config.max_observation_chars:
+        return SandboxError(
+            "observation_too_large", f"{len(value)} chars > cap {config.max_observation_chars}"
+        )
+    return None
+
+
+def check_reset(reply: dict | SandboxError, config: SandboxConfig) -> ResetResult:
+    error = _error_of(reply)
+    if error is not None:
+        return failed_reset(error)
+    observation, info = reply.get("obs"), reply.get("info")
+    error = _check_observation(observation, config)
+    if error is None and type(info) is not dict:
+        error = SandboxError("bad_type", f"info is {type(info).__name__}")
+    return failed_reset(error) if error else ResetResult(observation, info)
+
+
+def check_step(reply: dict | SandboxError, config: SandboxConfig) -> StepResult:
+    error = _error_of(reply)
+    if error is not None:
+        return failed_step(error)
+    observation, reward = reply.get("obs"), reply.get("reward")
+    terminated, truncated, info = reply.get("terminated"), reply.get("truncated"), reply.get("info")
+    error = _check_observation(observation, config)
+    if error is None:
+        if type(reward) not in (int, float):
+            error = SandboxError("bad_type", f"reward is {type(reward).__name__}")
+        elif type(terminated) is not bool or type(truncated) is not bool:
+            error = SandboxError("bad_type", "terminated/truncated are not bool")
+        elif type(info) is not dict:
+            error = SandboxError("bad_type", f"info is {type(info).__name__}")
+    if error is None:
+        try:
+            reward = float(reward)
+        except OverflowError:
+            reward = math.inf
+        if not math.isfinite(reward):
+            error = SandboxError("nonfinite_reward", f"reward {reward!r}")
+    if error is not None:
+        return failed_step(error)
+    return StepResult(observation, reward, terminated, truncated, info)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a host pid exists (used by tests and the isolation report)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

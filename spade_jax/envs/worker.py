@@ -1,0 +1,321 @@
+"""Code that runs inside a sandbox worker: lock the process down, then serve one program.
+
+Runs in a process forked by the zygote (see zygote.py); imports only the stdlib, the
+framing module and the seccomp filter. Order matters: new session -> fds -> rlimits ->
+drop uid/gid -> not dumpable, parent-death signal -> no_new_privs -> seccomp. After that
+the program's source is exec'd. Every value the program returns is type-checked here
+*without calling the program's methods* (exact types only), and again in the trainer,
+which trusts nothing this process says.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import math
+import os
+import resource
+import signal
+import sys
+
+from spade_jax.envs import protocol, seccomp_filter
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
+_PR_SET_NO_NEW_PRIVS = 38
+# Freed on MemoryError so the worker can still build and send its error reply.
+_RESERVE_BYTES = 4 << 20
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def _isolate(channel_fd: int, limits: dict) -> dict:
+    """Applies every in-process layer; returns what was applied, as measured afterwards."""
+    report: dict = {"errors": []}
+    os.setsid()  # own process group: the supervisor kills the whole group
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.closerange(3, channel_fd)
+    os.closerange(channel_fd + 1, 1 << 16)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the worker
+
+    cpu = int(limits["cpu_limit_s"])
+    memory = int(limits["memory_limit_bytes"])
+    rlimits = {
+        "RLIMIT_AS": (memory, memory),
+        "RLIMIT_CPU": (cpu, cpu + 1),
+        "RLIMIT_FSIZE": (0, 0),
+        "RLIMIT_NOFILE": (int(limits["max_open_files"]),) * 2,
+        "RLIMIT_CORE": (0, 0),
+    }
+    for name, value in rlimits.items():
+        resource.setrlimit(getattr(resource, name), value)
+
+    if limits["drop_privileges"] and os.getuid() == 0:
+        os.setgroups([])
+        os.setgid(int(limits["gid"]))
+        os.setuid(int(limits["uid"]))
+        # Only now: RLIMIT_NPROC is not checked for root, and counts the sandbox uid.
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    try:
+        _prctl(_PR_SET_DUMPABLE, 0)  # siblings with the same uid cannot ptrace or read /proc/mem
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+    except OSError as err:
+        report["errors"].append(f"prctl: {err}")
+    if limits["use_seccomp"]:
+        try:
+            report["seccomp_rules"] = seccomp_filter.load_filter()
+        except Exception as err:  # noqa: BLE001 - any failure means "layer missing"
+            report["errors"].append(f"seccomp: {type(err).__name__}: {err}")
+    report.update(_self_status())
+    return report
+
+
+def _self_status() -> dict:
+    """What the kernel says about this process (read back, not assumed)."""
+    status = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("NoNewPrivs", "Seccomp", "Uid", "CapEff"):
+                status[key] = value.split()[0] if key == "Uid" else value.strip()
+    rlimits = {
+        name: resource.getrlimit(getattr(resource, name))[1]
+        for name in ("RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE")
+    }
+    namespaces = {}
+    for ns in ("pid", "net", "ipc", "mnt", "uts"):
+        try:
+            namespaces[ns] = os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            namespaces[ns] = None
+    return {
+        "uid": os.getuid(),
+        "no_new_privs": status.get("NoNewPrivs") == "1",
+        "seccomp_mode": int(status.get("Seccomp", "0")),
+        "cap_eff": status.get("CapEff"),
+        "rlimits": rlimits,
+        "namespaces": namespaces,
+        "root_read_only": bool(os.statvfs("/").f_flag & os.ST_RDONLY),
+        "visible_pids": sum(1 for name in os.listdir("/proc") if name.isdigit()),
+    }
+
+
+def _probe_attacks() -> dict:
+    """Tries what a hostile program would; each entry is the errno it got (0 = it worked)."""
+
+    def attempt(action) -> int:
+        try:
+            action()
+            return 0
+        except OSError as err:
+            return err.errno or -1
+
+    def try_fork() -> None:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    def try_write() -> None:
+        path = "/tmp/.spade_sandbox_probe"
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT))
+        os.unlink(path)
+
+    import socket
+
+    return {
+        "fork": attempt(try_fork),
+        "socket": attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()),
+        "write_file": attempt(try_write),
+        "kill_parent": attempt(lambda: os.kill(os.getppid(), 0)),
+    }
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def _plain(value, depth: int = 0):
+    """A JSON-safe copy of an info value using exact types only (no user methods run)."""
+    kind = type(value)
+    if value is None or kind in (bool, str):
+        return value
+    if kind is int:
+        return value if abs(value) < 2**63 else f"<int of {value.bit_length()} bits>"
+    if kind is float:
+        return value if math.isfinite(value) else repr(value)
+    if depth >= 8:
+        return "<nested too deep>"
+    if kind in (list, tuple):
+        return [_plain(item, depth + 1) for item in value[:1000]]
+    if kind is dict:
+        return {k: _plain(v, depth + 1) for k, v in list(value.items())[:1000] if type(k) is str}
+    return f"<{kind.__name__}>"
+
+
+def _number(value) -> float:
+    kind = type(value)
+    if kind is bool or not (kind is float or kind is int):
+        raise _Reject("bad_type", f"reward is {kind.__name__}, not float")
+    try:
+        return float(value)
+    except OverflowError:
+        raise _Reject("nonfinite_reward", "integer reward out of float range") from None
+
+
+def _flag(value, name: str) -> bool:
+    if type(value) is bool:
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise _Reject("bad_type", f"{name} is {type(value).__name__}, not bool")
+
+
+def _observation(value, limits: dict) -> str:
+    if type(value) is not str:
+        raise _Reject("bad_type", f"observation is {type(value).__name__}, not str")
+    if len(value) > limits["max_observation_chars"]:
+        raise _Reject(
+            "observation_too_large",
+            f"{len(value)} chars > cap {limits['max_observation_chars']}",
+        )
+    return value
+
+
+def _info(value) -> dict:
+    if type(value) is not dict:
+        raise _Reject("bad_type", f"info is {type(value).__name__}, not dict")
+    return _plain(value)
+
+
+class _Reject(Exception):
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+class _Program:
+    """The loaded Environment instance and the ops the supervisor may call on it."""
+
+    def __init__(self, limits: dict) -> None:
+        self.limits = limits
+        self.env = None
+
+    def load(self, request: dict) -> dict:
+        # A private copy of builtins: the program may patch its own, not the worker's.
+        namespace = {"__name__": "environment_program", "__builtins__": dict(builtins.__dict__)}
+        code = compile(request["source"], "<environment>", "exec")
+        exec(code, namespace)  # noqa: S102 - this is the sandbox
+        cls = namespace.get("Environment")
+        if not isinstance(cls, type):
+            raise _Reject("missing_contract", "no class named Environment")
+        for method in ("reset", "step"):
+            if not callable(getattr(cls, method, None)):
+                raise _Reject("missing_contract", f"Environment has no {method}() method")
+        self.env = cls()
+        return {}
+
+    def reset(self, request: dict) -> dict:
+        result = self.env.reset(seed=request["seed"])
+        if type(result) is str:  # lenient: bare observation
+            observation, info = result, {}
+        elif type(result) in (tuple, list) and len(result) == 2:
+            observation, info = result
+        else:
+            raise _Reject("bad_type", f"reset() returned {type(result).__name__}, not (str, dict)")
+        return {"obs": _observation(observation, self.limits), "info": _info(info)}
+
+    def step(self, request: dict) -> dict:
+        result = self.env.step(request["action"])
+        if type(result) not in (tuple, list) or len(result) not in (4, 5):
+            raise _Reject(
+                "bad_type", "step() must return (obs, reward, terminated, truncated, info)"
+            )
+        if len(result) == 5:
+            observation, reward, terminated, truncated, info = result
+        else:  # lenient: gym's old (obs, reward, done, info)
+            observation, reward, terminated, info = result
+            truncated = False
+        return {
+            "obs": _observation(observation, self.limits),
+            "reward": _number(reward),
+            "terminated": _flag(terminated, "terminated"),
+            "truncated": _flag(truncated, "truncated"),
+            "info": _info(info),
+        }
+
+    def usage(self, request: dict) -> dict:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_kb": usage.ru_maxrss}
+
+
+def _handle(program: _Program, request: dict) -> dict:
+    op = request.get("op")
+    if op not in ("load", "reset", "step", "usage"):
+        return {"ok": False, "code": "protocol_violation", "detail": f"unknown op {op!r}"}
+    if op in ("reset", "step") and program.env is None:
+        return {"ok": False, "code": "episode_over", "detail": "no program loaded"}
+    try:
+        return {"ok": True, **getattr(program, op)(request)}
+    except _Reject as err:
+        return {"ok": False, "code": err.code, "detail": err.detail}
+    except MemoryError:
+        return {"ok": False, "code": "memory_limit", "detail": f"MemoryError in {op}"}
+    except BaseException as err:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from the program too
+        code = "load_failed" if op == "load" else "program_error"
+        try:
+            detail = f"{type(err).__name__}: {str(err)[:500]}"
+        except BaseException:  # noqa: BLE001 - a hostile __str__
+            detail = type(err).__name__
+        return {"ok": False, "code": code, "detail": f"{op}: {detail}"}
+
+
+def serve(channel_fd: int, limits: dict) -> None:
+    """Entry point of a freshly forked worker; never returns normally."""
+    hello = {"n": "hello", "ok": True, "pid": os.getpid()}
+    try:
+        hello["isolation"] = _isolate(channel_fd, limits)
+    except Exception as err:  # noqa: BLE001 - report, the supervisor decides
+        hello = {"n": "hello", "ok": False, "code": "crash", "detail": f"isolation: {err!r}"}
+    if hello.get("ok") and limits.get("probe"):
+        hello["attacks"] = _probe_attacks()
+    protocol.write_all(channel_fd, protocol.encode(hello))
+    program = _Program(limits)
+    reader = protocol.FrameReader(int(limits["max_message_bytes"]))
+    reserve = bytearray(_RESERVE_BYTES)
+    while True:
+        try:
+            request = protocol.read_blocking(channel_fd, reader)
+        except protocol.ProtocolError:
+            os._exit(3)
+        if request is None or request.get("op") == "close":
+            os._exit(0)
+        reply = _handle(program, request)
+        reply["n"] = request.get("n")
+        try:
+            data = protocol.encode(reply)
+        except MemoryError:
+            reserve.clear()
+            data = protocol.encode({"n": reply["n"], "ok": False, "code": "memory_limit"})
+        except (ValueError, TypeError) as err:
+            data = protocol.encode(
+                {"n": reply["n"], "ok": False, "code": "bad_type", "detail": str(err)[:200]}
+            )
+        if len(data) > limits["max_message_bytes"]:
+            data = protocol.encode(
+                {"n": reply["n"], "ok": False, "code": "message_too_large",
+                 "detail": f"reply of {len(data)} bytes"}
+            )  # fmt: skip
+        protocol.write_all(channel_fd, data)
