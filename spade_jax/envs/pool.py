@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import secrets
@@ -421,11 +422,8 @@ class EnvPool:
         truncated = result.truncated or (
             not result.terminated and len(handle.actions) >= self.config.max_episode_steps
         )
-        handle._digest.update(
-            repr((result.observation, result.reward, result.terminated, truncated)).encode(
-                "utf-8", "surrogatepass"
-            )
-        )
+        step_record = (result.observation, result.reward, result.terminated, truncated, result.info)
+        handle._digest.update(json.dumps(step_record, sort_keys=True).encode())
         info = result.info
         if len(action) != len(raw_action):
             info = dict(info, action_truncated=True)

@@ -1,0 +1,56 @@
+"""Sandboxed environment programs: validation, execution and gymnasium wrappers.
+
+    from spade_jax.envs import validate_program, make_env
+    report = validate_program(source, hint="...")   # report.ok, report.reason
+    env = make_env(source)                          # gymnasium.Env, sandboxed
+
+The reasoning-gym environments (`make_reasoning_gym_env`, `RG_SUITES`) are imported on
+first access: reasoning_gym takes seconds to import.
+"""
+
+from spade_jax.envs.config import SandboxConfig
+from spade_jax.envs.contract import DEFAULT_ALLOWED_IMPORTS, PROGRAM_CONTRACT, render_contract
+from spade_jax.envs.gym_env import ProgramLoadError, SandboxedTextEnv, make_env
+from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot, IsolationReport
+from spade_jax.envs.results import REASON_CODES, ResetResult, SandboxError, StepResult
+from spade_jax.envs.validate import (
+    ValidationConfig,
+    ValidationReport,
+    ValidityTally,
+    summarize,
+    validate_program,
+)
+
+_LAZY = {"RG_SUITES", "make_reasoning_gym_env", "ReasoningGymEnv", "rg_tasks_by_category"}
+
+__all__ = [
+    "DEFAULT_ALLOWED_IMPORTS",
+    "EnvHandle",
+    "EnvPool",
+    "EpisodeSnapshot",
+    "IsolationReport",
+    "PROGRAM_CONTRACT",
+    "ProgramLoadError",
+    "REASON_CODES",
+    "ResetResult",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxedTextEnv",
+    "StepResult",
+    "ValidationConfig",
+    "ValidationReport",
+    "ValidityTally",
+    "make_env",
+    "render_contract",
+    "summarize",
+    "validate_program",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from spade_jax.envs import reasoning_gym_envs
+
+        return getattr(reasoning_gym_envs, name)
+    raise AttributeError(f"module 'spade_jax.envs' has no attribute {name!r}")

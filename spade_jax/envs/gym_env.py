@@ -1,0 +1,122 @@
+"""A gymnasium.Env around a sandboxed environment program, with snapshot/restore/fork.
+
+Observations and actions are `gymnasium.spaces.Text` over the printable ASCII charset.
+A program may emit any text; characters outside the charset are replaced by "?" so the
+observation is always inside the space, and the unaltered text is kept in
+info["raw_observation"] whenever that happened. A sandbox failure during a step ends the
+episode (terminated, reward 0.0) with info["sandbox_error"] = "<code>: <detail>".
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+import gymnasium
+from gymnasium import spaces
+
+from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot
+from spade_jax.envs.results import StepResult
+from spade_jax.envs.validate import default_pool
+
+PRINTABLE = frozenset(string.printable)
+
+
+def _sanitize(text: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if all(ch in PRINTABLE for ch in text):
+        return text, info
+    clean = "".join(ch if ch in PRINTABLE else "?" for ch in text)
+    return clean, dict(info, raw_observation=text)
+
+
+class ProgramLoadError(RuntimeError):
+    """make_env() was given a program that the sandbox refused or could not load."""
+
+
+class SandboxedTextEnv(gymnasium.Env):
+    """One environment program in its own sandbox worker, as a gymnasium text env."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, source: str, pool: EnvPool | None = None) -> None:
+        self.pool = pool if pool is not None else default_pool()
+        self.source = source
+        config = self.pool.config
+        charset = "".join(sorted(PRINTABLE))
+        self.observation_space = spaces.Text(
+            max_length=config.max_observation_chars, min_length=0, charset=charset
+        )
+        self.action_space = spaces.Text(
+            max_length=config.max_action_chars, min_length=0, charset=charset
+        )
+        self._handle = self._open()
+
+    def _open(self) -> EnvHandle:
+        handle = self.pool.open(self.source)
+        if not handle.ok:
+            raise ProgramLoadError(f"environment program rejected: {handle.error}")
+        return handle
+
+    @property
+    def handle(self) -> EnvHandle:
+        return self._handle
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        super().reset(seed=seed)
+        if self._handle.worker is None:  # the previous worker died: start a fresh one
+            self._handle = self._open()
+        program_seed = seed if seed is not None else int(self.np_random.integers(0, 2**31))
+        result = self._handle.reset(program_seed)
+        if not result.ok:
+            return "", {"sandbox_error": str(result.error)}
+        return _sanitize(result.observation, result.info)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return self._unpack(self._handle.step(action))
+
+    @staticmethod
+    def _unpack(result: StepResult) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        info = dict(result.info)
+        if result.error is not None:
+            info["sandbox_error"] = str(result.error)
+        observation, info = _sanitize(result.observation, info)
+        return observation, result.reward, result.terminated, result.truncated, info
+
+    # -- counterfactual branches --------------------------------------------------------
+
+    def snapshot(self) -> EpisodeSnapshot:
+        """The current mid-episode state (seed + actions + transcript digest)."""
+        return self._handle.snapshot()
+
+    def restore(self, snapshot: EpisodeSnapshot) -> tuple[str, dict[str, Any]]:
+        """Moves this env to `snapshot`'s state (fresh worker, verified replay)."""
+        handle = self.pool.fork(snapshot)
+        if not handle.ok:
+            raise RuntimeError(f"could not restore the snapshot: {handle.error}")
+        self._handle.close()
+        self._handle = handle
+        return _sanitize(handle.last_observation, {})
+
+    def fork(self) -> SandboxedTextEnv:
+        """An independent copy of this env at its current state, in its own worker."""
+        twin = SandboxedTextEnv.__new__(SandboxedTextEnv)
+        twin.pool, twin.source = self.pool, self.source
+        twin.observation_space, twin.action_space = self.observation_space, self.action_space
+        handle = self.pool.fork(self.snapshot())
+        if not handle.ok:
+            raise RuntimeError(f"could not fork the environment: {handle.error}")
+        twin._handle = handle
+        twin._np_random = None
+        return twin
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def make_env(source: str, pool: EnvPool | None = None) -> SandboxedTextEnv:
+    """The sandboxed gymnasium env of a program (raises ProgramLoadError if it won't load)."""
+    if not isinstance(source, str):
+        raise TypeError(f"program source must be str, got {type(source).__name__}")
+    return SandboxedTextEnv(source, pool)
