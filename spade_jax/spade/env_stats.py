@@ -55,9 +55,9 @@ _KEYWORDS = re.compile(
     r"according to the law)\b",
     re.IGNORECASE,
 )
-# lhs: a symbol such as F, v_0, E_k, x(t), KE; rhs up to the end of the clause.
+# lhs: a symbol such as F, v_0, E_k, x(t), KE; rhs up to the end of the clause or sentence.
 _EQUATION = re.compile(
-    r"(?<![=<>!\w])([A-Za-z][A-Za-z0-9_]{0,5}(?:\([A-Za-z0-9_, ]*\))?)\s*=(?!=)\s*([^=\n,;]+)"
+    r"(?<![=<>!\w])([A-Za-z][A-Za-z0-9_]{0,5}(?:\([A-Za-z0-9_, ]*\))?)\s*=(?!=)\s*([^=\n,;]+?)(?=\.\s|\.$|[,;\n]|$)"
 )
 _RHS_SYMBOL = re.compile(r"(?<![\d.])\b[A-Za-z][A-Za-z0-9_]*\b")
 _RHS_OPERATOR = re.compile(r"\*\*|[*/+^·]|(?<=\w)\s*-\s*(?=\w)|\b(?:sqrt|sin|cos|exp|log)\s*\(")

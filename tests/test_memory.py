@@ -1,0 +1,159 @@
+"""Environment memory: capacity policy, sampling for prompts and training, resume."""
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from spade_jax.spade import (
+    EnvironmentMemory,
+    EnvironmentRecord,
+    MemoryConfig,
+    Regime,
+    designer_reward,
+)
+
+_ARMS = {  # (hint returns, no-hint returns) landing in each regime under the default config
+    Regime.FRONTIER: ([1, 1, 1, 0], [1, 0, 0, 0]),
+    Regime.MASTERED: ([1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]),
+    Regime.INTRACTABLE: ([0, 0, 0, 0.2], [0, 0, 0, 0]),
+}
+
+
+def _record(env_id, regime, round_index=0, skill="math"):
+    reward = designer_reward(*_ARMS[regime])
+    assert reward.regime is regime
+    return EnvironmentRecord.from_reward(
+        env_id=env_id,
+        program_source=f"class Env:\n    name = {env_id!r}\n",
+        hint="look at the parity",
+        skill=skill,
+        round_index=round_index,
+        reward=reward,
+        reward_levels=3,
+        strict_partial_levels=1,
+        corpus_doc_ids=("sympy-docs:sympy.factorint",),
+    )
+
+
+def _filled_memory(config=None, n_per_regime=10):
+    memory = EnvironmentMemory(config or MemoryConfig(capacity=100, seed=7))
+    for i in range(n_per_regime):
+        for regime in Regime:
+            skill = "math" if i % 2 == 0 else "logic"
+            memory.add(_record(f"{regime.value}-{i}", regime, round_index=i, skill=skill))
+    return memory
+
+
+def test_record_from_reward_copies_statistics():
+    record = _record("e0", Regime.FRONTIER)
+    assert record.regret == pytest.approx(0.5)
+    assert record.win_rate_no_hint == pytest.approx(0.25)
+    assert record.win_rate_hint == pytest.approx(0.75)
+    assert record.mean_return_hint == pytest.approx(0.75)
+    assert record.designer_reward == pytest.approx(0.575)
+    assert record.last_evaluated_round == 0
+    with pytest.raises(ValueError, match="empty program"):
+        EnvironmentRecord.from_reward("e", "  ", "h", "math", 0, designer_reward([1], [0]))
+
+
+def test_capacity_evicts_intractable_then_mastered_then_oldest_frontier():
+    memory = EnvironmentMemory(MemoryConfig(capacity=3))
+    assert memory.add(_record("f0", Regime.FRONTIER, round_index=0)) is None
+    memory.add(_record("m1", Regime.MASTERED, round_index=1))
+    memory.add(_record("i2", Regime.INTRACTABLE, round_index=2))
+    assert memory.add(_record("f3", Regime.FRONTIER, round_index=3)).env_id == "i2"
+    assert memory.add(_record("f4", Regime.FRONTIER, round_index=4)).env_id == "m1"
+    assert memory.add(_record("f5", Regime.FRONTIER, round_index=5)).env_id == "f0"
+    assert [r.env_id for r in memory.records] == ["f3", "f4", "f5"]
+    assert memory.evicted_total == 3
+    with pytest.raises(ValueError, match="already in memory"):
+        memory.add(_record("f5", Regime.FRONTIER))
+
+
+def test_update_replaces_statistics_and_refreshes_eviction_age():
+    memory = EnvironmentMemory(MemoryConfig(capacity=2))
+    memory.add(_record("a", Regime.FRONTIER, round_index=0))
+    memory.add(_record("b", Regime.FRONTIER, round_index=1))
+    memory.update("a", round_index=5, reward=designer_reward(*_ARMS[Regime.FRONTIER]))
+    assert memory["a"].last_evaluated_round == 5 and memory["a"].round_index == 0
+    assert memory.add(_record("c", Regime.FRONTIER, round_index=6)).env_id == "b"
+    memory.update("a", round_index=7, reward=designer_reward(*_ARMS[Regime.MASTERED]))
+    assert memory["a"].regime is Regime.MASTERED
+    assert memory.regime_counts() == {"frontier": 1, "mastered": 1, "intractable": 0}
+    with pytest.raises(KeyError, match="not in memory"):
+        memory.update("zzz", 0, designer_reward([1], [0]))
+
+
+def test_prompt_sample_prefers_frontier_with_negative_examples():
+    memory = _filled_memory(MemoryConfig(capacity=100, negative_example_fraction=0.25))
+    for _ in range(20):
+        sample = memory.sample_for_prompt(8)
+        regimes = collections.Counter(r.regime for r in sample)
+        assert regimes[Regime.FRONTIER] == 6
+        assert regimes[Regime.MASTERED] + regimes[Regime.INTRACTABLE] == 2
+        assert len({r.env_id for r in sample}) == 8
+    only_logic = memory.sample_for_prompt(4, skill="logic")
+    assert {r.skill for r in only_logic} == {"logic"}
+
+
+def test_prompt_sample_tops_up_when_a_pool_runs_short():
+    memory = EnvironmentMemory(MemoryConfig(capacity=10, negative_example_fraction=0.5))
+    memory.add(_record("f", Regime.FRONTIER))
+    for i in range(5):
+        memory.add(_record(f"m{i}", Regime.MASTERED))
+    sample = memory.sample_for_prompt(4)
+    assert len(sample) == 4 and sum(r.regime is Regime.FRONTIER for r in sample) == 1
+    assert len(memory.sample_for_prompt(50)) == 6
+    assert EnvironmentMemory().sample_for_prompt(3) == []
+
+
+def test_training_sample_follows_regime_weights_and_never_intractable():
+    config = MemoryConfig(
+        capacity=100,
+        seed=0,
+        training_regime_weights={"frontier": 1.0, "mastered": 0.25, "intractable": 0.0},
+    )
+    memory = _filled_memory(config)
+    no_repeat = memory.sample_for_training(15)
+    assert len({r.env_id for r in no_repeat}) == 15
+    draws = [r.regime for _ in range(200) for r in memory.sample_for_training(10, replace=True)]
+    counts = collections.Counter(draws)
+    assert counts[Regime.INTRACTABLE] == 0
+    # 10 frontier at weight 1 vs 10 mastered at .25: expected frontier share 0.8.
+    share = counts[Regime.FRONTIER] / len(draws)
+    assert abs(share - 0.8) < 4 * np.sqrt(0.8 * 0.2 / len(draws))
+    assert len(memory.sample_for_training(100)) == 20  # all eligible, no replacement
+
+
+def test_memory_state_survives_json_round_trip_with_identical_samples():
+    config = MemoryConfig(capacity=25, seed=3)
+    memory = _filled_memory(config)  # 30 adds into capacity 25: evictions happened
+    memory.sample_for_prompt(5)
+    memory.sample_for_training(5)
+    restored = EnvironmentMemory(config)
+    restored.load_state_dict(json.loads(json.dumps(memory.state_dict())))
+    assert restored.records == memory.records
+    assert restored.evicted_total == memory.evicted_total == 5
+    for _ in range(3):
+        assert restored.sample_for_prompt(6) == memory.sample_for_prompt(6)
+        assert restored.sample_for_training(6, replace=True) == memory.sample_for_training(
+            6, replace=True
+        )
+    new = _record("new", Regime.FRONTIER, round_index=99)
+    assert restored.add(new) == memory.add(new)
+
+
+def test_bad_config_and_state_raise():
+    with pytest.raises(ValueError, match="capacity"):
+        MemoryConfig(capacity=0)
+    with pytest.raises(ValueError, match="unknown regimes"):
+        MemoryConfig(training_regime_weights={"easy": 1.0})
+    with pytest.raises(ValueError, match="one > 0"):
+        MemoryConfig(training_regime_weights={"frontier": 0.0})
+    big = _filled_memory(MemoryConfig(capacity=30))
+    with pytest.raises(ValueError, match="capacity is 5"):
+        EnvironmentMemory(MemoryConfig(capacity=5)).load_state_dict(big.state_dict())
+    with pytest.raises(ValueError, match="missing 'records'"):
+        EnvironmentMemory().load_state_dict({"draws": 0})
