@@ -294,8 +294,9 @@ def test_directory_chat_template_file_wins(bpe_backend, tmp_path):
     # take precedence over tokenizer_config.json, as in transformers.
     directory = _write_hf_dir(tmp_path / "custom", bpe_backend, "Qwen2Tokenizer", QWEN3_CHAT_TEMPLATE)
     (directory / "chat_template.jinja").write_text(
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}{{ eos_token }}\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+        "{% generation %}{{ m.content | trim }}{{ eos_token }}{% endgeneration %}{% else %}"
+        "{{ m.content | trim }}{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
         encoding="utf-8")
     ours = load_tokenizer(directory)
     reference = transformers.AutoTokenizer.from_pretrained(str(directory))
@@ -371,6 +372,8 @@ def test_sentencepiece_trains_quickly_on_project_text(sp_tokenizer):
     assert isinstance(tok, Tokenizer)
     assert seconds < 10.0
     assert 1000 < tok.vocab_size <= 2000
+    corpus = {path.name for path in project_text_files()}
+    assert {"sharding.py", "test_tokenizer.py"} <= corpus  # whole package and tests, not one folder
     # Trained on code, so common code fragments take fewer ids than characters.
     code = "def step(self, action):\n        return self.state"
     assert len(tok.encode(code)) < len(code) / 2

@@ -9,6 +9,7 @@ directory has no template, :data:`QWEN3_CHAT_TEMPLATE` is used.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import pathlib
@@ -17,6 +18,8 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -104,6 +107,24 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
 
+class _GenerationMarks(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask marks).
+
+    transformers uses the marks to find assistant tokens; here the body just renders, in the
+    same call-block scope transformers gives it.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: Any) -> str:
+        return caller()
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -120,11 +141,12 @@ def _compile_template(source: str) -> jinja2.Template:
     # Chat templates shipped with checkpoints are untrusted code: same sandbox and options as
     # transformers (trim_blocks, lstrip_blocks, loop controls), so renderings agree exactly.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationMarks, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["namespace"] = _TemplateNamespace
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
 
 

@@ -138,7 +138,7 @@ def project_text_files(root: str | os.PathLike | None = None,
         if not roots[0].is_dir():
             raise FileNotFoundError(f"corpus root {roots[0]} is not a directory")
     else:
-        package = pathlib.Path(__file__).resolve().parent
+        package = pathlib.Path(__file__).resolve().parents[1]  # spade_jax/, above tokenizers/
         roots = [package]
         if (package.parent / "pyproject.toml").is_file():
             roots += [package.parent / name for name in ("docs", "experiments", "tests")]
