@@ -48,6 +48,18 @@ def test_jsonl_reads_plain_gz_and_globs_in_sorted_order(tmp_path):
     assert {corpus[i].source for i in range(len(corpus))} == {"dclm"}
 
 
+def test_jsonl_shards_with_the_same_base_name_get_distinct_ids(tmp_path):
+    # DCLM: global-shard_XX/local-shard_Y/shard_00000000_processed.jsonl.zst in every folder.
+    for folder in ("global-01", "global-02"):
+        (tmp_path / folder).mkdir()
+        _write_jsonl(tmp_path / folder / "shard_0.jsonl", [{"text": f"from {folder}"}])
+    corpus = JsonlCorpus(str(tmp_path / "global-*" / "shard_0.jsonl"), name="dclm")
+    assert [corpus[i].doc_id for i in range(2)] == [
+        "global-01/shard_0.jsonl:0",
+        "global-02/shard_0.jsonl:0",
+    ]
+
+
 def test_jsonl_budget_id_field_and_min_chars(tmp_path):
     records = [{"text": f"document number {i}", "id": f"d{i}"} for i in range(10)]
     records.insert(3, {"text": "tiny", "id": "short"})
@@ -209,3 +221,11 @@ def test_docstring_extraction_is_deterministic_across_processes():
     ).stdout
     here = [[x.doc_id, x.text] for x in docstring_documents(["numpy.linalg"], "numpy-docs")]
     assert json.loads(out) == here and len(here) > 10
+
+
+def test_zstd_shards_without_zstandard_say_how_to_fix(tmp_path, monkeypatch):
+    path = tmp_path / "shard.jsonl.zst"
+    path.write_bytes(b"\x28\xb5\x2f\xfd")
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    with pytest.raises(ImportError, match="pip install zstandard"):
+        JsonlCorpus(path, name="dclm")

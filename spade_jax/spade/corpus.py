@@ -93,7 +93,7 @@ class TextShardConfig:
       text_field: record field holding the document text (DCLM, MegaScience, Nemotron:
         "text").
       id_field: optional field with a stable document id; without it the id is
-        "<file name>:<record index>".
+        "<path below the shards' common folder>:<record index>".
       max_documents: stop after this many documents (files read in the given order,
         globs sorted); None reads everything.
       min_chars: skip records whose stripped text is shorter than this.
@@ -180,11 +180,21 @@ def _record_to_document(
     return Document(doc_id=doc_id, text=text, source=source)
 
 
+def shard_names(files: Sequence[epath.Path]) -> list[str]:
+    """Each file's path below the files' common directory: a default document id prefix
+    that stays unique when shards in different folders share a base name (DCLM does)."""
+    texts = [os.fspath(path) for path in files]
+    if len(texts) == 1:
+        return [files[0].name]
+    cut = os.path.commonprefix(texts).rfind("/") + 1
+    return [text[cut:] for text in texts]
+
+
 def iter_jsonl_documents(
     files: Sequence[epath.Path], source: str, config: TextShardConfig
 ) -> Iterator[Document]:
     """Documents of JSONL shards in order, one JSON object per line."""
-    for path in files:
+    for path, shard in zip(files, shard_names(files), strict=True):
         with _open_text(path) as handle:
             for line_number, line in enumerate(handle):
                 if not line.strip():
@@ -199,7 +209,7 @@ def iter_jsonl_documents(
                         f"{where}: expected a JSON object, got {type(record).__name__}"
                     )
                 document = _record_to_document(
-                    record, where, f"{path.name}:{line_number}", source, config
+                    record, where, f"{shard}:{line_number}", source, config
                 )
                 if document is not None:
                     yield document
@@ -214,19 +224,19 @@ def iter_parquet_documents(
     except ImportError as error:
         raise ImportError("reading parquet corpora needs pyarrow: `pip install pyarrow`") from error
     columns = [config.text_field] + ([config.id_field] if config.id_field else [])
-    for path in files:
+    for path, shard in zip(files, shard_names(files), strict=True):
         with path.open("rb") as handle:
-            shard = parquet.ParquetFile(handle)
-            missing = [c for c in columns if c not in shard.schema_arrow.names]
+            table = parquet.ParquetFile(handle)
+            missing = [c for c in columns if c not in table.schema_arrow.names]
             if missing:
                 raise ValueError(
-                    f"{path}: parquet columns {missing} missing (has {shard.schema_arrow.names[:10]})"
+                    f"{path}: parquet columns {missing} missing (has {table.schema_arrow.names[:10]})"
                 )
             row = 0
-            for batch in shard.iter_batches(columns=columns, batch_size=1024):
+            for batch in table.iter_batches(columns=columns, batch_size=1024):
                 for record in batch.to_pylist():
                     document = _record_to_document(
-                        record, f"{path}:row {row}", f"{path.name}:{row}", source, config
+                        record, f"{path}:row {row}", f"{shard}:{row}", source, config
                     )
                     row += 1
                     if document is not None:
