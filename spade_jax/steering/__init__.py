@@ -14,6 +14,7 @@ Model-independent pieces, all on plain arrays (no model imports here):
 
 from spade_jax.steering.labels import BEHAVIOURS
 from spade_jax.steering.operator import (
+    CONCISE_SYSTEM_PROMPT,
     SteeringConfig,
     make_steering_hook,
     random_expert_sets_like,
@@ -23,6 +24,7 @@ from spade_jax.steering.operator import (
 
 __all__ = [
     "BEHAVIOURS",
+    "CONCISE_SYSTEM_PROMPT",
     "SteeringConfig",
     "make_steering_hook",
     "random_expert_sets_like",

@@ -77,7 +77,7 @@ def load_labels_jsonl(path: str | Path) -> list[SegmentLabel]:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
+            where = f"{path}, line {line_no}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
@@ -137,7 +137,8 @@ def build_judge_prompt(segment_texts: Sequence[str]) -> str:
     return f"{CODEBOOK_PROMPT}\n{numbered}\n"
 
 
-_JUDGE_LINE = re.compile(r"^\W*\[?(\d+)\]?\s*[:.)\-]\s*\**\s*([A-Za-z]+)")
+# "<number> <separator/markup> <label>": leading bullets, brackets and bold markers allowed.
+_JUDGE_LINE = re.compile(r"^\W*(\d+)\W+([A-Za-z]+)\b")
 
 
 def parse_judge_output(text: str, num_segments: int) -> list[int]:

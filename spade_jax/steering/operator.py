@@ -241,6 +241,14 @@ def make_steering_hook(
     return hook
 
 
+# The paper's prompt control: ask for brevity in natural language instead of editing the
+# router (it saved fewer tokens than routing in all 16 model x benchmark cells).
+CONCISE_SYSTEM_PROMPT = (
+    "Be concise. Reason only as much as needed, answer directly, and skip unnecessary "
+    "re-checking of work you have already verified."
+)
+
+
 def random_expert_sets_like(
     expert_sets: ExpertSets, num_experts: int, seed: int
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:

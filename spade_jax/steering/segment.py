@@ -9,7 +9,8 @@ telemetry, which is per token. A boundary falls *after* a token that
     next token starts with whitespace or the trace ends -- so "3.5" or "e.g" followed by a
     non-space token does not split.
 
-Segments longer than the cap are cut into near-equal pieces of at most ``max_tokens``.
+Whitespace-only tokens after a boundary join the segment before it. Segments longer than
+the cap are cut into near-equal pieces of at most ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -79,15 +80,18 @@ def segment_tokens(
     """Cuts one trace, given the decoded text of each token, into segments covering it."""
     enders = config.sentence_enders + config.clause_enders
     segments: list[Segment] = []
-    start = 0
+    start, boundary_pending = 0, False
     for i, token in enumerate(token_texts):
+        # A pending boundary closes only at the next token with visible text, so trailing
+        # whitespace/newline tokens stay with the segment they follow (no blank segments).
+        if boundary_pending and token.strip():
+            segments.extend(_split_long(start, i, config.max_tokens))
+            start, boundary_pending = i, False
         next_token = token_texts[i + 1] if i + 1 < len(token_texts) else None
-        boundary = (config.split_on_newline and "\n" in token) or _ends_unit(
-            token, next_token, enders
-        )
-        if boundary or next_token is None:
-            segments.extend(_split_long(start, i + 1, config.max_tokens))
-            start = i + 1
+        if (config.split_on_newline and "\n" in token) or _ends_unit(token, next_token, enders):
+            boundary_pending = True
+    if start < len(token_texts):
+        segments.extend(_split_long(start, len(token_texts), config.max_tokens))
     return segments
 
 
