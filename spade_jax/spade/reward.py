@@ -33,6 +33,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+ReturnsLike = Sequence[float] | np.ndarray
+
 
 class Regime(enum.StrEnum):
     """Where an environment sits relative to the agent (paper §4.2)."""
@@ -272,7 +274,13 @@ class HintRegretReward:
         self.config = config or DesignerRewardConfig()
         self.success_threshold = success_threshold
 
-    def score(self, returns_hint, returns_no_hint, *, skill: str) -> DesignerReward:
+    def score(
+        self,
+        returns_hint: ReturnsLike | None,
+        returns_no_hint: ReturnsLike,
+        *,
+        skill: str,
+    ) -> DesignerReward:
         if returns_hint is None:
             raise ValueError("hint_regret needs the hint arm's returns, got None")
         return designer_reward(returns_hint, returns_no_hint, self.success_threshold, self.config)
@@ -337,7 +345,13 @@ class EMALearningPotential:
         self.config = config or EMALearningPotentialConfig()
         self.moving_means: dict[str, float] = {}
 
-    def score(self, returns_hint, returns_no_hint, *, skill: str) -> LearningPotential:
+    def score(
+        self,
+        returns_hint: ReturnsLike | None,
+        returns_no_hint: ReturnsLike,
+        *,
+        skill: str,
+    ) -> LearningPotential:
         del returns_hint  # the cheaper signal uses the no-hint arm only
         mean_return = float(validate_returns(returns_no_hint, "returns_no_hint").mean())
         previous = self.moving_means.get(skill, self.config.initial_mean)
