@@ -1,0 +1,398 @@
+"""Qwen3 (dense), Qwen3-MoE and the shared-expert MoE block, in Flax NNX.
+
+Read top to bottom: options, norms and RoPE, attention (with an optional KV cache), the
+dense MLP, the MoE block, the decoder layer, the model. The model holds the architecture
+only; sampling lives in ``spade_jax.rollout``, conversion in ``spade_jax.models.hf_io``.
+
+Shape legend:
+  B batch, T query positions, S key positions (cache slots), D hidden, V vocab,
+  N query heads, K kv heads, G = N / K query heads per kv head, H head_dim,
+  F MLP hidden, E experts, X = k selected experts, L layers.
+
+Parameters carry logical axis names in their ``axes`` metadata; activations are
+constrained with :func:`spade_jax.sharding.constrain`. No device logic lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from spade_jax.models import moe
+from spade_jax.models.config import ModelConfig
+from spade_jax.sharding import constrain
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_NEG_INF = -1e30  # finite, so fully-masked (padding) rows give uniform weights, not NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How the architecture is run (not what it is).
+
+    Attributes:
+      dtype: activation / matmul dtype ("float32" or "bfloat16"). Norms, RoPE tables,
+        router softmax, attention softmax and logits are always computed in fp32.
+      param_dtype: storage dtype of the parameters.
+      moe_impl: "ragged" (grouped matmul, default) or "dense" (all-experts reference).
+      remat: recompute each decoder layer in the backward pass (saves activation memory).
+    """
+
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    moe_impl: str = "ragged"
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+        if self.moe_impl not in moe.DISPATCH:
+            raise ValueError(f"moe_impl must be one of {sorted(moe.DISPATCH)}, got {self.moe_impl!r}")
+
+    @property
+    def compute_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def storage_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+
+@struct.dataclass
+class KVCache:
+    """Preallocated keys/values per layer and which slots hold real tokens.
+
+    ``index`` is the next slot to write; every sequence in the batch shares it (prompts
+    are left-padded, and ``valid_bs`` masks the padding).
+    """
+
+    k: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    v: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    valid_bs: jax.Array  # [B, S] bool
+    index: jax.Array  # [] int32
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(
+            k=zeros,
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            valid_bs=jnp.zeros((batch, max_len), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+
+@struct.dataclass
+class ModelOutput:
+    """What a forward pass returns.
+
+    logits: [B, T, V] fp32 (None when ``return_logits=False``).
+    hidden: [B, T, D] final-norm hidden states.
+    router_logits: per layer, [B, T, E] fp32 router logits before top-k (None: dense layer).
+    selected_experts: per layer, [B, T, X] int32 expert indices (None: dense layer).
+    cache: the updated KV cache when one was passed in.
+    """
+
+    logits: jax.Array | None
+    hidden: jax.Array
+    router_logits: list
+    selected_experts: list
+    cache: KVCache | None = None
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple, std: float = 0.02):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def rope_tables(positions_bt: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """Half-split RoPE cos/sin tables [B, T, H] in fp32 (Hugging Face's default rope)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([freqs_bth, freqs_bth], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
+    half = x_btnh.shape[-1] // 2
+    rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
+    cos, sin = cos_bth[:, :, None, :].astype(x_btnh.dtype), sin_bth[:, :, None, :].astype(x_btnh.dtype)
+    return x_btnh * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, opts: ModelOptions, rngs: nnx.Rngs):
+        d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts.storage_dtype
+        self.cfg, self.dtype = cfg, opts.compute_dtype
+        self.q_dnh = _init(rngs, (d, n, h), pd, ("embed", "heads", "head_dim"))
+        self.k_dkh = _init(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
+        self.v_dkh = _init(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
+        self.o_nhd = _init(rngs, (n, h, d), pd, ("heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.q_bias_nh = nnx.Param(jnp.zeros((n, h), pd), axes=("heads", "head_dim"))
+            self.k_bias_kh = nnx.Param(jnp.zeros((k, h), pd), axes=("kv_heads", "head_dim"))
+            self.v_bias_kh = nnx.Param(jnp.zeros((k, h), pd), axes=("kv_heads", "head_dim"))
+        if cfg.o_bias:
+            self.o_bias_d = nnx.Param(jnp.zeros((d,), pd), axes=("norm",))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        cos_bth: jax.Array,
+        sin_bth: jax.Array,
+        mask_bts: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None,
+        write_index: jax.Array | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        cfg, dt = self.cfg, self.dtype
+        q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
+        k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt))
+        v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt))
+        if cfg.qkv_bias:
+            q_btnh += self.q_bias_nh[...].astype(dt)
+            k_btkh += self.k_bias_kh[...].astype(dt)
+            v_btkh += self.v_bias_kh[...].astype(dt)
+        if cfg.qk_norm:
+            q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
+        q_btnh = constrain(apply_rope(q_btnh, cos_bth, sin_bth), ("batch", "seq", "act_heads", None))
+        k_btkh = apply_rope(k_btkh, cos_bth, sin_bth)
+
+        if kv is not None:  # write this step's keys/values into the cache, attend to all slots
+            k_cache, v_cache = kv
+            start = (0, write_index, 0, 0)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k_btkh.astype(k_cache.dtype), start)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v_btkh.astype(v_cache.dtype), start)
+            kv = (k_cache, v_cache)
+            k_bskh, v_bskh = k_cache.astype(dt), v_cache.astype(dt)
+        else:
+            k_bskh, v_bskh = k_btkh, v_btkh
+
+        b, t, n, h = q_btnh.shape
+        kh = cfg.num_kv_heads
+        q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
+        scores_bkgts = jnp.einsum(
+            "btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32
+        ) * (h ** -0.5)
+        scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _NEG_INF)
+        probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(dt)
+        out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+        out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), self.o_nhd[...].astype(dt))
+        if cfg.o_bias:
+            out_btd += self.o_bias_d[...].astype(dt)
+        return out_btd, kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d: int, f: int, opts: ModelOptions, rngs: nnx.Rngs):
+        pd = opts.storage_dtype
+        self.dtype = opts.compute_dtype
+        self.gate_df = _init(rngs, (d, f), pd, ("embed", "mlp"))
+        self.up_df = _init(rngs, (d, f), pd, ("embed", "mlp"))
+        self.down_fd = _init(rngs, (f, d), pd, ("mlp", "embed"))
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate = jnp.einsum("btd,df->btf", x_btd, self.gate_df[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x_btd, self.up_df[...].astype(dt))
+        h_btf = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("btf,fd->btd", h_btf, self.down_fd[...].astype(dt))
+
+
+class MoEBlock(nnx.Module):
+    """Router (linear -> fp32 softmax -> top-k -> optional renorm) over E SwiGLU experts,
+    plus an optional sigmoid-gated shared expert (Qwen2-MoE / Qwen3-Next style)."""
+
+    def __init__(self, cfg: ModelConfig, opts: ModelOptions, rngs: nnx.Rngs):
+        d, e, f, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, opts.storage_dtype
+        self.cfg, self.opts = cfg, opts
+        self.router_de = _init(rngs, (d, e), pd, ("embed", None))
+        self.gate_edf = _init(rngs, (e, d, f), pd, ("expert", "embed", "expert_mlp"))
+        self.up_edf = _init(rngs, (e, d, f), pd, ("expert", "embed", "expert_mlp"))
+        self.down_efd = _init(rngs, (e, f, d), pd, ("expert", "expert_mlp", "embed"))
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(d, cfg.shared_expert_intermediate_size, opts, rngs)
+            self.shared_gate_d1 = _init(rngs, (d, 1), pd, ("embed", None))
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        layer_idx: int,
+        router_hook: moe.RouterHook | None,
+        replay_btX: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg, dt = self.cfg, self.opts.compute_dtype
+        b, t, d = x_btd.shape
+        # Router in fp32: tiny matmul, and routing decisions are precision-sensitive.
+        logits_btE = jnp.einsum(
+            "btd,de->bte", x_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32)
+        )
+        edited_btE = logits_btE if router_hook is None else router_hook(logits_btE, layer_idx)
+        weights_tX, experts_tX = moe.route(
+            edited_btE.reshape(b * t, -1),
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            None if replay_btX is None else replay_btX.reshape(b * t, -1),
+        )
+        dispatch = moe.DISPATCH[self.opts.moe_impl]
+        y_td = dispatch(
+            x_btd.reshape(b * t, d),
+            self.gate_edf[...].astype(dt),
+            self.up_edf[...].astype(dt),
+            self.down_efd[...].astype(dt),
+            weights_tX.astype(dt),
+            experts_tX,
+        )
+        y_btd = y_td.reshape(b, t, d)
+        if cfg.shared_expert_intermediate_size:
+            gate_bt1 = jax.nn.sigmoid(jnp.einsum("btd,dx->btx", x_btd, self.shared_gate_d1[...].astype(dt)))
+            y_btd = y_btd + gate_bt1 * self.shared_expert(x_btd)
+        return y_btd, logits_btE, experts_tX.reshape(b, t, -1)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, opts: ModelOptions, layer_idx: int, rngs: nnx.Rngs):
+        self.layer_idx = layer_idx
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.storage_dtype)
+        self.attn = Attention(cfg, opts, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.storage_dtype)
+        if cfg.is_moe_layer(layer_idx):
+            self.moe = MoEBlock(cfg, opts, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, opts, rngs)
+
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, write_index, router_hook, replay_btX):
+        attn_out, kv = self.attn(self.input_norm(x_btd), cos_bth, sin_bth, mask_bts, kv, write_index)
+        h_btd = constrain(x_btd + attn_out, ("batch", "seq", "act_embed"))
+        normed = self.post_attn_norm(h_btd)
+        if hasattr(self, "moe"):
+            ff, logits_btE, experts_btX = self.moe(normed, self.layer_idx, router_hook, replay_btX)
+        else:
+            ff, logits_btE, experts_btX = self.mlp(normed), None, None
+        out_btd = constrain(h_btd + ff, ("batch", "seq", "act_embed"))
+        return out_btd, kv, logits_btE, experts_btX
+
+
+class Qwen3(nnx.Module):
+    """A Qwen3-family causal LM: ``out = model(input_ids)``.
+
+    Call arguments:
+      input_ids_bt: [B, T] int token ids.
+      positions_bt: [B, T] RoPE positions (default: cache index + arange(T)).
+      attention_mask_bt: [B, T] 1 for real tokens, 0 for padding (default: all ones).
+      cache: a :class:`KVCache`; the new tokens are written at ``cache.index``.
+      router_hook: pure ``f(logits_btE fp32, layer_idx) -> logits_btE`` applied before
+        softmax/top-k in every MoE layer (router steering plugs in here).
+      routing_replay: per layer [B, T, X] expert indices to use instead of top-k.
+      return_logits: False skips the LM head (callers that chunk the vocab projection).
+    """
+
+    def __init__(self, config: ModelConfig, options: ModelOptions | None = None, *, rngs: nnx.Rngs):
+        options = options or ModelOptions()
+        self.config, self.options = config, options
+        pd = options.storage_dtype
+        self.embed_vd = _init(rngs, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
+        self.layers = nnx.List(
+            [DecoderLayer(config, options, i, rngs) for i in range(config.num_layers)]
+        )
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+        if not config.tie_word_embeddings:
+            self.lm_head_dv = _init(rngs, (config.hidden_size, config.vocab_size), pd, ("embed", "vocab"))
+
+    def lm_head(self, hidden_btd: jax.Array) -> jax.Array:
+        """Vocabulary projection in fp32 accumulation: [B, T, D] -> [B, T, V]."""
+        dt = self.options.compute_dtype
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("btd,vd->btv", hidden_btd, self.embed_vd[...].astype(dt),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", hidden_btd, self.lm_head_dv[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        input_ids_bt: jax.Array,
+        positions_bt: jax.Array | None = None,
+        attention_mask_bt: jax.Array | None = None,
+        cache: KVCache | None = None,
+        router_hook: moe.RouterHook | None = None,
+        routing_replay: list | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
+        cfg, dt = self.config, self.options.compute_dtype
+        input_ids_bt = jnp.asarray(input_ids_bt)
+        if input_ids_bt.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, time], got shape {input_ids_bt.shape}")
+        b, t = input_ids_bt.shape
+        mask_bt = (jnp.ones((b, t), bool) if attention_mask_bt is None
+                   else jnp.asarray(attention_mask_bt).astype(bool))
+        start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+        if routing_replay is not None and len(routing_replay) != cfg.num_layers:
+            raise ValueError(f"routing_replay needs {cfg.num_layers} entries, got {len(routing_replay)}")
+
+        # Attention mask over key slots: causal by slot index, and only real tokens.
+        query_slot_t = start + jnp.arange(t)
+        if cache is None:
+            key_valid_bs = mask_bt
+        else:
+            key_valid_bs = jax.lax.dynamic_update_slice(cache.valid_bs, mask_bt, (0, start))
+        key_slot_s = jnp.arange(key_valid_bs.shape[1])
+        mask_bts = (key_slot_s[None, :] <= query_slot_t[:, None])[None] & key_valid_bs[:, None, :]
+
+        x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0).astype(dt)
+        x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
+        cos_bth, sin_bth = rope_tables(positions_bt, cfg.head_dim, cfg.rope_theta)
+
+        def run_layer(layer, x_btd, kv, replay_btX):
+            return layer(x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX)
+
+        if self.options.remat:
+            run_layer = nnx.remat(run_layer)
+
+        router_logits, selected, new_k, new_v = [], [], [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            replay = None if routing_replay is None else routing_replay[i]
+            x_btd, kv, logits_btE, experts_btX = run_layer(layer, x_btd, kv, replay)
+            router_logits.append(logits_btE)
+            selected.append(experts_btX)
+            if kv is not None:
+                new_k.append(kv[0])
+                new_v.append(kv[1])
+
+        hidden_btd = self.final_norm(x_btd)
+        logits = self.lm_head(hidden_btd) if return_logits else None
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_bs=key_valid_bs, index=start + t)
+        return ModelOutput(logits, hidden_btd, router_logits, selected, new_cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        return KVCache.init(self.config, batch, max_len, dtype or self.options.compute_dtype)
+
+
+def positions_from_mask(attention_mask_bt: jax.Array) -> jax.Array:
+    """RoPE positions for left-padded rows: 0, 1, ... from each row's first real token."""
+    mask = jnp.asarray(attention_mask_bt).astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
