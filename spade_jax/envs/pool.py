@@ -53,6 +53,9 @@ class IsolationLayer:
     name: str
     active: bool
     detail: str
+    # A missing required layer makes the pool refuse untrusted code; the static gate is a
+    # filter in front of the boundary, not part of it, so it is not required.
+    required: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +66,17 @@ class IsolationReport:
 
     @property
     def missing(self) -> list[str]:
-        return [layer.name for layer in self.layers if not layer.active]
+        return [layer.name for layer in self.layers if layer.required and not layer.active]
 
     @property
     def complete(self) -> bool:
         return not self.missing
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
-        return {x.name: {"active": x.active, "detail": x.detail} for x in self.layers}
+        return {
+            x.name: {"active": x.active, "required": x.required, "detail": x.detail}
+            for x in self.layers
+        }
 
 
 def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> IsolationReport:
@@ -95,7 +101,9 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
     )
     uid = iso.get("uid")
     layers = (
-        IsolationLayer("static_gate", config.static_gate, "parse, size caps, import allow-list"),
+        IsolationLayer(
+            "static_gate", config.static_gate, "parse, caps, import allow-list", required=False
+        ),
         IsolationLayer("process", True, "separate worker process per handle, forked by zygote"),
         IsolationLayer("supervisor", True, "deadline kill, size caps, type/finite checks here"),
         IsolationLayer("rlimits", rlimits_ok, f"worker reports {rl}"),

@@ -289,6 +289,10 @@ def serve(channel_fd: int, limits: dict) -> None:
         hello["isolation"] = _isolate(channel_fd, limits)
     except Exception as err:  # noqa: BLE001 - report, the supervisor decides
         hello = {"n": "hello", "ok": False, "code": "crash", "detail": f"isolation: {err!r}"}
+    if "random" in sys.modules:
+        # The zygote's global random state is inherited by every fork; reseed so a program
+        # using it unseeded is caught as nondeterministic rather than looking consistent.
+        sys.modules["random"].seed()
     if hello.get("ok") and limits.get("probe"):
         hello["attacks"] = _probe_attacks()
     protocol.write_all(channel_fd, protocol.encode(hello))
