@@ -63,6 +63,8 @@ def test_matches_numpy_reference(logits_bte):
     out = steer_router_logits(logits_bte, activate, suppress, eps=0.01, k=K)
     ref = _numpy_reference(logits_bte, activate, suppress, 0.01)
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
+    as_lists = steer_router_logits(logits_bte, activate.tolist(), suppress.tolist(), k=K)
+    np.testing.assert_allclose(np.asarray(as_lists), ref, atol=1e-5)
 
 
 def test_selection_invariants_after_softmax_top_k(logits_bte):

@@ -110,6 +110,9 @@ def steer_router_logits(
     if eps <= 0:
         raise ValueError(f"eps must be > 0 so clamped experts are strictly ordered, got {eps}")
     num_experts = logits.shape[-1]
+    # Plain Python sequences are accepted as concrete masks.
+    activate_mask = activate_mask if hasattr(activate_mask, "shape") else np.asarray(activate_mask)
+    suppress_mask = suppress_mask if hasattr(suppress_mask, "shape") else np.asarray(suppress_mask)
     for name, mask in (("activate_mask", activate_mask), ("suppress_mask", suppress_mask)):
         if tuple(mask.shape) != (num_experts,):
             raise ValueError(
