@@ -1,0 +1,427 @@
+"""Checkpoints: Orbax, asynchronous, atomic, keep-N, validated on restore, preemption-safe.
+
+A checkpoint of step ``s`` is the directory ``<directory>/<s>/`` holding two Orbax items:
+
+  state      the array pytree (params, optimizer state, ...), saved with
+             ``StandardSave`` so each host writes its own shards, restored into the
+             shardings of an abstract target tree.
+  run_state  a JSON dict of everything Python-side that a bitwise-identical resume needs:
+             RNG keys (:func:`key_to_json`), data / corpus sampler state, environment
+             memory, the config hash.
+
+Orbax writes into a temporary directory and renames it when complete, so a crash never
+leaves a half-written directory under a step name. On top of that, once Orbax has
+finalised a save, process 0 writes ``spade_manifest.json`` into the step directory: the
+size (and, by default, SHA-256) of every file. :meth:`CheckpointManager.restore_latest`
+walks the steps newest first and accepts the first whose manifest matches the files and
+which Orbax can restore; any newer step that fails is moved aside to
+``<directory>/corrupt_step_<s>_<time>`` with a logged warning naming the reason and the
+step used instead, so the run resumes from the previous checkpoint and can save that
+step number again.
+
+Preemption: TPU VMs get SIGTERM shortly before they are taken away. :class:`PreemptionGuard`
+turns SIGTERM into a flag that :meth:`CheckpointManager.should_save` honours at the next
+step boundary; the loop then saves, waits and exits::
+
+    guard = PreemptionGuard.install()
+    ckpt = CheckpointManager(CheckpointConfig(directory=run_dir / "checkpoints"),
+                             guard=guard, config_hash=config_hash)
+    restored = ckpt.restore_latest(abstract_state)      # None on a fresh run
+    for step in range(start_step, total_steps):
+        state, metrics = train_step(state, batch)
+        if ckpt.should_save(step + 1):
+            ckpt.save(step + 1, state, run_state())
+        if guard.requested():
+            break
+    ckpt.close()                                        # waits for the last save
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "spade_manifest.json"
+_STATE_ITEM = "state"
+_RUN_STATE_ITEM = "run_state"
+_HASH_CHUNK_BYTES = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Settings of :class:`CheckpointManager`.
+
+    Attributes:
+      directory: where step directories live (local path or ``gs://...``).
+      save_every_steps: save when ``step % save_every_steps == 0`` (and on preemption).
+      keep: how many newest checkpoints to keep; at least 2, so that a corrupt newest one
+        always has a predecessor to fall back to.
+      async_save: write in a background thread while training continues.
+      checksum: record and verify SHA-256 of every file; False records sizes only (cheaper
+        for very large checkpoints on remote storage; still catches truncation).
+    """
+
+    directory: str | epath.PathLike
+    save_every_steps: int = 100
+    keep: int = 3
+    async_save: bool = True
+    checksum: bool = True
+
+    def __post_init__(self) -> None:
+        if self.save_every_steps < 1:
+            raise ValueError(f"save_every_steps must be >= 1, got {self.save_every_steps}")
+        if self.keep < 2:
+            raise ValueError(f"keep must be >= 2 so a corrupt checkpoint has a fallback, got {self.keep}")
+
+
+class RestoredCheckpoint(NamedTuple):
+    step: int
+    state: Any
+    run_state: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------------------
+# Run-state helpers: JSON forms of RNG state
+# ----------------------------------------------------------------------------------------
+
+
+def key_to_json(key: jax.Array) -> dict[str, Any]:
+    """A JAX PRNG key (typed ``jax.random.key`` or raw uint32) as JSON-able data."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        data = np.asarray(jax.random.key_data(key))
+        impl: str | None = str(jax.random.key_impl(key))
+    else:
+        data, impl = np.asarray(key), None
+    if data.dtype != np.uint32:
+        raise TypeError(f"expected a PRNG key with uint32 data, got dtype {data.dtype}")
+    return {"impl": impl, "shape": list(data.shape), "data": data.reshape(-1).tolist()}
+
+
+def key_from_json(blob: Mapping[str, Any]) -> jax.Array:
+    """Inverse of :func:`key_to_json`; bit-exact."""
+    data = np.asarray(blob["data"], dtype=np.uint32).reshape(blob["shape"])
+    if blob["impl"] is None:
+        return jnp.asarray(data)
+    return jax.random.wrap_key_data(data, impl=blob["impl"])
+
+
+def numpy_rng_to_json(rng: np.random.Generator) -> dict[str, Any]:
+    """A NumPy Generator's exact bit-generator state (JSON ints are arbitrary precision)."""
+    return rng.bit_generator.state
+
+
+def numpy_rng_from_json(state: Mapping[str, Any]) -> np.random.Generator:
+    bit_generator = getattr(np.random, state["bit_generator"])()
+    bit_generator.state = dict(state)
+    return np.random.Generator(bit_generator)
+
+
+# ----------------------------------------------------------------------------------------
+# Preemption
+# ----------------------------------------------------------------------------------------
+
+
+class PreemptionGuard:
+    """Turns SIGTERM into a save request at the next step boundary.
+
+    On several hosts each host may see the signal at a different step, so
+    :meth:`requested` agrees across processes (any host signalled -> all stop).
+    """
+
+    def __init__(self) -> None:
+        self._signalled = threading.Event()
+
+    @classmethod
+    def install(cls, signals: tuple[int, ...] = (signal.SIGTERM,)) -> PreemptionGuard:
+        """Creates a guard and makes it the handler of ``signals`` (main thread only)."""
+        guard = cls()
+        for signum in signals:
+            signal.signal(signum, guard._handle)
+        return guard
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        log.warning("received signal %d: saving a checkpoint at the next step boundary", signum)
+        self._signalled.set()
+
+    def request(self) -> None:
+        """Asks for a save-and-stop as if the signal had arrived (tests, manual stops)."""
+        self._signalled.set()
+
+    def requested(self) -> bool:
+        local = self._signalled.is_set()
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.asarray(local, dtype=np.int32))
+        return bool(np.max(flags))
+
+
+# ----------------------------------------------------------------------------------------
+# Manifest: written after Orbax finalises a step, checked before restoring it
+# ----------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: epath.Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _step_files(step_dir: epath.Path) -> list[epath.Path]:
+    """Every file under ``step_dir`` except the manifest (explicit walk: epath's recursive
+    glob is refused on GCS)."""
+    files, pending = [], [step_dir]
+    while pending:
+        for path in pending.pop().iterdir():
+            if path.is_dir():
+                pending.append(path)
+            elif path.name != MANIFEST_NAME and not path.name.startswith(f".{MANIFEST_NAME}"):
+                files.append(path)
+    return sorted(files)
+
+
+def write_manifest(step_dir: epath.Path, step: int, checksum: bool, config_hash: str | None) -> None:
+    """Records every file of a finalised step; written last and atomically (tmp + rename)."""
+    files = {}
+    for path in _step_files(step_dir):
+        entry: dict[str, Any] = {"size": path.stat().length}
+        if checksum:
+            entry["sha256"] = _file_sha256(path)
+        files[str(path.relative_to(step_dir))] = entry
+    manifest = {"step": step, "config_hash": config_hash, "written_at": time.time(), "files": files}
+    tmp_path = step_dir / f".{MANIFEST_NAME}.tmp"
+    tmp_path.write_text(json.dumps(manifest, indent=1))
+    tmp_path.rename(step_dir / MANIFEST_NAME)
+
+
+def manifest_problem(step_dir: epath.Path, step: int) -> str | None:
+    """Why ``step_dir`` is not a complete, intact checkpoint; None when it is."""
+    manifest_path = step_dir / MANIFEST_NAME
+    if not manifest_path.exists():
+        return f"no {MANIFEST_NAME} (the save never finished)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return f"{MANIFEST_NAME} is not valid JSON ({err})"
+    if manifest.get("step") != step:
+        return f"{MANIFEST_NAME} is for step {manifest.get('step')}, not {step}"
+    for name, entry in manifest["files"].items():
+        path = step_dir / name
+        if not path.exists():
+            return f"file {name} is missing"
+        size = path.stat().length
+        if size != entry["size"]:
+            return f"file {name} has {size} bytes, expected {entry['size']}"
+        if "sha256" in entry and _file_sha256(path) != entry["sha256"]:
+            return f"file {name} does not match its SHA-256"
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# The manager
+# ----------------------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Saves ``(step, state pytree, run_state dict)`` and restores the newest valid one."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        guard: PreemptionGuard | None = None,
+        config_hash: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.directory = epath.Path(cfg.directory)
+        self.guard = guard
+        self.config_hash = config_hash
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep,
+            enable_async_checkpointing=cfg.async_save,
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=(_STATE_ITEM, _RUN_STATE_ITEM)
+        )
+        self._manifest_lock = threading.Lock()
+        self._manifest_thread: threading.Thread | None = None
+        self._manifest_error: BaseException | None = None
+        self._pending_manifest_steps: list[int] = []
+
+    # -- saving -------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """True on every ``save_every_steps``-th step and once a preemption was requested."""
+        if self.guard is not None and self.guard.requested():
+            return True
+        return step % self.cfg.save_every_steps == 0
+
+    def save(self, step: int, state: Any, run_state: Mapping[str, Any]) -> None:
+        """Starts saving; returns once the arrays are copied off the devices (async)."""
+        self._raise_manifest_error()
+        run_state = dict(run_state)
+        try:
+            json.dumps(run_state)
+        except TypeError as err:
+            raise TypeError(f"run_state must be JSON-serialisable: {err}") from err
+        if step in self._manager.all_steps():
+            raise ValueError(f"a checkpoint for step {step} already exists in {self.directory}")
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    _STATE_ITEM: ocp.args.StandardSave(state),
+                    _RUN_STATE_ITEM: ocp.args.JsonSave(run_state),
+                }
+            ),
+            force=True,
+        )
+        with self._manifest_lock:
+            self._pending_manifest_steps.append(step)
+        if jax.process_count() == 1 and self.cfg.async_save:
+            # Record the manifest as soon as Orbax finalises, not at the next save, so a
+            # SIGKILL between saves does not cost the newest checkpoint.
+            previous = self._manifest_thread
+            self._manifest_thread = threading.Thread(
+                target=self._finalise_in_background, args=(previous,), daemon=True
+            )
+            self._manifest_thread.start()
+        if not self.cfg.async_save:
+            self.wait()
+
+    def _finalise_in_background(self, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()
+        try:
+            self._finalise_pending()
+        except BaseException as err:  # re-raised in the main thread by wait()/save()
+            self._manifest_error = err
+
+    def _finalise_pending(self) -> None:
+        self._manager.wait_until_finished()
+        with self._manifest_lock:
+            steps, self._pending_manifest_steps = self._pending_manifest_steps, []
+            if jax.process_index() != 0:
+                return
+            existing = set(self._manager.all_steps())
+            for step in steps:
+                if step in existing:
+                    write_manifest(
+                        self.directory / str(step), step, self.cfg.checksum, self.config_hash
+                    )
+
+    def _raise_manifest_error(self) -> None:
+        if self._manifest_error is not None:
+            err, self._manifest_error = self._manifest_error, None
+            raise RuntimeError("writing a checkpoint failed") from err
+
+    def wait(self) -> None:
+        """Blocks until every started save is finalised and has its manifest."""
+        if self._manifest_thread is not None:
+            self._manifest_thread.join()
+            self._manifest_thread = None
+        self._raise_manifest_error()
+        self._finalise_pending()
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- restoring ----------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def restore(self, step: int, abstract_state: Any = None) -> RestoredCheckpoint:
+        """Restores one step. ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct``
+        (with ``sharding=`` for sharded arrays, e.g. from ``jax.eval_shape`` plus the
+        target shardings); None restores the arrays as they were saved."""
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    _STATE_ITEM: ocp.args.StandardRestore(abstract_state),
+                    _RUN_STATE_ITEM: ocp.args.JsonRestore(),
+                }
+            ),
+        )
+        return RestoredCheckpoint(step, restored[_STATE_ITEM], dict(restored[_RUN_STATE_ITEM]))
+
+    def restore_latest(self, abstract_state: Any = None) -> RestoredCheckpoint | None:
+        """The newest checkpoint that is complete and intact, or None if there is none.
+
+        Newer steps that fail validation are moved aside and a warning says why and which
+        step is used instead."""
+        self.wait()
+        rejected: list[tuple[int, str]] = []
+        restored: RestoredCheckpoint | None = None
+        for step in reversed(self.all_steps()):
+            problem = manifest_problem(self.directory / str(step), step)
+            if problem is None:
+                try:
+                    restored = self.restore(step, abstract_state)
+                except Exception as err:  # corrupt data Orbax itself cannot read
+                    problem = f"restoring failed: {type(err).__name__}: {err}"
+            if problem is None:
+                break
+            rejected.append((step, problem))
+        for step, problem in rejected:
+            fallback = "no older checkpoint" if restored is None else f"step {restored.step}"
+            log.warning(
+                "checkpoint step %d in %s is incomplete or corrupt: %s; using %s instead",
+                step, self.directory, problem, fallback,
+            )
+            self._move_aside(step)
+        if rejected:
+            self._manager.reload()
+        if restored is not None:
+            self._check_config_hash(restored.step)
+            log.info("restored checkpoint step %d from %s", restored.step, self.directory)
+        return restored
+
+    def _move_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            target = self.directory / f"corrupt_step_{step}_{int(time.time())}"
+            (self.directory / str(step)).rename(target)
+            log.warning("moved corrupt checkpoint step %d to %s", step, target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"spade_checkpoint_move_aside_{step}")
+
+    def _check_config_hash(self, step: int) -> None:
+        manifest = json.loads((self.directory / str(step) / MANIFEST_NAME).read_text())
+        saved = manifest.get("config_hash")
+        if self.config_hash is not None and saved is not None and saved != self.config_hash:
+            log.warning(
+                "checkpoint step %d was written with config hash %s but this run's is %s: "
+                "resuming with a changed configuration", step, saved, self.config_hash,
+            )
