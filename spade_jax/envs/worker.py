@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import sys
+import types
 
 from spade_jax.envs import protocol, seccomp_filter
 
@@ -214,8 +215,12 @@ class _Program:
         self.env = None
 
     def load(self, request: dict) -> dict:
-        # A private copy of builtins: the program may patch its own, not the worker's.
-        namespace = {"__name__": "environment_program", "__builtins__": dict(builtins.__dict__)}
+        # A real module (dataclasses and typing look classes' modules up in sys.modules),
+        # with a private copy of builtins: the program may patch its own, not the worker's.
+        module = types.ModuleType("environment_program")
+        module.__builtins__ = dict(builtins.__dict__)
+        sys.modules[module.__name__] = module
+        namespace = module.__dict__
         code = compile(request["source"], "<environment>", "exec")
         exec(code, namespace)  # noqa: S102 - this is the sandbox
         cls = namespace.get("Environment")
