@@ -1,0 +1,93 @@
+"""Renders a run's curves to PNG: ``python -m spade_jax.plot RUN_DIR [--out DIR]``.
+
+Reads ``RUN_DIR/metrics.jsonl`` and writes one PNG per metric group into
+``RUN_DIR/plots/`` (or ``--out``). A metric's group is the part of its name before the
+first ``/`` (``loss/pg_loss`` -> ``loss.png``); names without a ``/`` go to ``misc.png``.
+Each metric of a group gets its own panel; non-finite values leave gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from spade_jax.metrics import read_metrics
+
+UNGROUPED = "misc"
+
+
+def group_metrics(names: Sequence[str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name in sorted(names):
+        group = name.split("/", 1)[0] if "/" in name else UNGROUPED
+        groups.setdefault(group, []).append(name)
+    return groups
+
+
+def _file_name(group: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", group) + ".png"
+
+
+def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, smooth: int = 1) -> list[Path]:
+    """Writes one PNG per metric group and returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if smooth < 1:
+        raise ValueError(f"smooth must be >= 1, got {smooth}")
+    metrics = read_metrics(run_dir)
+    if not metrics:
+        raise ValueError(f"{Path(run_dir)} has no metrics to plot")
+    out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for group, names in group_metrics(list(metrics)).items():
+        columns = min(3, len(names))
+        rows = math.ceil(len(names) / columns)
+        fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.2 * rows), squeeze=False)
+        for ax, name in zip(axes.flat, names, strict=False):
+            steps, values = metrics[name]
+            ax.plot(steps, values, linewidth=1.0, alpha=0.4 if smooth > 1 else 1.0)
+            if smooth > 1 and len(values) >= smooth:
+                # Trailing moving average; NaNs stay NaN inside the windows they touch.
+                kernel = np.ones(smooth) / smooth
+                ax.plot(steps[smooth - 1 :], np.convolve(values, kernel, mode="valid"))
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.grid(alpha=0.3)
+        for ax in list(axes.flat)[len(names) :]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out_dir / _file_name(group)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spade_jax.plot", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="run directory containing metrics.jsonl")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (RUN_DIR/plots)")
+    parser.add_argument("--smooth", type=int, default=1, help="moving-average window")
+    args = parser.parse_args(argv)
+    try:
+        paths = plot_run(args.run_dir, args.out, args.smooth)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
