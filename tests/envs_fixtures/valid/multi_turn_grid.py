@@ -1,7 +1,7 @@
 """Multi-turn text navigation on a 4x4 grid with a key and a door (two partial rewards)."""
 
-from dataclasses import dataclass
 import random
+from dataclasses import dataclass
 
 MOVES = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
 
