@@ -1,0 +1,536 @@
+"""Batched autoregressive generation under ``jit``: prefill, then an in-XLA decode loop.
+
+    from spade_jax.rollout import generate
+    out = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=64, temperature=0.7, top_p=0.9)
+    out.tokens[0], out.logprobs[0], out.done_reasons[0]
+
+How it runs:
+  1. Prompts are left-padded to a *bucketed* length (a power of two >= ``prompt_bucket_min``)
+     and the batch to a bucketed size, so a handful of shapes compile, not one per call.
+  2. ``_prefill`` (jitted) writes the prompts into a preallocated KV cache and samples the
+     first token. ``_decode`` (jitted, state donated) runs a ``lax.while_loop`` of one-token
+     steps until every row is done or a chunk boundary is reached: no Python per token.
+  3. Between chunks the host (a) checks stop strings, which need the tokenizer, and
+     (b) compacts the batch: when at most half of the rows are still running, the live rows
+     are gathered into the next smaller batch bucket, so finished sequences stop costing
+     decode compute.
+
+Log-probabilities are those of the untruncated temperature-scaled policy (see
+``sampling.py``). Legend: B batch rows, P prompt bucket, N new-token buffer, S = P + N cache
+slots, V vocab, L MoE layers, E experts, X experts per token, M stop ids per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from spade_jax import sharding
+from spade_jax.models import KVCache, positions_from_mask
+from spade_jax.rollout import sampling
+
+DONE_REASONS = ("running", "eos", "stop_string", "max_tokens")
+_RUNNING, _EOS, _STOP_STRING, _MAX_TOKENS = range(4)
+_CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Settings of one generation call.
+
+    Attributes:
+      max_new_tokens: tokens generated per sequence at most (the stop token included).
+      temperature: T of ``softmax(logits / T)``; 0 means greedy (argmax).
+      top_p: nucleus mass in (0, 1]; 1 disables the filter.
+      top_k: keep the k most likely tokens; 0 disables the filter.
+      seed: PRNG seed; row i at step n draws with ``fold_in(fold_in(key(seed), i), n)``.
+      cache_dtype: KV-cache storage dtype, "float32" or "bfloat16"; None = the model's
+        compute dtype.
+      return_router: also return per-token router logits and selected experts.
+      prompt_bucket_min: smallest prompt-length bucket (buckets are powers of two).
+      new_tokens_bucket: the new-token buffer is rounded up to a multiple of this.
+      chunk_steps: decode steps per jitted call between host checks (stop strings, batch
+        compaction). 0 = one call for the whole decode when neither is needed.
+      compact_batch: shrink the batch to the next bucket when half the rows have finished.
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    cache_dtype: str | None = None
+    return_router: bool = False
+    prompt_bucket_min: int = 16
+    new_tokens_bucket: int = 64
+    chunk_steps: int = 32
+    compact_batch: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.cache_dtype is not None and self.cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {sorted(_CACHE_DTYPES)} or None, "
+                             f"got {self.cache_dtype!r}")
+        for name in ("prompt_bucket_min", "new_tokens_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_steps < 0:
+            raise ValueError(f"chunk_steps must be >= 0, got {self.chunk_steps}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """Per sequence, in prompt order.
+
+    tokens: generated ids (prompt excluded; a stop token that ended the row is included).
+    logprobs: ``log_softmax(logits / T)[token]`` for each generated token (T = 1 if greedy).
+    done_reasons: "eos" (a stop token), "stop_string" or "max_tokens".
+    router_logits: with ``return_router``, per sequence a [P_i + n_i - 1, L, E] fp32 array
+      over the MoE layers ``moe_layers``: one row per token *fed* to the model (the prompt,
+      then every generated token but the last, which was never fed). Else None.
+    selected_experts: likewise [P_i + n_i - 1, L, X] int32 (what router replay consumes).
+    moe_layers: decoder-layer indices the router arrays' L axis refers to.
+    stats: shapes compiled and steps run, for cost accounting.
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    done_reasons: list[str]
+    router_logits: list[np.ndarray] | None = None
+    selected_experts: list[np.ndarray] | None = None
+    moe_layers: tuple[int, ...] = ()
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything a compiled shape depends on besides array shapes."""
+
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    return_router: bool
+    cache_dtype: Any
+    cache_len: int
+    router_hook: Callable | None
+
+
+class _Scalars(struct.PyTreeNode):
+    """Traced sampling settings (changing them does not recompile)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+
+class DecodeState(struct.PyTreeNode):
+    """The decode loop's carry. Row b has generated ``num_generated_b[b]`` tokens."""
+
+    cache: KVCache
+    last_token_b: jax.Array  # [B] int32, the token to feed next
+    position_b: jax.Array  # [B] int32, its RoPE position
+    tokens_bn: jax.Array  # [B, N] int32
+    logprobs_bn: jax.Array  # [B, N] fp32
+    num_generated_b: jax.Array  # [B] int32
+    done_b: jax.Array  # [B] bool
+    reason_b: jax.Array  # [B] int32 index into DONE_REASONS
+    limit_b: jax.Array  # [B] int32 max new tokens of the row
+    row_id_b: jax.Array  # [B] int32 prompt index (PRNG stream); -1 for padding rows
+    stop_bm: jax.Array  # [B, M] int32 stop ids, -1 = unused
+    step: jax.Array  # [] int32 columns of tokens_bn written so far
+    router_bnle: jax.Array | None  # [B, N, L, E] fp32 router logits of fed generated tokens
+    experts_bnlx: jax.Array | None  # [B, N, L, X] int32
+
+
+def _moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None:
+    if not moe_layers:
+        return None
+    return jnp.stack([per_layer[i] for i in moe_layers], axis=2)  # [B, T, L, ...]
+
+
+def _draw(logits_bv, state_like_rows, step, scalars: _Scalars, static: _Static):
+    base = jax.random.key(scalars.seed)
+    keys_b = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(
+        state_like_rows
+    )
+    return sampling.sample_tokens(
+        logits_bv, keys_b, temperature=scalars.temperature, top_k=static.top_k,
+        top_p=scalars.top_p, greedy=static.greedy, use_top_p=static.use_top_p,
+    )
+
+
+def _record(state: DecodeState, token_b, logprob_b) -> DecodeState:
+    """Writes this step's token for rows still running and updates done / reason."""
+    running_b = ~state.done_b
+    col = state.step
+    tokens_bn = state.tokens_bn.at[:, col].set(jnp.where(running_b, token_b, 0))
+    logprobs_bn = state.logprobs_bn.at[:, col].set(jnp.where(running_b, logprob_b, 0.0))
+    num_b = state.num_generated_b + running_b.astype(jnp.int32)
+    hit_stop_b = running_b & jnp.any(token_b[:, None] == state.stop_bm, axis=-1)
+    hit_limit_b = running_b & ~hit_stop_b & (num_b >= state.limit_b)
+    reason_b = jnp.where(hit_stop_b, _EOS, jnp.where(hit_limit_b, _MAX_TOKENS, state.reason_b))
+    return state.replace(
+        tokens_bn=tokens_bn, logprobs_bn=logprobs_bn, num_generated_b=num_b,
+        done_b=state.done_b | hit_stop_b | hit_limit_b, reason_b=reason_b,
+        last_token_b=token_b, step=col + 1,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer"))
+def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: _Scalars,
+             *, static: _Static, new_buffer: int):
+    model = nnx.merge(graphdef, params)
+    cfg = model.config
+    b, p = ids_bp.shape
+    cache = KVCache.init(cfg, b, static.cache_len, static.cache_dtype)
+    axes = ("batch", "cache_seq", "act_kv_heads", None)
+    cache = cache.replace(k=tuple(sharding.constrain(x, axes) for x in cache.k),
+                          v=tuple(sharding.constrain(x, axes) for x in cache.v))
+    positions_bp = positions_from_mask(mask_bp)
+    out = model(ids_bp, positions_bp, mask_bp, cache=cache, router_hook=static.router_hook)
+    moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    prompt_router = None
+    if static.return_router:
+        prompt_router = (_moe_stack(out.router_logits, moe_layers),
+                         _moe_stack(out.selected_experts, moe_layers))
+    is_pad_row_b = row_id_b < 0
+    n_moe, e, x = len(moe_layers), cfg.num_experts, cfg.num_experts_per_tok
+    router = static.return_router and n_moe > 0
+    state = DecodeState(
+        cache=out.cache,
+        last_token_b=jnp.zeros((b,), jnp.int32),
+        position_b=positions_bp[:, -1] + 1,
+        tokens_bn=jnp.zeros((b, new_buffer), jnp.int32),
+        logprobs_bn=jnp.zeros((b, new_buffer), jnp.float32),
+        num_generated_b=jnp.zeros((b,), jnp.int32),
+        done_b=is_pad_row_b,
+        reason_b=jnp.where(is_pad_row_b, _MAX_TOKENS, _RUNNING).astype(jnp.int32),
+        limit_b=limit_b, row_id_b=row_id_b, stop_bm=stop_bm,
+        step=jnp.zeros((), jnp.int32),
+        router_bnle=jnp.zeros((b, new_buffer, n_moe, e), jnp.float32) if router else None,
+        experts_bnlx=jnp.zeros((b, new_buffer, n_moe, x), jnp.int32) if router else None,
+    )
+    token_b, logprob_b = _draw(out.logits[:, -1], row_id_b, 0, scalars, static)
+    return _record(state, token_b, logprob_b), prompt_router
+
+
+def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) -> DecodeState:
+    cfg = model.config
+    out = model(state.last_token_b[:, None], state.position_b[:, None], cache=state.cache,
+                router_hook=static.router_hook)
+    if state.router_bnle is not None:  # routing of the token just fed, column step - 1
+        moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+        col = state.step - 1
+        state = state.replace(
+            router_bnle=state.router_bnle.at[:, col].set(
+                _moe_stack(out.router_logits, moe_layers)[:, 0]),
+            experts_bnlx=state.experts_bnlx.at[:, col].set(
+                _moe_stack(out.selected_experts, moe_layers)[:, 0]),
+        )
+    state = state.replace(cache=out.cache, position_b=state.position_b + 1)
+    token_b, logprob_b = _draw(out.logits[:, -1], state.row_id_b, state.step, scalars, static)
+    return _record(state, token_b, logprob_b)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
+def _decode(graphdef, params, state: DecodeState, until, scalars: _Scalars, *, static: _Static):
+    """Decode steps until every row is done or ``step == until``."""
+    model = nnx.merge(graphdef, params)
+
+    def keep_going(s: DecodeState):
+        return (s.step < until) & ~jnp.all(s.done_b)
+
+    return jax.lax.while_loop(keep_going, lambda s: _decode_step(model, s, scalars, static),
+                              state)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _take_rows(state: DecodeState, rows_b: jax.Array) -> DecodeState:
+    """Gathers the given batch rows of every per-row array (batch compaction)."""
+
+    def take(x):
+        return x if x.ndim == 0 else jnp.take(x, rows_b, axis=0)
+
+    cache = state.cache
+    cache = cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
+                          valid_bs=take(cache.valid_bs))
+    rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.name not in ("cache", "step")}
+    return state.replace(cache=cache, **jax.tree.map(take, rest))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _batch_shards(mesh) -> int:
+    if mesh is None:
+        return 1
+    spec = sharding.logical_to_spec(("batch",), mesh=mesh)[0]
+    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _batch_bucket(n: int, shards: int) -> int:
+    return _round_up(_next_pow2(n), shards)
+
+
+def _per_sequence(value, n: int, name: str) -> list:
+    """A shared list (applies to all rows) or one list per row -> one list per row."""
+    if value is None:
+        return [[] for _ in range(n)]
+    value = list(value)
+    if value and all(isinstance(v, list | tuple) for v in value):
+        if len(value) != n:
+            raise ValueError(f"{name}: got {len(value)} per-sequence lists for {n} prompts")
+        return [list(v) for v in value]
+    return [value for _ in range(n)]
+
+
+def _default_stop_tokens(config) -> list[int]:
+    eos = config.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        ids = [int(t) for t in np.asarray(p).reshape(-1)]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
+class _StopStrings:
+    """Host-side stop-string check on decoded text (strings span token boundaries)."""
+
+    def __init__(self, per_row: list[list[str]], tokenizer):
+        if any(per_row) and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer= to decode the generated tokens")
+        self.per_row, self.tokenizer = per_row, tokenizer
+
+    def first_stop(self, row: int, tokens: list[int]) -> int | None:
+        """Smallest n such that decode(tokens[:n]) contains a stop string, else None."""
+        stops = self.per_row[row]
+        if not stops or not any(s in self.tokenizer.decode(tokens) for s in stops):
+            return None
+        for n in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode(tokens[:n])
+            if any(s in text for s in stops):
+                return n
+        return None
+
+
+def sample(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    config: SamplerConfig,
+    *,
+    stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    stop_strings: Sequence[str] | Sequence[Sequence[str]] | None = None,
+    tokenizer: Any = None,
+    router_hook: Callable | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> GenerationResult:
+    """Generates continuations of ragged ``prompts`` with settings from ``config``.
+
+    stop_tokens: ids that end a row (kept as its last token), shared or one list per
+      prompt; None = the model config's ``eos_token_id``.
+    stop_strings: strings that end a row once its decoded text contains them (shared or
+      per prompt); needs ``tokenizer``. Checked every ``config.chunk_steps`` steps.
+    router_hook: pure ``f(logits_btE, layer_idx)`` applied in every MoE layer before top-k.
+    mesh: run sharded; params must already be placed (``load_hf(..., mesh=mesh)``). Rows are
+      split over the mesh's batch axes, weights as their logical axes say.
+    """
+    mcfg = model.config
+    prompts = _validate_prompts(prompts, mcfg.vocab_size)
+    n = len(prompts)
+    stop_ids = _per_sequence(
+        _default_stop_tokens(mcfg) if stop_tokens is None else stop_tokens, n, "stop_tokens")
+    if any(not 0 <= t < mcfg.vocab_size for row in stop_ids for t in row):
+        raise ValueError(f"stop_tokens must be ids in [0, {mcfg.vocab_size})")
+    stop_text = _StopStrings(_per_sequence(stop_strings, n, "stop_strings"), tokenizer)
+
+    shards = _batch_shards(mesh)
+    batch = _batch_bucket(n, shards)
+    prompt_len = max(config.prompt_bucket_min, _next_pow2(max(len(x) for x in prompts)))
+    new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
+    cache_dtype = (_CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
+                   else model.options.compute_dtype)
+    static = _Static(
+        greedy=config.greedy, top_k=config.top_k,
+        use_top_p=config.top_p < 1 and not config.greedy, return_router=config.return_router,
+        cache_dtype=cache_dtype, cache_len=prompt_len + new_buffer, router_hook=router_hook,
+    )
+    ids_bp = np.zeros((batch, prompt_len), np.int32)
+    mask_bp = np.zeros((batch, prompt_len), np.int32)
+    for i, p in enumerate(prompts):  # left padding: the last column is every row's last token
+        ids_bp[i, prompt_len - len(p):] = p
+        mask_bp[i, prompt_len - len(p):] = 1
+    stop_bm = np.full((batch, max(1, max(map(len, stop_ids)))), -1, np.int32)
+    for i, row in enumerate(stop_ids):
+        stop_bm[i, :len(row)] = row
+    row_id_b = np.where(np.arange(batch) < n, np.arange(batch), -1).astype(np.int32)
+    limit_b = np.full((batch,), config.max_new_tokens, np.int32)
+    scalars = _Scalars(temperature=jnp.float32(config.temperature),
+                       top_p=jnp.float32(config.top_p), seed=jnp.int32(config.seed))
+    chunk = config.chunk_steps
+    if chunk == 0 and (any(stop_text.per_row) or config.compact_batch):
+        chunk = 32
+
+    graphdef, params = nnx.split(model)
+    stats = {"batch_bucket": batch, "prompt_bucket": prompt_len, "cache_len": static.cache_len,
+             "decode_calls": 0, "compactions": 0, "row_steps": 0}
+    finished: dict[int, tuple] = {}
+    with sharding.activate(mesh) if mesh is not None else contextlib.nullcontext():
+        if mesh is not None:
+            rows = sharding.named_sharding(("batch", None), mesh)
+            ids_bp, mask_bp, stop_bm = (jax.device_put(a, rows) for a in (ids_bp, mask_bp, stop_bm))
+        state, prompt_router = _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b,
+                                        stop_bm, scalars, static=static, new_buffer=new_buffer)
+        step = 1
+        while True:
+            until = config.max_new_tokens if chunk == 0 else min(step + chunk, config.max_new_tokens)
+            state = _decode(graphdef, params, state, jnp.int32(until), scalars, static=static)
+            stats["decode_calls"] += 1
+            new_step = int(state.step)
+            stats["row_steps"] += (new_step - step) * int(state.done_b.shape[0])
+            step = new_step
+            if any(stop_text.per_row):
+                state = _apply_stop_strings(state, stop_text)
+            done_b = np.asarray(state.done_b)
+            if done_b.all() or step >= config.max_new_tokens:
+                break
+            live = int((~done_b).sum())
+            smaller = _batch_bucket(live, shards)
+            if config.compact_batch and smaller <= done_b.shape[0] // 2:
+                _harvest(state, np.flatnonzero(done_b & (np.asarray(state.row_id_b) >= 0)), finished)
+                keep = np.concatenate([np.flatnonzero(~done_b),
+                                       np.flatnonzero(done_b)[: smaller - live]])
+                state = _take_rows(state, jnp.asarray(keep, jnp.int32))
+                stats["compactions"] += 1
+        _harvest(state, np.flatnonzero(np.asarray(state.row_id_b) >= 0), finished)
+    return _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats)
+
+
+def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeState:
+    done_b = np.array(state.done_b)
+    reason_b = np.array(state.reason_b)
+    num_b = np.array(state.num_generated_b)
+    row_id_b = np.asarray(state.row_id_b)
+    tokens_bn = None
+    changed = False
+    for b in range(done_b.shape[0]):
+        row = int(row_id_b[b])
+        if row < 0 or not stop_text.per_row[row] or reason_b[b] == _STOP_STRING:
+            continue
+        if done_b[b] and reason_b[b] != _MAX_TOKENS and reason_b[b] != _EOS:
+            continue
+        tokens_bn = np.asarray(state.tokens_bn) if tokens_bn is None else tokens_bn
+        cut = stop_text.first_stop(row, tokens_bn[b, : num_b[b]].tolist())
+        if cut is not None:
+            done_b[b], reason_b[b], num_b[b], changed = True, _STOP_STRING, cut, True
+    if not changed:
+        return state
+    return state.replace(done_b=jnp.asarray(done_b), reason_b=jnp.asarray(reason_b),
+                         num_generated_b=jnp.asarray(num_b))
+
+
+def _harvest(state: DecodeState, batch_rows: np.ndarray, finished: dict) -> None:
+    """Copies the given rows' results to the host, keyed by prompt index."""
+    if len(batch_rows) == 0:
+        return
+    fields = [state.row_id_b, state.tokens_bn, state.logprobs_bn, state.num_generated_b,
+              state.reason_b, state.router_bnle, state.experts_bnlx]
+    host = [None if x is None else np.asarray(x)[batch_rows] for x in fields]
+    for j in range(len(batch_rows)):
+        row_id, tokens, logprobs, num, reason, router, experts = (
+            None if h is None else h[j] for h in host)
+        n = int(num)
+        finished[int(row_id)] = (
+            tokens[:n].tolist(), logprobs[:n].tolist(),
+            DONE_REASONS[int(reason)] if int(reason) != _RUNNING else "max_tokens",
+            None if router is None else router[: max(n - 1, 0)],
+            None if experts is None else experts[: max(n - 1, 0)],
+        )
+
+
+def _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats) -> GenerationResult:
+    moe_layers = tuple(i for i in range(mcfg.num_layers) if mcfg.is_moe_layer(i))
+    rows = [finished[i] for i in range(len(prompts))]
+    router_logits = selected = None
+    if prompt_router is not None and moe_layers:
+        prompt_logits, prompt_experts = (np.asarray(x) for x in prompt_router)
+        router_logits, selected = [], []
+        for i, (p, row) in enumerate(zip(prompts, rows, strict=True)):
+            start = prompt_len - len(p)
+            router_logits.append(np.concatenate([prompt_logits[i, start:], row[3]], axis=0))
+            selected.append(np.concatenate([prompt_experts[i, start:], row[4]], axis=0))
+    return GenerationResult(
+        tokens=[r[0] for r in rows], logprobs=[r[1] for r in rows],
+        done_reasons=[r[2] for r in rows], router_logits=router_logits,
+        selected_experts=selected, moe_layers=moe_layers, stats=stats,
+    )
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    *,
+    stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    stop_strings: Sequence[str] | Sequence[Sequence[str]] | None = None,
+    tokenizer: Any = None,
+    router_hook: Callable | None = None,
+    return_router: bool | None = None,
+    cache_dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    config: SamplerConfig | None = None,
+) -> GenerationResult:
+    """Samples up to ``max_new_tokens`` per prompt; see :func:`sample` for the keywords.
+
+    ``config`` supplies the remaining settings (buckets, chunking, cache dtype, router
+    recording); the explicit arguments always win over its fields.
+    """
+    base = config or SamplerConfig(max_new_tokens=max_new_tokens)
+    overrides = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                     top_k=top_k, seed=seed)
+    if return_router is not None:
+        overrides["return_router"] = return_router
+    if cache_dtype is not None:
+        overrides["cache_dtype"] = cache_dtype
+    return sample(model, prompts, dataclasses.replace(base, **overrides),
+                  stop_tokens=stop_tokens, stop_strings=stop_strings, tokenizer=tokenizer,
+                  router_hook=router_hook, mesh=mesh)
