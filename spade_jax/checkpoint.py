@@ -31,7 +31,7 @@ step boundary; the loop then saves, waits and exits::
         state, metrics = train_step(state, batch)
         if ckpt.should_save(step + 1):
             ckpt.save(step + 1, state, run_state())
-        if guard.requested():
+        if ckpt.preempted:            # latched by should_save: saved, now stop
             break
     ckpt.close()                                        # waits for the last save
 """
@@ -214,6 +214,11 @@ def write_manifest(step_dir: epath.Path, step: int, checksum: bool, config_hash:
     tmp_path.rename(step_dir / MANIFEST_NAME)
 
 
+def _has_checksums(step_dir: epath.Path) -> bool:
+    manifest = json.loads((step_dir / MANIFEST_NAME).read_text())
+    return all("sha256" in entry for entry in manifest["files"].values())
+
+
 def manifest_problem(step_dir: epath.Path, step: int) -> str | None:
     """Why ``step_dir`` is not a complete, intact checkpoint; None when it is."""
     manifest_path = step_dir / MANIFEST_NAME
@@ -269,14 +274,19 @@ class CheckpointManager:
         self._manifest_thread: threading.Thread | None = None
         self._manifest_error: BaseException | None = None
         self._pending_manifest_steps: list[int] = []
+        self.preempted = False
 
     # -- saving -------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """True on every ``save_every_steps``-th step and once a preemption was requested."""
-        if self.guard is not None and self.guard.requested():
-            return True
-        return step % self.cfg.save_every_steps == 0
+        """True on every ``save_every_steps``-th step and once a preemption was requested.
+
+        The preemption flag is read here once per step and latched in :attr:`preempted`, so
+        a loop that saves when this is True and stops when ``preempted`` is True cannot see
+        a signal that arrives between the two checks and stop without saving."""
+        if not self.preempted and self.guard is not None and self.guard.requested():
+            self.preempted = True
+        return self.preempted or step % self.cfg.save_every_steps == 0
 
     def save(self, step: int, state: Any, run_state: Mapping[str, Any]) -> None:
         """Starts saving; returns once the arrays are copied off the devices (async)."""
@@ -379,20 +389,35 @@ class CheckpointManager:
         """The newest checkpoint that is complete and intact, or None if there is none.
 
         Newer steps that fail validation are moved aside and a warning says why and which
-        step is used instead."""
+        step is used instead. A checkpoint whose files all match their SHA-256 but which
+        does not restore into ``abstract_state`` is not corrupt: the target is wrong (a
+        changed model or optimizer), so that raises instead of falling back."""
         self.wait()
         rejected: list[tuple[int, str]] = []
+        restore_errors: list[Exception] = []
         restored: RestoredCheckpoint | None = None
         for step in reversed(self.all_steps()):
-            problem = manifest_problem(self.directory / str(step), step)
+            step_dir = self.directory / str(step)
+            problem = manifest_problem(step_dir, step)
             if problem is None:
                 try:
                     restored = self.restore(step, abstract_state)
-                except Exception as err:  # corrupt data Orbax itself cannot read
+                    break
+                except Exception as err:
+                    if _has_checksums(step_dir):
+                        raise RuntimeError(
+                            f"checkpoint step {step} in {self.directory} is intact (every file "
+                            "matches its SHA-256) but does not restore into the given target: "
+                            "does the state's structure or shapes differ from the saved run?"
+                        ) from err
+                    restore_errors.append(err)
                     problem = f"restoring failed: {type(err).__name__}: {err}"
-            if problem is None:
-                break
             rejected.append((step, problem))
+        if restored is None and restore_errors:
+            raise RuntimeError(
+                f"no checkpoint in {self.directory} could be restored; the newest error is "
+                "chained below"
+            ) from restore_errors[0]
         for step, problem in rejected:
             fallback = "no older checkpoint" if restored is None else f"step {restored.step}"
             log.warning(

@@ -137,7 +137,7 @@ def toy_main(argv: list[str]) -> None:
             ckpt.wait()
             print(f"CHECKPOINTED {step}", flush=True)
             time.sleep(600)  # the test kills us here with SIGKILL
-        if guard.requested():
+        if ckpt.preempted:
             print(f"PREEMPTED {step}", flush=True)
             break
     ckpt.close()
@@ -316,6 +316,25 @@ def test_unreadable_data_with_sizes_only_is_caught_by_trial_restore(tmp_path, ca
     restored = _manager(tmp_path).restore_latest(jax.eval_shape(lambda: _small_state(0.0)))
     assert restored.step == 2
     assert "restoring failed" in caplog.text
+
+
+def test_intact_checkpoint_with_wrong_target_raises_instead_of_falling_back(tmp_path):
+    _saved_steps(tmp_path, steps=(1, 2))
+    wrong_target = {"w": jax.ShapeDtypeStruct((64, 33), jnp.float32),
+                    "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    with pytest.raises(RuntimeError, match="step 2 .* is intact .* does not restore"):
+        _manager(tmp_path).restore_latest(wrong_target)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+def test_preemption_is_latched_by_should_save(tmp_path):
+    guard = ckpt_lib.PreemptionGuard()
+    ckpt = ckpt_lib.CheckpointManager(ckpt_lib.CheckpointConfig(tmp_path, save_every_steps=5),
+                                      guard=guard)
+    assert not ckpt.should_save(1) and not ckpt.preempted
+    guard.request()
+    assert ckpt.should_save(2) and ckpt.preempted
+    ckpt.close()
 
 
 def test_no_valid_checkpoint_returns_none(tmp_path, caplog):
