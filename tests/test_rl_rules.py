@@ -329,6 +329,10 @@ def test_eapo_direction_and_identity():
                           rule.make_config(beta=0.0))
     np.testing.assert_allclose(np.asarray(identity), np.broadcast_to(adv[:, None], (2, 4)),
                                rtol=1e-6)
+    mask[1, 2:] = 0.0
+    none = rl.token_weightings.get("none")
+    out, _ = none.fn(jnp.asarray(adv), jnp.asarray(entropy), jnp.asarray(mask), none.make_config())
+    np.testing.assert_array_equal(np.asarray(out), adv[:, None] * mask)
 
 
 def np_first_mistake(step_rewards, step_mask, token_step, prefix, suffix, tol, initial):
@@ -365,8 +369,41 @@ def test_first_mistake_matches_numpy(tolerance):
 
 
 # ----------------------------------------------------------------------------------------
-# registry
+# registry and the experiment-level rule choice
 # ----------------------------------------------------------------------------------------
+
+
+def test_update_rule_config_chains_the_chosen_stages():
+    from spade_jax.rl.update_rule import UpdateRuleConfig, advantages_and_keep, policy_loss
+
+    rule = UpdateRuleConfig(advantage_estimator="rloo", token_weighting="eapo",
+                            group_filter="dapo_dynamic_sampling", policy_loss="dapo",
+                            token_weighting_overrides={"beta": 0.3},
+                            policy_loss_overrides={"clip_eps_high": 0.3})
+    rewards = jnp.asarray([1.0, 0.0, 1.0, 0.5, 0.5, 0.5])
+    advantages, keep, metrics = advantages_and_keep(rule, rewards, 3)
+    assert np.asarray(keep).tolist() == [True] * 3 + [False] * 3
+    np.testing.assert_allclose(np.asarray(advantages), [0.5, -1.0, 0.5, 0.0, 0.0, 0.0])
+    assert "group_filter/kept_group_frac" in metrics
+
+    batch = random_batch(13)
+    entropy = np.random.default_rng(2).gamma(2.0, 0.5, (B, T)).astype(np.float32)
+    loss, loss_metrics = policy_loss(rule, batch["logp"], batch["old_logp"], None,
+                                     batch["advantages"], entropy, batch["loss_mask"])
+    weighted = np_eapo(batch["advantages"], entropy, batch["loss_mask"], 0.3, 3.0)
+    expected, _ = np_clipped_loss({**batch, "advantages": weighted}, 0.2, 0.3, 0.0, "token_mean")
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert "policy_loss/clip_frac" in loss_metrics
+    assert "token_weighting/eapo_weight_max" in loss_metrics
+
+    plain, _ = policy_loss(UpdateRuleConfig(), batch["logp"], batch["old_logp"], None,
+                           batch["advantages"], entropy, batch["loss_mask"])
+    assert float(plain) == pytest.approx(np_clipped_loss(batch, 0.2, 0.2, 0.0, "seq_mean")[0],
+                                         rel=1e-5)
+    with pytest.raises(KeyError, match="unknown policy_losses rule 'ppo'"):
+        UpdateRuleConfig(policy_loss="ppo")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['clip'\]"):
+        UpdateRuleConfig(policy_loss_overrides={"clip": 0.1})
 
 
 def test_registry_errors_are_clear():

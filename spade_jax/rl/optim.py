@@ -1,0 +1,122 @@
+"""The optimizer of the policy update: AdamW with warmup + cosine/constant learning rate and
+global-norm gradient clipping, built from one frozen config.
+
+    lr(s) = peak * s / warmup                                   s < warmup
+          = peak * (end + (1 - end) * (1 + cos(pi * p)) / 2)     cosine, p = (s - warmup) /
+                                                                  (total - warmup), clipped
+          = peak                                                 constant
+
+Weight decay is decoupled (AdamW) and applied only to matrices (ndim >= 2): norm scales
+and biases are not decayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("cosine", "constant")
+MASTER_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW settings.
+
+    Attributes:
+      learning_rate: peak learning rate (reached at the end of warmup).
+      warmup_steps: linear warmup from 0 over this many updates (0 = start at the peak).
+      schedule: "cosine" (decay to ``end_lr_ratio * learning_rate`` at ``total_steps``) or
+        "constant" (stay at the peak after warmup).
+      total_steps: length of the cosine schedule, in updates; must exceed ``warmup_steps``
+        for "cosine".
+      end_lr_ratio: final / peak learning rate of the cosine schedule.
+      b1, b2, eps: Adam moment decays and denominator epsilon.
+      weight_decay: decoupled weight decay on matrices (ndim >= 2).
+      clip_norm: clip the global gradient norm to this value before Adam; 0 disables.
+      master_dtype: storage dtype of the parameters and of the Adam moments ("float32" keeps
+        fp32 master weights even when the forward pass runs in bf16).
+    """
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 1
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    master_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"cosine schedule needs total_steps > warmup_steps, got total_steps="
+                f"{self.total_steps}, warmup_steps={self.warmup_steps}"
+            )
+        if not 0 <= self.end_lr_ratio <= 1:
+            raise ValueError(f"end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.clip_norm < 0:
+            raise ValueError(f"clip_norm must be >= 0 (0 disables clipping), got {self.clip_norm}")
+        if self.master_dtype not in MASTER_DTYPES:
+            raise ValueError(
+                f"master_dtype must be one of {sorted(MASTER_DTYPES)}, got {self.master_dtype!r}"
+            )
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Step -> learning rate, as in the module docstring."""
+    warmup = max(cfg.warmup_steps, 0)
+    if cfg.schedule == "constant":
+        if warmup == 0:
+            return optax.constant_schedule(cfg.learning_rate)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.learning_rate, warmup),
+             optax.constant_schedule(cfg.learning_rate)],
+            boundaries=[warmup],
+        )
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=cfg.total_steps,
+        end_value=cfg.learning_rate * cfg.end_lr_ratio,
+    )
+
+
+def _decay_mask(params):
+    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the schedule; moments in ``master_dtype``."""
+    adamw = optax.adamw(
+        learning_rate=learning_rate_schedule(cfg),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mu_dtype=MASTER_DTYPES[cfg.master_dtype],
+        mask=_decay_mask,
+    )
+    if cfg.clip_norm == 0:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)

@@ -1,0 +1,519 @@
+"""The policy update: one jitted, sharded GRPO-family step for both roles.
+
+    state, metrics = train_step(state, batch)
+
+Per microbatch m (a strided slice of the batch, accumulated with ``lax.scan``):
+
+    logp_bt      = log_softmax(lm_head(hidden_{b,t-1}))[input_ids_bt]   (0 at t = 0)
+    mask^r_bt    = loss_mask_bt * [role_id_b == r]
+    A^r_bt       = token_weighting_r(advantages, entropy, mask^r)
+    loss^r_m     = policy_loss_r(logp, old_logp, ref_logp, A^r, mask^r)
+    loss_m       = sum_r  w_r * (n^r_m / n^r) * loss^r_m  + aux_coef * aux_m
+
+where ``n^r`` counts role r's sequences that have policy tokens (``n^r_m`` those in m).
+Summed over m, this is exactly the full-batch loss of every per-sequence-mean rule (GRPO,
+GSPO); for token-mean rules (DAPO, Dr.GRPO) it weights microbatches by sequences, not
+tokens. Rows of the other role are masked out, so a rule that divides by B (Dr.GRPO)
+still counts them in its denominator.
+
+Then global-norm clip + AdamW. A step whose loss or gradient norm is not finite leaves the
+whole state (params, optimizer state, step, rng) unchanged and reports ``skipped=1``.
+
+Mixed precision: parameters (the fp32 master copy) are cast to ``compute_dtype`` inside
+the differentiated function, so gradients and Adam moments stay in the master dtype.
+
+Router replay (MoE): with ``router_replay=True`` the forward pass uses the experts
+recorded at rollout time (``batch.routing_replay``) instead of its own top-k, so the
+trainer's log-probs match the sampler's. ``<role>/logp_gap_mean|max`` =
+|logp - old_logp| over the role's policy tokens is logged either way.
+
+Memory levers: ``ModelOptions(remat=True)`` recomputes each decoder layer in the backward
+pass; ``logit_chunk`` computes log-probs over time chunks (each rematerialised) so
+[B, T, V] logits never exist at once; the state is donated. Scan over layers would have to
+live in the model (it is a Python loop over heterogeneous layers today): future work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spade_jax import sharding
+from spade_jax.models import Qwen3, load_balancing_loss
+from spade_jax.rl import registry
+from spade_jax.rl.batch import ROLES, TrainBatch
+from spade_jax.rl.optim import (
+    MASTER_DTYPES,
+    OptimizerConfig,
+    learning_rate_schedule,
+    make_optimizer,
+)
+
+Array = jax.Array
+Metrics = dict[str, Array]
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _resolve(rule: registry.RegisteredRule, given: Any, role_field: str) -> Any:
+    if given is None:
+        return rule.make_config()
+    if isinstance(given, dict):
+        return rule.make_config(**given)
+    if isinstance(given, rule.config_cls):
+        return given
+    raise TypeError(
+        f"{role_field} must be None, a dict of overrides or a {rule.config_cls.__name__}, "
+        f"got {type(given).__name__}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleConfig:
+    """How one role's sequences are trained (both roles update the same weights).
+
+    Attributes:
+      policy_loss: name in ``rl.policy_losses``.
+      loss_config: None (the rule's defaults), a dict of overrides, or the rule's config.
+      token_weighting: name in ``rl.token_weightings`` ("none": advantages unchanged).
+      weighting_config: as ``loss_config``, for the token weighting.
+      weight: w_r, this role's weight in the summed loss (0 trains the role not at all).
+    """
+
+    policy_loss: str = "grpo"
+    loss_config: Any = None
+    token_weighting: str = "none"
+    weighting_config: Any = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        loss_rule = registry.policy_losses.get(self.policy_loss)
+        weighting_rule = registry.token_weightings.get(self.token_weighting)
+        object.__setattr__(self, "loss_config", _resolve(loss_rule, self.loss_config, "loss_config"))
+        object.__setattr__(
+            self,
+            "weighting_config",
+            _resolve(weighting_rule, self.weighting_config, "weighting_config"),
+        )
+        if not self.weight >= 0:
+            raise ValueError(f"role weight must be >= 0, got {self.weight}")
+
+    @property
+    def loss_fn(self) -> registry.PolicyLoss:
+        return registry.policy_losses.get(self.policy_loss).fn
+
+    @property
+    def weighting_fn(self) -> registry.TokenWeighting:
+        return registry.token_weightings.get(self.token_weighting).fn
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Settings of the policy update.
+
+    Attributes:
+      optimizer: AdamW / schedule / clipping / master dtype.
+      agent: rule and weight for role_id 0 sequences.
+      designer: rule and weight for role_id 1 sequences.
+      microbatches: split the batch into this many microbatches and accumulate gradients
+        (B must be divisible by it).
+      compute_dtype: dtype the master parameters are cast to for the forward/backward pass
+        ("bfloat16" with ``optimizer.master_dtype="float32"`` = bf16 compute, fp32 master
+        weights and moments). Must equal the model's ``ModelOptions.dtype``.
+      router_replay: run MoE layers on the experts recorded at rollout time.
+      logit_chunk: time-chunk length for the log-prob computation (0 = all at once).
+      aux_loss_coef: weight of the MoE load-balancing loss (0 = off).
+      skip_nonfinite: leave the state unchanged when the loss or gradient is not finite.
+    """
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    agent: RoleConfig = RoleConfig()
+    designer: RoleConfig = RoleConfig()
+    microbatches: int = 1
+    compute_dtype: str = "float32"
+    router_replay: bool = False
+    logit_chunk: int = 0
+    aux_loss_coef: float = 0.0
+    skip_nonfinite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
+            )
+        if self.logit_chunk < 0:
+            raise ValueError(f"logit_chunk must be >= 0 (0 = no chunking), got {self.logit_chunk}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+
+    @property
+    def roles(self) -> tuple[RoleConfig, RoleConfig]:
+        """Role configs in ``ROLES`` order (index = role_id)."""
+        return (self.agent, self.designer)
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the update changes.
+
+    step: [] int32, number of applied (not skipped) updates; the schedule's step.
+    params: nnx.State of the model's parameters (master dtype, logical axes in metadata).
+    opt_state: optax state (moments carry the same axes metadata as ``params``).
+    rng: a key for stochastic rules, advanced once per applied update.
+    """
+
+    step: Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: Array
+
+
+# ---- log-probs of the sampled tokens ------------------------------------------------------
+
+
+def _logprob_and_entropy(
+    lm_head: Callable[[Array], Array], hidden_btd: Array, targets_bt: Array
+) -> tuple[Array, Array]:
+    logits_btv = lm_head(hidden_btd)  # fp32
+    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    probs_btv = jnp.exp(logits_btv - lse_bt[..., None])
+    entropy_bt = lse_bt - jnp.sum(probs_btv * logits_btv, axis=-1)
+    return target_logit_bt - lse_bt, jax.lax.stop_gradient(entropy_bt)
+
+
+def sampled_token_logprobs(
+    lm_head: Callable[[Array], Array], hidden_btd: Array, input_ids_bt: Array, logit_chunk: int = 0
+) -> tuple[Array, Array]:
+    """``logp[b, t] = log p(input_ids[b, t] | tokens < t)`` and the entropy of that
+    prediction, both [B, T] fp32 and 0 at t = 0 (token 0 has no prediction).
+
+    With ``logit_chunk > 0`` the vocabulary projection runs over time chunks under
+    ``jax.checkpoint``, so only one [B, chunk, V] block of logits is live at a time.
+    """
+    b, t = input_ids_bt.shape
+    hidden_btd, targets_bt = hidden_btd[:, :-1], input_ids_bt[:, 1:]  # position t-1 predicts t
+    if logit_chunk == 0 or t - 1 <= logit_chunk:
+        logp_bt, entropy_bt = _logprob_and_entropy(lm_head, hidden_btd, targets_bt)
+    else:
+        chunks = -(-(t - 1) // logit_chunk)
+        pad = chunks * logit_chunk - (t - 1)
+        hidden_cbkd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+        hidden_cbkd = hidden_cbkd.reshape(b, chunks, logit_chunk, -1).swapaxes(0, 1)
+        targets_cbk = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, chunks, -1).swapaxes(0, 1)
+        body = jax.checkpoint(functools.partial(_logprob_and_entropy, lm_head))
+        logp_cbk, entropy_cbk = jax.lax.map(lambda xs: body(*xs), (hidden_cbkd, targets_cbk))
+        logp_bt = logp_cbk.swapaxes(0, 1).reshape(b, -1)[:, : t - 1]
+        entropy_bt = entropy_cbk.swapaxes(0, 1).reshape(b, -1)[:, : t - 1]
+    zeros_b1 = jnp.zeros((b, 1), jnp.float32)
+    return jnp.concatenate([zeros_b1, logp_bt], 1), jnp.concatenate([zeros_b1, entropy_bt], 1)
+
+
+def policy_logprobs(
+    model: Qwen3, batch: TrainBatch, router_replay: bool, logit_chunk: int = 0
+) -> tuple[Array, Array, list]:
+    """Runs the policy on ``batch``: (logp [B, T], entropy [B, T], router logits per layer)."""
+    replay = None
+    if router_replay:
+        if batch.routing_replay is None:
+            raise ValueError("router_replay=True but the batch has no routing_replay")
+        replay = list(batch.routing_replay)
+    out = model(
+        batch.input_ids,
+        attention_mask_bt=batch.attention_mask,
+        routing_replay=replay,
+        return_logits=False,
+    )
+    logp_bt, entropy_bt = sampled_token_logprobs(
+        model.lm_head, out.hidden, batch.input_ids, logit_chunk
+    )
+    return logp_bt, entropy_bt, out.router_logits
+
+
+# ---- the loss ---------------------------------------------------------------------------
+
+
+def _masked_mean_parts(x_bt: Array, mask_bt: Array) -> tuple[Array, Array]:
+    return jnp.sum(x_bt * mask_bt), jnp.sum(mask_bt)
+
+
+def role_loss(
+    role: RoleConfig,
+    role_id: int,
+    batch: TrainBatch,
+    logp_bt: Array,
+    entropy_bt: Array,
+) -> tuple[Array, Metrics, Metrics]:
+    """One role's rule on its rows: (loss, rule metrics, token statistics as sums/maxes)."""
+    rows_b = (batch.role_id == role_id).astype(jnp.float32)
+    mask_bt = batch.loss_mask.astype(jnp.float32) * rows_b[:, None]
+    advantages_bt, weighting_metrics = role.weighting_fn(
+        batch.advantages, entropy_bt, mask_bt, role.weighting_config
+    )
+    loss, loss_metrics = role.loss_fn(
+        logp_bt, batch.old_logp, batch.ref_logp, advantages_bt, mask_bt, role.loss_config
+    )
+    gap_bt = jnp.abs(jax.lax.stop_gradient(logp_bt) - batch.old_logp)
+    gap_sum, tokens = _masked_mean_parts(gap_bt, mask_bt)
+    entropy_sum, _ = _masked_mean_parts(entropy_bt, mask_bt)
+    token_stats = {
+        "logp_gap_sum": gap_sum,
+        "logp_gap_max": jnp.max(jnp.where(mask_bt > 0, gap_bt, 0.0)),
+        "entropy_sum": entropy_sum,
+        "tokens": tokens,
+    }
+    return loss, {**loss_metrics, **weighting_metrics}, token_stats
+
+
+def microbatch_loss(
+    params: nnx.State,
+    graphdef: nnx.GraphDef,
+    batch: TrainBatch,
+    role_share_r: Array,
+    config: TrainConfig,
+) -> tuple[Array, tuple[Metrics, Metrics]]:
+    """Loss of one microbatch as in the module docstring, plus (weighted, token) metrics."""
+    compute = COMPUTE_DTYPES[config.compute_dtype]
+    model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
+    logp_bt, entropy_bt, router_logits = policy_logprobs(
+        model, batch, config.router_replay, config.logit_chunk
+    )
+    total = jnp.zeros((), jnp.float32)
+    weighted: Metrics = {}
+    token_stats: Metrics = {}
+    for role_id, (name, role) in enumerate(zip(ROLES, config.roles, strict=True)):
+        loss, rule_metrics, stats = role_loss(role, role_id, batch, logp_bt, entropy_bt)
+        share = role_share_r[role_id]
+        total = total + role.weight * share * loss
+        for key, value in rule_metrics.items():  # weighted by share: sums to a role average
+            weighted[f"{name}/{key}"] = jnp.where(share > 0, value, 0.0) * share
+        for key, value in stats.items():
+            token_stats[f"{name}/{key}"] = value
+    if config.aux_loss_coef > 0:
+        k = model.config.num_experts_per_tok
+        aux = load_balancing_loss(router_logits, k, batch.attention_mask)
+        total = total + config.aux_loss_coef * aux
+        token_stats["aux_loss_sum"] = aux
+    return total, (weighted, token_stats)
+
+
+# ---- the step ---------------------------------------------------------------------------
+
+
+def _split_microbatches(batch: TrainBatch, microbatches: int) -> TrainBatch:
+    """[B, ...] -> [M, B / M, ...] with microbatch m = rows m, m + M, ... (strided, so each
+    data-parallel shard of the batch contributes equally to every microbatch)."""
+
+    def split(x):
+        rows = x.shape[0] // microbatches
+        x = x.reshape(rows, microbatches, *x.shape[1:]).swapaxes(0, 1)
+        return sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+    return jax.tree.map(split, batch)
+
+
+def _scored_rows_per_role(batch_m: TrainBatch) -> Array:
+    """[M, R]: sequences of each role with at least one policy token, per microbatch."""
+    scored_mb = (jnp.sum(batch_m.loss_mask, axis=-1) > 0).astype(jnp.float32)
+    role_mbr = jax.nn.one_hot(batch_m.role_id, len(ROLES), dtype=jnp.float32)
+    return jnp.sum(scored_mb[..., None] * role_mbr, axis=1)
+
+
+def _reduce_token_stats(stats_m: Metrics) -> Metrics:
+    out: Metrics = {}
+    for key, value in stats_m.items():
+        if key.endswith("_max"):
+            out[key] = jnp.max(value)
+        elif key == "aux_loss_sum":
+            out["aux_loss"] = jnp.mean(value)
+    for name in ROLES:
+        tokens = jnp.sum(stats_m[f"{name}/tokens"])
+        out[f"{name}/tokens"] = tokens
+        out[f"{name}/logp_gap_mean"] = jnp.sum(stats_m[f"{name}/logp_gap_sum"]) / jnp.maximum(
+            tokens, 1.0
+        )
+        out[f"{name}/entropy"] = jnp.sum(stats_m[f"{name}/entropy_sum"]) / jnp.maximum(tokens, 1.0)
+    return out
+
+
+def _constrain_state(state: TrainState) -> TrainState:
+    """Pins params and optimizer state to their logical shardings (no-op without a mesh)."""
+    mesh = sharding.active_mesh()
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, tree_shardings(state, mesh))
+
+
+def train_step(
+    state: TrainState, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig
+) -> tuple[TrainState, Metrics]:
+    """One update on ``batch`` (pure; jit it with ``donate_argnums=0``)."""
+    optimizer = make_optimizer(config.optimizer)
+    batch_m = _split_microbatches(batch, config.microbatches)
+    scored_mr = _scored_rows_per_role(batch_m)
+    share_mr = scored_mr / jnp.maximum(jnp.sum(scored_mr, axis=0, keepdims=True), 1.0)
+    grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+
+    def accumulate(grads_acc, inputs):
+        microbatch, share_r = inputs
+        (loss, metrics), grads = grad_fn(state.params, graphdef, microbatch, share_r, config)
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
+        return grads_acc, (loss, metrics)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    grads, (loss_m, (weighted_m, stats_m)) = jax.lax.scan(accumulate, zeros, (batch_m, share_mr))
+    loss = jnp.sum(loss_m)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = TrainState(state.step + 1, params, opt_state, jax.random.split(state.rng)[0])
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if config.skip_nonfinite:
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    new_state = _constrain_state(new_state)
+
+    metrics: Metrics = {key: jnp.sum(value) for key, value in weighted_m.items()}
+    metrics.update(_reduce_token_stats(stats_m))
+    skipped = jnp.logical_not(finite) if config.skip_nonfinite else jnp.zeros((), bool)
+    metrics.update(
+        loss=loss,
+        grad_norm=grad_norm,
+        update_norm=jnp.where(skipped, 0.0, optax.global_norm(updates)),
+        param_norm=optax.global_norm(new_state.params),
+        learning_rate=learning_rate_schedule(config.optimizer)(state.step),
+        skipped=skipped.astype(jnp.int32),
+    )
+    for role_id, name in enumerate(ROLES):
+        metrics[f"{name}/sequences"] = jnp.sum(scored_mr[:, role_id])
+    return new_state, metrics
+
+
+# ---- set-up: state, sharding, the jitted callable ----------------------------------------
+
+
+def tree_shardings(tree: Any, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> Any:
+    """NamedSharding per leaf: from ``axes`` metadata for nnx Variables (params and the Adam
+    moments that mirror them), replicated for everything else (step, counts, rng)."""
+
+    def one(leaf):
+        if isinstance(leaf, nnx.Variable):
+            return sharding.named_sharding(sharding.param_axes(leaf), mesh, rules)
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_train_state(
+    model: Qwen3,
+    config: TrainConfig,
+    *,
+    seed: int = 0,
+    mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> tuple[nnx.GraphDef, TrainState]:
+    """Splits ``model`` into (graphdef, TrainState): params cast to the master dtype, fresh
+    optimizer state, step 0; placed on ``mesh`` by the parameters' logical axes if given."""
+    if model.options.dtype != config.compute_dtype:
+        raise ValueError(
+            f"the model runs in {model.options.dtype!r} (ModelOptions.dtype) but "
+            f"TrainConfig.compute_dtype is {config.compute_dtype!r}; make them equal"
+        )
+    if config.router_replay and not model.config.is_moe:
+        raise ValueError("router_replay=True needs an MoE model; this config has no MoE layer")
+    graphdef, params = nnx.split(model)
+    master = MASTER_DTYPES[config.optimizer.master_dtype]
+    params = jax.tree.map(lambda p: p.astype(master), params)
+    optimizer = make_optimizer(config.optimizer)
+
+    def fresh(params):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.key(seed),
+        )
+
+    if mesh is None:
+        return graphdef, jax.jit(fresh)(params)
+    abstract = jax.eval_shape(fresh, params)
+    shardings = tree_shardings(abstract, mesh, rules)
+    params = jax.device_put(params, tree_shardings(params, mesh, rules))
+    return graphdef, jax.jit(fresh, out_shardings=shardings)(params)
+
+
+def shard_batch(
+    batch: TrainBatch, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES
+) -> TrainBatch:
+    """Places the batch on ``mesh`` with rows split over the data-parallel ("batch") axes."""
+    spec = sharding.logical_to_spec(("batch",), rules, mesh)
+    ways = 1
+    for axis in jax.tree.leaves(tuple(spec)):
+        ways *= mesh.shape[axis]
+    if batch.shape[0] % ways:
+        raise ValueError(f"batch of {batch.shape[0]} rows does not split over {ways} devices")
+
+    def put(x):
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec, *(None,) * (x.ndim - 1))))
+
+    return jax.tree.map(put, batch)
+
+
+class TrainStep:
+    """``train_step`` jitted with the state donated; validates batch shapes on the host and
+    activates ``mesh`` (for the model's activation constraints) around each call."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        config: TrainConfig,
+        mesh: Mesh | None = None,
+        rules: sharding.Rules = sharding.DEFAULT_RULES,
+    ) -> None:
+        self.config, self.mesh, self.rules = config, mesh, rules
+        self.jitted = jax.jit(
+            functools.partial(train_step, graphdef=graphdef, config=config), donate_argnums=0
+        )
+
+    def _context(self):
+        return sharding.activate(self.mesh, self.rules) if self.mesh else contextlib.nullcontext()
+
+    def check(self, batch: TrainBatch) -> None:
+        batch.validate()
+        if batch.shape[0] % self.config.microbatches:
+            raise ValueError(
+                f"batch of {batch.shape[0]} rows is not divisible into "
+                f"{self.config.microbatches} microbatches"
+            )
+        if self.config.router_replay and batch.routing_replay is None:
+            raise ValueError("router_replay=True but the batch has no routing_replay")
+
+    def __call__(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+        self.check(batch)
+        with self._context():
+            return self.jitted(state, batch)
+
+    def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
+        """The lowered step (for cost analysis / HLO inspection)."""
+        self.check(batch)
+        with self._context():
+            return self.jitted.lower(state, batch)
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    config: TrainConfig,
+    mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> TrainStep:
+    """The jitted ``(state, batch) -> (state, metrics)`` for ``graphdef`` under ``config``."""
+    return TrainStep(graphdef, config, mesh, rules)
