@@ -359,6 +359,7 @@ def sample(
     tokenizer: Any = None,
     router_hook: Callable | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    max_new_per_seq: Sequence[int] | None = None,
 ) -> GenerationResult:
     """Generates continuations of ragged ``prompts`` with settings from ``config``.
 
@@ -369,6 +370,7 @@ def sample(
     router_hook: pure ``f(logits_btE, layer_idx)`` applied in every MoE layer before top-k.
     mesh: run sharded; params must already be placed (``load_hf(..., mesh=mesh)``). Rows are
       split over the mesh's batch axes, weights as their logical axes say.
+    max_new_per_seq: a smaller per-prompt budget (each in [1, config.max_new_tokens]).
     """
     mcfg = model.config
     prompts = _validate_prompts(prompts, mcfg.vocab_size)
@@ -400,6 +402,11 @@ def sample(
         stop_bm[i, :len(row)] = row
     row_id_b = np.where(np.arange(batch) < n, np.arange(batch), -1).astype(np.int32)
     limit_b = np.full((batch,), config.max_new_tokens, np.int32)
+    if max_new_per_seq is not None:
+        if len(max_new_per_seq) != n or not all(
+                1 <= m <= config.max_new_tokens for m in max_new_per_seq):
+            raise ValueError(f"max_new_per_seq needs {n} values in [1, {config.max_new_tokens}]")
+        limit_b[:n] = max_new_per_seq
     scalars = _Scalars(temperature=jnp.float32(config.temperature),
                        top_p=jnp.float32(config.top_p), seed=jnp.int32(config.seed))
     chunk = config.chunk_steps

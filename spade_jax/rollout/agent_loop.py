@@ -1,0 +1,260 @@
+"""Multi-turn agent loop: many gymnasium text environments driven by one batched policy.
+
+    records = run_episodes(model, tokenizer, [EpisodeSpec(env, "maze", seed=3), ...],
+                           AgentLoopConfig(max_turns=6))
+
+Per turn: the episode's token stream (chat-template rendered) is the prompt; the jitted
+sampler generates the assistant turn; the parser turns its text into an action;
+``env.step(action)`` runs; the observation becomes the next user turn. Episodes end when the
+env terminates/truncates or a turn / token budget is hit. Different episodes may run
+different environment programs in one batch.
+
+Overlap: active episodes are split into two halves. While one half's environments step on
+host threads (sandboxed envs wait on worker processes; in-process envs run Python while
+JAX releases the GIL during compute), the other half's turn is being generated, so the
+accelerator is not idle while environments step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flax import nnx
+
+from spade_jax.rollout.records import EpisodeRecord
+from spade_jax.rollout.sampler import SamplerConfig, sample
+
+_PROBE_USER, _PROBE_ASSISTANT = "x", "y"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentLoopConfig:
+    """Settings of a batch of multi-turn episodes.
+
+    Attributes:
+      max_turns: policy turns per episode at most (then end_reason "max_turns").
+      max_turn_tokens: new tokens per policy turn at most.
+      max_episode_tokens: length of an episode's token stream at most (then "max_tokens").
+      system_prompt: optional system turn before the first observation.
+      enable_thinking: passed to the chat template's generation prompt.
+      sampler: temperature / top-p / top-k / buckets; its max_new_tokens is replaced by the
+        per-turn budget and its seed offset by the round number.
+      overlap_env_steps: pipeline two half-batches so env steps overlap generation.
+      env_threads: host threads stepping environments.
+    """
+
+    max_turns: int = 8
+    max_turn_tokens: int = 256
+    max_episode_tokens: int = 4096
+    system_prompt: str | None = None
+    enable_thinking: bool = False
+    sampler: SamplerConfig = dataclasses.field(
+        default_factory=lambda: SamplerConfig(max_new_tokens=256, temperature=1.0))
+    overlap_env_steps: bool = True
+    env_threads: int = 8
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens", "env_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode to run: a gymnasium text env (``reset(seed=)``, ``step(str)``)."""
+
+    env: Any
+    env_id: str
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionParser:
+    """Default action parser: the assistant text with ``<think>...</think>`` removed
+    (an unclosed ``<think>`` means no visible answer), optionally the content of the last
+    ``<answer>...</answer>`` block. Returns (action, ok); not ok counts a parse failure and
+    the env is stepped with the visible text anyway, so it can penalise the turn.
+    """
+
+    answer_tag: str | None = None
+
+    def __call__(self, text: str) -> tuple[str, bool]:
+        visible = re.sub(r"<think>.*?</think>", "", text, flags=re.S)
+        if "<think>" in visible:
+            return "", False
+        visible = visible.strip()
+        if self.answer_tag is None:
+            return visible, bool(visible)
+        tag = re.escape(self.answer_tag)
+        found = re.findall(rf"<{tag}>(.*?)</{tag}>", visible, flags=re.S)
+        return (found[-1].strip(), True) if found else (visible, False)
+
+
+class ChatTurns:
+    """Token pieces of a chat-templated conversation, derived from the template itself.
+
+    ``first_prompt(obs)`` is the rendered opening (system?, user obs, generation prompt).
+    ``after_policy(obs, closed)`` is what follows a policy turn: the assistant turn's end
+    (its end-of-turn token only if the policy did not emit it, ``closed=False``), the user
+    turn holding ``obs`` and the next generation prompt. It is read off the template's
+    rendering of a probe conversation, so the stream equals what the template produces
+    for the same turns (up to the policy's own tokens).
+    """
+
+    def __init__(self, tokenizer, system_prompt: str | None, enable_thinking: bool):
+        self.tokenizer, self.enable_thinking = tokenizer, enable_thinking
+        self.head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        self.eos_ids = set(tokenizer.eos_ids)
+
+    def _render(self, messages, generation_prompt: bool) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(
+            self.head + messages, add_generation_prompt=generation_prompt,
+            enable_thinking=self.enable_thinking))
+
+    def first_prompt(self, observation: str) -> list[int]:
+        return self._render([{"role": "user", "content": observation}], True)
+
+    def after_policy(self, observation: str, closed: bool) -> list[int]:
+        probe = [{"role": "user", "content": _PROBE_USER}]
+        base = self._render(probe, False)
+        full = self._render(probe + [{"role": "assistant", "content": _PROBE_ASSISTANT},
+                                     {"role": "user", "content": observation}], True)
+        if full[: len(base)] != base:
+            raise ValueError("chat template is not prefix-stable; cannot build turn pieces")
+        tail = full[len(base):]
+        close = next((i for i, t in enumerate(tail) if t in self.eos_ids), None)
+        if close is None:
+            raise ValueError("chat template closes assistant turns without an eos token")
+        return tail[close + 1:] if closed else tail[close:]
+
+
+@dataclasses.dataclass
+class _Episode:
+    spec: EpisodeSpec
+    record: EpisodeRecord
+    active: bool = True
+    pending_action: str | None = None
+
+
+def _reset(ep: _Episode) -> tuple[_Episode, str | None]:
+    t0 = time.perf_counter()
+    try:
+        observation, _ = ep.spec.env.reset(seed=ep.spec.seed)
+    except Exception as err:  # an env program may fail anywhere; the episode ends
+        ep.record.cost.env_seconds += time.perf_counter() - t0
+        return ep, f"{type(err).__name__}: {err}"
+    ep.record.cost.env_seconds += time.perf_counter() - t0
+    ep.record.observations.append(str(observation))
+    return ep, None
+
+
+def _step(ep: _Episode) -> tuple[_Episode, tuple | None]:
+    t0 = time.perf_counter()
+    try:
+        result = ep.spec.env.step(ep.pending_action)
+    except Exception:  # recorded as env_error below
+        result = None
+    ep.record.cost.env_seconds += time.perf_counter() - t0
+    return ep, result
+
+
+def run_episodes(
+    model: nnx.Module,
+    tokenizer: Any,
+    episodes: Sequence[EpisodeSpec],
+    config: AgentLoopConfig | None = None,
+    *,
+    parser: Callable[[str], tuple[str, bool]] | None = None,
+    router_hook: Callable | None = None,
+    mesh: Any = None,
+) -> list[EpisodeRecord]:
+    """Runs every episode to its end; returns their records in input order."""
+    config = config or AgentLoopConfig()
+    parser = parser or ActionParser()
+    turns = ChatTurns(tokenizer, config.system_prompt, config.enable_thinking)
+    eps = [_Episode(s, EpisodeRecord(env_id=s.env_id, seed=s.seed)) for s in episodes]
+    with concurrent.futures.ThreadPoolExecutor(config.env_threads) as pool:
+        for ep, error in pool.map(_reset, eps):
+            if error is not None:
+                ep.active, ep.record.end_reason = False, "env_error"
+            else:
+                ep.record.append(turns.first_prompt(ep.record.observations[0]), policy=False)
+        halves = [eps[0::2], eps[1::2]] if config.overlap_env_steps and len(eps) > 1 else [eps]
+        pending: dict[int, concurrent.futures.Future] = {}
+        round_ = 0
+        while any(ep.active for ep in eps) or pending:
+            for h, half in enumerate(halves):
+                if h in pending:  # this half's env steps ran while the other half generated
+                    for ep, result in pending.pop(h).result():
+                        _absorb_step(ep, result, turns, config)
+                live = [ep for ep in half if ep.active]
+                if not live:
+                    continue
+                _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh,
+                             round_)
+                round_ += 1
+                stepping = [ep for ep in live if ep.active]
+                if stepping:
+                    pending[h] = pool.submit(lambda eps_=stepping: list(map(_step, eps_)))
+    for ep in eps:
+        ep.record.cost.context_tokens = len(ep.record.token_ids)
+    return [ep.record for ep in eps]
+
+
+def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh, round_):
+    """Generates one assistant turn for every live episode (one batched sampler call)."""
+    for ep in live:
+        if len(ep.record.token_ids) >= config.max_episode_tokens:
+            ep.active, ep.record.end_reason, ep.record.truncated = False, "max_tokens", True
+    live = [ep for ep in live if ep.active]
+    if not live:
+        return
+    budgets = [min(config.max_turn_tokens, config.max_episode_tokens - len(ep.record.token_ids))
+               for ep in live]
+    seed = config.sampler.seed + round_
+    sampler_config = dataclasses.replace(config.sampler, max_new_tokens=config.max_turn_tokens,
+                                         seed=seed)
+    result = sample(model, [ep.record.token_ids for ep in live], sampler_config,
+                    stop_tokens=sorted(turns.eos_ids), router_hook=router_hook, mesh=mesh,
+                    max_new_per_seq=budgets)
+    for ep, tokens, logprobs, reason in zip(live, result.tokens, result.logprobs,
+                                            result.done_reasons, strict=True):
+        rec = ep.record
+        start = len(rec.token_ids)
+        rec.append(tokens, policy=True, logprobs=logprobs)
+        rec.turn_spans.append((start, len(rec.token_ids)))
+        rec.turn_done_reasons.append(reason)
+        rec.sampler_seeds.append(seed)
+        rec.cost.turns += 1
+        rec.cost.tokens_generated += len(tokens)
+        action, ok = parser(tokenizer.decode(tokens, skip_special_tokens=True))
+        rec.cost.parse_failures += 0 if ok else 1
+        rec.actions.append(action)
+        ep.pending_action = action
+        if reason != "eos" and len(rec.token_ids) >= config.max_episode_tokens:
+            ep.active, rec.end_reason, rec.truncated = False, "max_tokens", True
+
+
+def _absorb_step(ep: _Episode, result, turns: ChatTurns, config: AgentLoopConfig) -> None:
+    rec = ep.record
+    if result is None:
+        ep.active, rec.end_reason = False, "env_error"
+        return
+    observation, reward, terminated, truncated, _ = result
+    rec.step_rewards.append(float(reward))
+    rec.return_ = float(sum(rec.step_rewards))
+    rec.observations.append(str(observation))
+    rec.terminated, rec.truncated = bool(terminated), bool(truncated)
+    if terminated or truncated:
+        ep.active, rec.end_reason = False, "terminated" if terminated else "truncated"
+        return
+    if rec.cost.turns >= config.max_turns:
+        ep.active, rec.end_reason, rec.truncated = False, "max_turns", True
+        return
+    closed = bool(rec.token_ids) and rec.token_ids[-1] in turns.eos_ids
+    rec.append(turns.after_policy(str(observation), closed), policy=False)

@@ -1,0 +1,147 @@
+"""The multi-turn agent loop on scripted environments: streams, masks, returns, log-probs."""
+
+from __future__ import annotations
+
+import gymnasium
+import numpy as np
+import pytest
+from flax import nnx
+
+from spade_jax.models import ModelConfig, Qwen3
+from spade_jax.rollout import SamplerConfig
+from spade_jax.rollout.agent_loop import (
+    ActionParser,
+    AgentLoopConfig,
+    ChatTurns,
+    EpisodeSpec,
+    run_episodes,
+)
+from spade_jax.tokenizers import train_sentencepiece
+
+TEMPERATURE = 0.9
+TURN_TOKENS = 6
+
+
+class ScriptedEnv(gymnasium.Env):
+    """Rewards and ending scripted per step; records the actions it was given."""
+
+    def __init__(self, name: str, rewards: list[float], end: str | None):
+        self.name, self.rewards, self.end = name, rewards, end
+        self.actions: list[str] = []
+
+    def reset(self, *, seed=None, options=None):
+        self.t, self.actions = 0, []
+        return f"{self.name} start seed {seed}", {}
+
+    def step(self, action):
+        self.actions.append(action)
+        self.t += 1
+        last = self.t == len(self.rewards)
+        return (f"{self.name} obs {self.t}", self.rewards[self.t - 1],
+                last and self.end == "terminated", last and self.end == "truncated", {})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    text = ["alpha start seed obs beta gamma 0 1 2 3 4 5 6 7 8 9 " * 4, "user assistant\n"]
+    return train_sentencepiece(text, tmp_path_factory.mktemp("spm") / "tok", vocab_size=120)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48)
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+def _chatml(role: str, content: str) -> str:
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+def test_chat_turn_pieces_match_chatml(tokenizer):
+    turns = ChatTurns(tokenizer, "be brief", enable_thinking=True)
+    assert turns.first_prompt("alpha obs 1") == tokenizer.encode(
+        _chatml("system", "be brief") + _chatml("user", "alpha obs 1") + "<|im_start|>assistant\n")
+    after = "\n" + _chatml("user", "beta 2") + "<|im_start|>assistant\n"
+    assert turns.after_policy("beta 2", closed=True) == tokenizer.encode(after)
+    assert turns.after_policy("beta 2", closed=False) == tokenizer.encode("<|im_end|>" + after)
+
+
+def test_action_parser():
+    assert ActionParser()("<think>plan</think> move left ") == ("move left", True)
+    assert ActionParser()("<think>never closed") == ("", False)
+    tagged = ActionParser(answer_tag="answer")
+    assert tagged("<think>x</think>so <answer>1</answer> or <answer> 42 </answer>") == ("42", True)
+    assert tagged("no tag here") == ("no tag here", False)
+
+
+def test_multi_turn_episodes_record_streams_masks_and_returns(model, tokenizer):
+    envs = {
+        "alpha": ScriptedEnv("alpha", [0.25, 0.5], "terminated"),
+        "beta": ScriptedEnv("beta", [1.0], "truncated"),
+        "gamma": ScriptedEnv("gamma", [0.125] * 10, None),  # never ends: hits max_turns
+    }
+    specs = [EpisodeSpec(env, name, seed=seed) for seed, (name, env) in enumerate(envs.items())]
+    config = AgentLoopConfig(
+        max_turns=3, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+        sampler=SamplerConfig(max_new_tokens=TURN_TOKENS, temperature=TEMPERATURE, seed=1,
+                              prompt_bucket_min=128, compact_batch=False),
+    )
+    records = run_episodes(model, tokenizer, specs, config,
+                           parser=ActionParser(answer_tag="answer"))
+
+    expected = {"alpha": ([0.25, 0.5], "terminated", 2), "beta": ([1.0], "truncated", 1),
+                "gamma": ([0.125] * 3, "max_turns", 3)}
+    turns = ChatTurns(tokenizer, None, enable_thinking=True)
+    for rec, (name, env) in zip(records, envs.items(), strict=True):
+        rewards, end_reason, n_turns = expected[name]
+        assert (rec.env_id, rec.seed, rec.end_reason) == (name, specs[records.index(rec)].seed,
+                                                         end_reason)
+        assert rec.step_rewards == rewards and rec.return_ == sum(rewards)
+        assert rec.observations == [f"{name} start seed {rec.seed}"] + [
+            f"{name} obs {t}" for t in range(1, n_turns + 1)]
+        assert env.actions == rec.actions and len(rec.turn_spans) == n_turns == rec.cost.turns
+        # Rebuild the stream from its parts: template pieces between the policy spans.
+        want = turns.first_prompt(rec.observations[0])
+        mask = [0] * len(want)
+        for t, (start, end) in enumerate(rec.turn_spans):
+            assert start == len(want)
+            policy = rec.token_ids[start:end]
+            assert 1 <= len(policy) <= TURN_TOKENS
+            want, mask = want + policy, mask + [1] * len(policy)
+            if t + 1 < n_turns:
+                closed = policy[-1] in turns.eos_ids
+                assert closed == (rec.turn_done_reasons[t] == "eos")
+                piece = turns.after_policy(rec.observations[t + 1], closed)
+                want, mask = want + piece, mask + [0] * len(piece)
+            text = tokenizer.decode(policy, skip_special_tokens=True)
+            assert rec.actions[t] == ActionParser(answer_tag="answer")(text)[0]
+        assert rec.token_ids == want and rec.loss_mask == mask
+        assert rec.cost.tokens_generated == sum(mask)
+        assert rec.cost.context_tokens == len(rec.token_ids)
+        assert rec.cost.parse_failures == n_turns  # a random policy writes no <answer> tags
+        assert rec.cost.env_seconds > 0
+        # Every sampled log-prob is recomputed by one forward pass over the final stream:
+        # the stream is exactly what the policy saw, turn after turn.
+        arrays = rec.arrays()
+        logits = np.asarray(model(arrays["token_ids"][None]).logits[0], np.float64) / TEMPERATURE
+        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        lp = logits[np.arange(len(want) - 1), arrays["token_ids"][1:]] - logz[:-1]
+        policy_pos = np.flatnonzero(arrays["loss_mask"])
+        np.testing.assert_allclose(arrays["logprobs"][policy_pos], lp[policy_pos - 1], atol=1e-4)
+        assert not arrays["logprobs"][arrays["loss_mask"] == 0].any()
+
+
+def test_env_errors_end_the_episode(model, tokenizer):
+    class Broken(ScriptedEnv):
+        def step(self, action):
+            raise RuntimeError("boom")
+
+    config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE,
+                                                   prompt_bucket_min=128, compact_batch=False))
+    (rec,) = run_episodes(model, tokenizer, [EpisodeSpec(Broken("alpha", [1.0], None), "b", 0)],
+                          config)
+    assert rec.end_reason == "env_error" and rec.step_rewards == [] and rec.cost.turns == 1
+    with pytest.raises(ValueError, match="max_turns"):
+        AgentLoopConfig(max_turns=0)

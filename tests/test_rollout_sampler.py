@@ -1,0 +1,194 @@
+"""The jitted sampler against transformers, a full-forward recomputation and NumPy.
+
+Compiles are the cost on CPU, so the tests share one tiny MoE checkpoint and reuse shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny_hf
+import torch
+
+from spade_jax import sharding
+from spade_jax.models import load_hf, positions_from_mask
+from spade_jax.rollout import SamplerConfig, generate, sampling
+
+NEW = 64
+LENGTHS = (3, 7, 5, 11)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe")
+    hf = tiny_hf.make_hf_model("moe", path, eos_token_id=None, num_hidden_layers=2)
+    model, _ = load_hf(path)
+    rs = np.random.RandomState(0)
+    prompts = [rs.randint(0, tiny_hf.VOCAB, n).tolist() for n in LENGTHS]
+    return hf, path, model, prompts
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoint):
+    _, _, model, prompts = checkpoint
+    return generate(model, prompts, NEW)
+
+
+def _full_forward_logprobs(model, prompt, tokens, temperature, router_hook=None):
+    """log_softmax(logits / T) of each generated token from one uncached forward pass."""
+    ids = np.asarray([prompt + tokens])
+    out = model(ids, positions_from_mask(np.ones_like(ids)), router_hook=router_hook)
+    logits = np.asarray(out.logits[0, len(prompt) - 1:-1], np.float64) / (temperature or 1.0)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return logits[np.arange(len(tokens)), tokens] - logz, out
+
+
+def test_greedy_matches_transformers_generate(checkpoint, greedy):
+    hf, _, _, prompts = checkpoint
+    width = max(LENGTHS)
+    ids = np.zeros((len(prompts), width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                          max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    ref = ref[:, width:].numpy()
+    assert [len(t) for t in greedy.tokens] == [NEW] * 4
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), ref)
+    assert greedy.done_reasons == ["max_tokens"] * 4
+    # Greedy log-probs are those of the T=1 policy, recomputed without a cache.
+    for p, toks, lps in zip(prompts, greedy.tokens, greedy.logprobs, strict=True):
+        ref_lp, _ = _full_forward_logprobs(checkpoint[2], p, toks, 0.0)
+        assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4
+
+
+def test_sampled_logprobs_and_router_record_equal_full_forward(checkpoint):
+    _, _, model, prompts = checkpoint
+
+    def boost_expert_3(logits_btE, layer_idx):
+        return logits_btE.at[..., 3].add(2.0 * (layer_idx + 1))
+
+    out = generate(model, prompts, 24, temperature=0.7, top_p=0.9, top_k=20, seed=3,
+                   return_router=True, router_hook=boost_expert_3)
+    assert out.moe_layers == (0, 1)
+    for i, (p, toks, lps) in enumerate(zip(prompts, out.tokens, out.logprobs, strict=True)):
+        ref_lp, ref = _full_forward_logprobs(model, p, toks, 0.7, router_hook=boost_expert_3)
+        assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4
+        fed = len(p) + len(toks) - 1  # the last sampled token was never fed to the model
+        want_logits = np.stack([np.asarray(ref.router_logits[j][0, :fed]) for j in (0, 1)], 1)
+        want_experts = np.stack([np.asarray(ref.selected_experts[j][0, :fed]) for j in (0, 1)], 1)
+        assert out.router_logits[i].shape == (fed, 2, 8)
+        np.testing.assert_allclose(out.router_logits[i], want_logits, atol=1e-4)
+        np.testing.assert_array_equal(np.sort(out.selected_experts[i], -1), np.sort(want_experts, -1))
+    # Sampling is reproducible per seed and differs across seeds.
+    again = generate(model, prompts, 24, temperature=0.7, top_p=0.9, top_k=20, seed=3,
+                     return_router=True, router_hook=boost_expert_3)
+    assert again.tokens == out.tokens
+
+
+class _CharTokenizer:
+    """Id i decodes to one letter, so stop strings can be planted in the greedy output."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_tokens_stop_strings_and_batch_compaction(checkpoint, greedy):
+    _, _, model, prompts = checkpoint
+    ref = greedy.tokens
+    # Row 0 stops at its 5th token (a stop id), row 1 at a stop string spanning tokens 9-10.
+    stop_ids = [[ref[0][4]], [], [], []]
+    text1 = _CharTokenizer().decode(ref[1])
+    stop_str = [[], [text1[8:10]], [], []]
+    cut1 = next(n for n in range(1, NEW + 1) if text1[8:10] in text1[:n])
+    out = generate(model, prompts, NEW, stop_tokens=stop_ids, stop_strings=stop_str,
+                   tokenizer=_CharTokenizer(), config=SamplerConfig(NEW, chunk_steps=8))
+    first0 = ref[0].index(ref[0][4]) + 1
+    assert out.tokens[0] == ref[0][:first0] and out.done_reasons[0] == "eos"
+    assert out.tokens[1] == ref[1][:cut1] and out.done_reasons[1] == "stop_string"
+    assert out.tokens[2:] == ref[2:] and out.done_reasons[2:] == ["max_tokens"] * 2
+    np.testing.assert_allclose(out.logprobs[3], greedy.logprobs[3], atol=1e-5)
+    assert out.stats["compactions"] >= 1  # 4 rows -> 2 once rows 0 and 1 finished
+
+
+def test_sharded_generation_equals_single_device(checkpoint, greedy):
+    if jax.device_count() < 8:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    _, path, _, prompts = checkpoint
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=1, tensor=2, expert=2))
+    model, _ = load_hf(path, mesh=mesh)
+    out = generate(model, prompts, NEW, mesh=mesh)
+    assert out.tokens == greedy.tokens
+    assert out.stats["batch_bucket"] == 4
+
+
+def test_config_and_input_validation(checkpoint):
+    _, _, model, _ = checkpoint
+    with pytest.raises(ValueError, match="top_p"):
+        SamplerConfig(8, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplerConfig(8, temperature=-1.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplerConfig(0)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1], []], 4)
+    with pytest.raises(ValueError, match="outside"):
+        generate(model, [[1, 10_000]], 4)
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(model, [[1]], 4, stop_strings=["x"])
+
+
+# --- sampling math against a NumPy reference distribution ---------------------------------
+
+def _reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
+    z = logits.astype(np.float64) / temperature
+    if top_k:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = np.zeros_like(p, bool)
+    keep[order[(before < top_p) | (np.arange(len(p)) == 0)]] = True
+    p = np.where(keep, p, 0.0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.5, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.7), (0.8, 6, 0.8),
+])
+def test_sampling_matches_reference_distribution(temperature, top_k, top_p):
+    vocab, draws = 12, 40_000
+    logits = np.random.RandomState(7).normal(0, 1.5, vocab).astype(np.float32)
+    want = _reference_probs(logits, temperature, top_k, top_p)
+    keys = jax.random.split(jax.random.key(11), draws)
+    tokens, logprobs = jax.jit(lambda k: sampling.sample_tokens(
+        jnp.broadcast_to(jnp.asarray(logits), (draws, vocab)), k, temperature=temperature,
+        top_k=top_k, top_p=top_p, greedy=False, use_top_p=top_p < 1))(keys)
+    counts = np.bincount(np.asarray(tokens), minlength=vocab)
+    assert counts[want == 0].sum() == 0, "a filtered-out token was drawn"
+    support = want > 0
+    expected = want[support] * draws
+    chi2 = float((((counts[support] - expected) ** 2) / expected).sum())
+    dof = int(support.sum()) - 1
+    # chi-square 99.9% quantile via the Wilson-Hilferty approximation
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3 if dof else 0.0
+    assert chi2 <= crit, (chi2, crit, counts, want)
+    # the recorded log-prob is the untruncated, temperature-scaled one
+    z = logits.astype(np.float64) / temperature
+    full = z - np.log(np.exp(z - z.max()).sum()) - z.max()
+    np.testing.assert_allclose(np.asarray(logprobs), full[np.asarray(tokens)], atol=1e-5)
+
+
+def test_greedy_sampling_is_argmax_with_t1_logprob():
+    logits = jnp.asarray(np.random.RandomState(1).normal(size=(3, 9)), jnp.float32)
+    tokens, logprobs = sampling.sample_tokens(
+        logits, jax.random.split(jax.random.key(0), 3), temperature=0.0, top_k=0, top_p=1.0,
+        greedy=True, use_top_p=False)
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(logits), -1))
+    np.testing.assert_allclose(np.asarray(logprobs),
+                               np.asarray(jax.nn.log_softmax(logits))[np.arange(3), tokens],
+                               atol=1e-6)
