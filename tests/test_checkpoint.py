@@ -306,6 +306,20 @@ def test_corrupt_latest_falls_back_to_previous_with_message(tmp_path, caplog, da
     assert _manager(tmp_path).restore_latest().step == 3
 
 
+def test_unfinished_save_directory_is_ignored(tmp_path):
+    """A save killed mid-write leaves only Orbax's temporary directory, never a step name."""
+    _saved_steps(tmp_path, steps=(1, 2))
+    partial = tmp_path / "3.orbax-checkpoint-tmp-1700000000"
+    shutil.copytree(tmp_path / "2", partial)
+    (partial / "state" / "_METADATA").write_bytes(b"")
+    ckpt = _manager(tmp_path)
+    assert ckpt.all_steps() == [1, 2]
+    assert ckpt.restore_latest().step == 2
+    ckpt.save(3, _small_state(3.0), {"step": 3})
+    ckpt.close()
+    assert _manager(tmp_path).restore_latest().step == 3
+
+
 def test_unreadable_data_with_sizes_only_is_caught_by_trial_restore(tmp_path, caplog):
     _saved_steps(tmp_path, checksum=False)
     metadata = tmp_path / "3" / "state" / "_METADATA"
