@@ -228,6 +228,8 @@ def manifest_problem(step_dir: epath.Path, step: int) -> str | None:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         return f"{MANIFEST_NAME} is not valid JSON ({err})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return f"{MANIFEST_NAME} lacks its file list"
     if manifest.get("step") != step:
         return f"{MANIFEST_NAME} is for step {manifest.get('step')}, not {step}"
     for name, entry in manifest["files"].items():
@@ -331,16 +333,16 @@ class CheckpointManager:
 
     def _finalise_pending(self) -> None:
         self._manager.wait_until_finished()
-        with self._manifest_lock:
+        with self._manifest_lock:  # only the hand-over; hashing runs unlocked
             steps, self._pending_manifest_steps = self._pending_manifest_steps, []
-            if jax.process_index() != 0:
-                return
-            existing = set(self._manager.all_steps())
-            for step in steps:
-                if step in existing:
-                    write_manifest(
-                        self.directory / str(step), step, self.cfg.checksum, self.config_hash
-                    )
+        if jax.process_index() != 0:
+            return
+        existing = set(self._manager.all_steps())
+        for step in steps:
+            if step in existing:
+                write_manifest(
+                    self.directory / str(step), step, self.cfg.checksum, self.config_hash
+                )
 
     def _raise_manifest_error(self) -> None:
         if self._manifest_error is not None:

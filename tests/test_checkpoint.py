@@ -306,6 +306,20 @@ def test_corrupt_latest_falls_back_to_previous_with_message(tmp_path, caplog, da
     assert _manager(tmp_path).restore_latest().step == 3
 
 
+def test_async_save_writes_manifest_without_waiting(tmp_path):
+    """The manifest appears once Orbax finalises, without a later save() or wait(): a kill
+    between two saves must not cost the newest checkpoint."""
+    ckpt = _manager(tmp_path)
+    ckpt.save(1, _small_state(1.0), {"step": 1})
+    manifest = tmp_path / "1" / ckpt_lib.MANIFEST_NAME
+    deadline = time.time() + 60
+    while not manifest.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert manifest.exists()
+    assert ckpt_lib.manifest_problem(tmp_path / "1", 1) is None
+    ckpt.close()
+
+
 def test_unfinished_save_directory_is_ignored(tmp_path):
     """A save killed mid-write leaves only Orbax's temporary directory, never a step name."""
     _saved_steps(tmp_path, steps=(1, 2))
