@@ -200,8 +200,11 @@ def _step_files(step_dir: epath.Path) -> list[epath.Path]:
     return sorted(files)
 
 
-def write_manifest(step_dir: epath.Path, step: int, checksum: bool, config_hash: str | None) -> None:
+def write_manifest(
+    step_dir: epath.PathLike, step: int, checksum: bool, config_hash: str | None
+) -> None:
     """Records every file of a finalised step; written last and atomically (tmp + rename)."""
+    step_dir = epath.Path(step_dir)
     files = {}
     for path in _step_files(step_dir):
         entry: dict[str, Any] = {"size": path.stat().length}
@@ -219,8 +222,9 @@ def _has_checksums(step_dir: epath.Path) -> bool:
     return all("sha256" in entry for entry in manifest["files"].values())
 
 
-def manifest_problem(step_dir: epath.Path, step: int) -> str | None:
+def manifest_problem(step_dir: epath.PathLike, step: int) -> str | None:
     """Why ``step_dir`` is not a complete, intact checkpoint; None when it is."""
+    step_dir = epath.Path(step_dir)
     manifest_path = step_dir / MANIFEST_NAME
     if not manifest_path.exists():
         return f"no {MANIFEST_NAME} (the save never finished)"
