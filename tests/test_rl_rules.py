@@ -374,7 +374,12 @@ def test_first_mistake_matches_numpy(tolerance):
 
 
 def test_update_rule_config_chains_the_chosen_stages():
-    from spade_jax.rl.update_rule import UpdateRuleConfig, advantages_and_keep, policy_loss
+    from spade_jax.rl.update_rule import (
+        UpdateRuleConfig,
+        add_step_advantages,
+        advantages_and_keep,
+        policy_loss,
+    )
 
     rule = UpdateRuleConfig(advantage_estimator="rloo", token_weighting="eapo",
                             group_filter="dapo_dynamic_sampling", policy_loss="dapo",
@@ -383,6 +388,17 @@ def test_update_rule_config_chains_the_chosen_stages():
     rewards = jnp.asarray([1.0, 0.0, 1.0, 0.5, 0.5, 0.5])
     advantages, keep, metrics = advantages_and_keep(rule, rewards, 3)
     assert np.asarray(keep).tolist() == [True] * 3 + [False] * 3
+    step_rule = UpdateRuleConfig(step_advantage_estimator="first_mistake",
+                                 step_advantage_overrides={"suffix_advantage": -0.5})
+    step_rewards = jnp.asarray([[0.5, 0.2]] * 6)  # every trajectory drops at step 1
+    token_step = jnp.asarray([[-1, 0, 1, 1]] * 6)
+    combined, _ = add_step_advantages(step_rule, advantages, step_rewards,
+                                      jnp.ones((6, 2)), token_step)
+    expected_steps = np.asarray([0.0, 1.0, -0.5, -0.5])
+    np.testing.assert_allclose(np.asarray(combined),
+                               np.asarray(advantages)[:, None] + expected_steps[None])
+    plain_bt, _ = add_step_advantages(rule, advantages, step_rewards, jnp.ones((6, 2)), token_step)
+    np.testing.assert_array_equal(np.asarray(plain_bt)[:, 0], np.asarray(advantages))
     np.testing.assert_allclose(np.asarray(advantages), [0.5, -1.0, 0.5, 0.0, 0.0, 0.0])
     assert "group_filter/kept_group_frac" in metrics
 
@@ -402,6 +418,8 @@ def test_update_rule_config_chains_the_chosen_stages():
                                          rel=1e-5)
     with pytest.raises(KeyError, match="unknown policy_losses rule 'ppo'"):
         UpdateRuleConfig(policy_loss="ppo")
+    with pytest.raises(ValueError, match="without a step_advantage_estimator"):
+        UpdateRuleConfig(step_advantage_overrides={"tolerance": 0.1})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['clip'\]"):
         UpdateRuleConfig(policy_loss_overrides={"clip": 0.1})
 

@@ -25,6 +25,7 @@ from spade_jax.rl.registry import (
     group_filters,
     load_rule_modules,
     policy_losses,
+    step_advantage_estimators,
     token_weightings,
 )
 
@@ -40,6 +41,8 @@ class UpdateRuleConfig:
       token_weighting: name in ``token_weightings`` (A_i, entropy -> A_it).
       group_filter: name in ``group_filters`` (which prompt groups to train on).
       policy_loss: name in ``policy_losses``.
+      step_advantage_estimator: optional name in ``step_advantage_estimators``; its
+        per-token advantages are added to the outcome advantage (:func:`add_step_advantages`).
       *_overrides: fields of that rule's config dataclass to change from its defaults.
       rule_modules: extra modules to import first, for rules defined outside the package.
     """
@@ -48,10 +51,12 @@ class UpdateRuleConfig:
     token_weighting: str = "none"
     group_filter: str = "keep_all"
     policy_loss: str = "grpo"
+    step_advantage_estimator: str | None = None
     advantage_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     token_weighting_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     group_filter_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     policy_loss_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    step_advantage_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     rule_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -60,7 +65,15 @@ class UpdateRuleConfig:
 
     def configs(self) -> dict[str, Any]:
         """Each stage's validated config dataclass, keyed by stage."""
+        step_config = None
+        if self.step_advantage_estimator is not None:
+            step_config = step_advantage_estimators.get(self.step_advantage_estimator).make_config(
+                **self.step_advantage_overrides
+            )
+        elif self.step_advantage_overrides:
+            raise ValueError("step_advantage_overrides given without a step_advantage_estimator")
         return {
+            "step_advantage": step_config,
             "advantage": advantage_estimators.get(self.advantage_estimator).make_config(
                 **self.advantage_overrides
             ),
@@ -95,6 +108,24 @@ def advantages_and_keep(
     keep_b = jax.numpy.repeat(keep_g, group_size)
     metrics = {**_prefixed("advantage", adv_metrics), **_prefixed("group_filter", filter_metrics)}
     return advantages, keep_b, metrics
+
+
+def add_step_advantages(
+    rule: UpdateRuleConfig,
+    advantages: Array,
+    step_rewards: Array,
+    step_mask: Array,
+    token_step: Array,
+) -> tuple[Array, Metrics]:
+    """``A_it = A_i + A^step_it`` (``[B, T]``) with the chosen step-level estimator; the
+    outcome advantages broadcast unchanged when the rule has none."""
+    if rule.step_advantage_estimator is None:
+        return jax.numpy.broadcast_to(advantages[:, None], token_step.shape), {}
+    estimator = step_advantage_estimators.get(rule.step_advantage_estimator)
+    step_adv_bt, metrics = estimator.fn(
+        step_rewards, step_mask, token_step, rule.configs()["step_advantage"]
+    )
+    return advantages[:, None] + step_adv_bt, _prefixed("step_advantage", metrics)
 
 
 def policy_loss(
