@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gymnasium
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -44,7 +45,7 @@ class ScriptedEnv(gymnasium.Env):
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     text = ["alpha start seed obs beta gamma 0 1 2 3 4 5 6 7 8 9 " * 4, "user assistant\n"]
-    return train_sentencepiece(text, tmp_path_factory.mktemp("spm") / "tok", vocab_size=120)
+    return train_sentencepiece(text, tmp_path_factory.mktemp("spm") / "tok", vocab_size=300)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,8 @@ def test_multi_turn_episodes_record_streams_masks_and_returns(model, tokenizer):
     expected = {"alpha": ([0.25, 0.5], "terminated", 2), "beta": ([1.0], "truncated", 1),
                 "gamma": ([0.125] * 3, "max_turns", 3)}
     turns = ChatTurns(tokenizer, None, enable_thinking=True)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids).logits)
     for rec, (name, env) in zip(records, envs.items(), strict=True):
         rewards, end_reason, n_turns = expected[name]
         assert (rec.env_id, rec.seed, rec.end_reason) == (name, specs[records.index(rec)].seed,
@@ -124,7 +127,9 @@ def test_multi_turn_episodes_record_streams_masks_and_returns(model, tokenizer):
         # Every sampled log-prob is recomputed by one forward pass over the final stream:
         # the stream is exactly what the policy saw, turn after turn.
         arrays = rec.arrays()
-        logits = np.asarray(model(arrays["token_ids"][None]).logits[0], np.float64) / TEMPERATURE
+        padded = np.zeros((1, 128), np.int32)  # one shape: one compile for all records
+        padded[0, :len(want)] = arrays["token_ids"]
+        logits = np.asarray(forward(state, padded)[0, :len(want)], np.float64) / TEMPERATURE
         logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         lp = logits[np.arange(len(want) - 1), arrays["token_ids"][1:]] - logz[:-1]
         policy_pos = np.flatnonzero(arrays["loss_mask"])

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import tiny_hf
 import torch
+from flax import nnx
 
 from spade_jax import sharding
-from spade_jax.models import load_hf, positions_from_mask
+from spade_jax.models import load_hf
 from spade_jax.rollout import SamplerConfig, generate, sampling
 
 NEW = 64
+WIDTH = 80
 LENGTHS = (3, 7, 5, 11)
 
 
@@ -36,13 +38,20 @@ def greedy(checkpoint):
     return generate(model, prompts, NEW)
 
 
-def _full_forward_logprobs(model, prompt, tokens, temperature, router_hook=None):
-    """log_softmax(logits / T) of each generated token from one uncached forward pass."""
-    ids = np.asarray([prompt + tokens])
-    out = model(ids, positions_from_mask(np.ones_like(ids)), router_hook=router_hook)
-    logits = np.asarray(out.logits[0, len(prompt) - 1:-1], np.float64) / (temperature or 1.0)
+def _full_forward_logprobs(model, prompts, generated, temperature, router_hook=None):
+    """log_softmax(logits / T) of every generated token, from one uncached jitted forward
+    over right-padded prompt+generated rows (padding after a row cannot affect it)."""
+    rows = [p + g for p, g in zip(prompts, generated, strict=True)]
+    ids = np.zeros((len(rows), WIDTH), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    graphdef, state = nnx.split(model)
+    out = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, router_hook=router_hook))(state, ids)
+    logits = np.asarray(out.logits, np.float64) / (temperature or 1.0)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    return logits[np.arange(len(tokens)), tokens] - logz, out
+    lps = [logits[i, np.arange(len(p) - 1, len(r) - 1), g] - logz[i, len(p) - 1:len(r) - 1]
+           for i, (p, g, r) in enumerate(zip(prompts, generated, rows, strict=True))]
+    return lps, out
 
 
 def test_greedy_matches_transformers_generate(checkpoint, greedy):
@@ -60,8 +69,8 @@ def test_greedy_matches_transformers_generate(checkpoint, greedy):
     np.testing.assert_array_equal(np.asarray(greedy.tokens), ref)
     assert greedy.done_reasons == ["max_tokens"] * 4
     # Greedy log-probs are those of the T=1 policy, recomputed without a cache.
-    for p, toks, lps in zip(prompts, greedy.tokens, greedy.logprobs, strict=True):
-        ref_lp, _ = _full_forward_logprobs(checkpoint[2], p, toks, 0.0)
+    ref_lps, _ = _full_forward_logprobs(checkpoint[2], prompts, greedy.tokens, 0.0)
+    for lps, ref_lp in zip(greedy.logprobs, ref_lps, strict=True):
         assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4
 
 
@@ -74,12 +83,13 @@ def test_sampled_logprobs_and_router_record_equal_full_forward(checkpoint):
     out = generate(model, prompts, 24, temperature=0.7, top_p=0.9, top_k=20, seed=3,
                    return_router=True, router_hook=boost_expert_3)
     assert out.moe_layers == (0, 1)
+    ref_lps, ref = _full_forward_logprobs(model, prompts, out.tokens, 0.7,
+                                          router_hook=boost_expert_3)
     for i, (p, toks, lps) in enumerate(zip(prompts, out.tokens, out.logprobs, strict=True)):
-        ref_lp, ref = _full_forward_logprobs(model, p, toks, 0.7, router_hook=boost_expert_3)
-        assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4
+        assert np.abs(np.asarray(lps) - ref_lps[i]).max() <= 1e-4
         fed = len(p) + len(toks) - 1  # the last sampled token was never fed to the model
-        want_logits = np.stack([np.asarray(ref.router_logits[j][0, :fed]) for j in (0, 1)], 1)
-        want_experts = np.stack([np.asarray(ref.selected_experts[j][0, :fed]) for j in (0, 1)], 1)
+        want_logits = np.stack([np.asarray(ref.router_logits[j][i, :fed]) for j in (0, 1)], 1)
+        want_experts = np.stack([np.asarray(ref.selected_experts[j][i, :fed]) for j in (0, 1)], 1)
         assert out.router_logits[i].shape == (fed, 2, 8)
         np.testing.assert_allclose(out.router_logits[i], want_logits, atol=1e-4)
         np.testing.assert_array_equal(np.sort(out.selected_experts[i], -1), np.sort(want_experts, -1))

@@ -263,7 +263,7 @@ def _decode(graphdef, params, state: DecodeState, until, scalars: _Scalars, *, s
                               state)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@jax.jit  # no donation: the output rows are fewer, so the input buffers cannot be reused
 def _take_rows(state: DecodeState, rows_b: jax.Array) -> DecodeState:
     """Gathers the given batch rows of every per-row array (batch compaction)."""
 
