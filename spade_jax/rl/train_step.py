@@ -373,7 +373,7 @@ def train_step(
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     grads, (loss_m, (weighted_m, stats_m)) = jax.lax.scan(accumulate, zeros, (batch_m, share_mr))
     loss = jnp.sum(loss_m)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = TrainState(state.step + 1, params, opt_state, jax.random.split(state.rng)[0])
@@ -388,8 +388,8 @@ def train_step(
     metrics.update(
         loss=loss,
         grad_norm=grad_norm,
-        update_norm=jnp.where(skipped, 0.0, optax.global_norm(updates)),
-        param_norm=optax.global_norm(new_state.params),
+        update_norm=jnp.where(skipped, 0.0, optax.tree.norm(updates)),
+        param_norm=optax.tree.norm(new_state.params),
         learning_rate=learning_rate_schedule(config.optimizer)(state.step),
         skipped=skipped.astype(jnp.int32),
     )
