@@ -1,0 +1,420 @@
+"""Role prompts for SPADE's one policy, and the parser for the designer's output.
+
+One policy plays two roles, each with its own system prompt:
+
+- the **Environment Designer** (`DESIGNER_SYSTEM_PROMPT`, `designer_user_prompt`) writes a
+  Python environment program and a privileged hint, in the format that
+  `parse_designer_output` reads and `format_designer_output` writes;
+- the **Reasoning Agent** (`AGENT_SYSTEM_PROMPT`) plays environments. In the hint arm,
+  `agent_first_observation` shows it the hint. The program never sees the hint.
+
+Designer output format: the hint in `<hint>...</hint>` and the program in a fenced
+```python block. The parser is lenient: it accepts a fence with no language tag, the hint
+before or after the block, and a fence longer than three backticks. When there are
+several program blocks, it takes the last one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from spade_jax.envs.contract import PROGRAM_CONTRACT
+from spade_jax.spade.skills import SKILL_SETS, Skill
+
+# --------------------------------------------------------------------------- system prompts
+
+DESIGNER_SYSTEM_PROMPT: str = f"""\
+You are the Environment Designer. You write training environments for a reasoning agent:
+a Python program that the agent interacts with through text, plus a hint for the agent.
+
+{PROGRAM_CONTRACT}
+What makes a good environment:
+- Its difficulty sits at the agent's frontier. The agent should solve it with the hint but
+  usually not without it. Environments the agent always solves teach nothing. So do
+  environments nobody can solve, or broken ones.
+- A new instance for every seed, drawn with `random.Random(seed)`, so the agent cannot
+  memorise answers.
+- Multi-turn environments with state and partial rewards are welcome: feedback after each
+  step, and partial credit for sub-goals that sums to at most 1.
+- The opening observation states the task, not its solution. Do not print the governing
+  formula or law. Let the agent infer it, for example from measurements it asks for.
+- The program is short and readable, and it parses actions leniently (numbers with
+  regular expressions, case-insensitive words).
+
+What makes a good hint: information that substantively helps. Examples are a structural
+observation about the problem, the key step of a partial solution, or the quantity to
+compute first. The hint is fixed text, while every seed draws a new instance, so it must
+not be one instance's answer. A hint that only states an answer string is useless.
+
+Output format: first the hint inside <hint>...</hint>, then the whole program in one
+fenced python block. Write nothing after the block.
+
+<hint>your hint for the agent</hint>
+```python
+import random
+
+class Environment:
+    ...
+```
+"""
+
+
+def agent_system_prompt(answer_tag: str | None = None) -> str:
+    """The Reasoning Agent's system prompt, matched to the rollout's action parser.
+
+    Pass `answer_tag=None` for the default `ActionParser()`: the visible reply (a leading
+    `<think>...</think>` removed) is the action. Pass a tag name to match
+    `ActionParser(answer_tag=...)`: the content of the last `<tag>...</tag>` is the action.
+    """
+    if answer_tag is not None and not re.fullmatch(r"[A-Za-z][\w-]*", answer_tag):
+        raise ValueError(f"answer_tag must be a tag name like 'answer', got {answer_tag!r}")
+    if answer_tag is None:
+        action_rule = (
+            "Your whole visible reply is sent to the environment as your action. Reply "
+            "with the action only, in the form the environment asks for: no explanation "
+            "and no formatting. If you need to think first, put your reasoning inside "
+            "<think>...</think>. That part is removed before your reply reaches the "
+            "environment."
+        )
+    else:
+        action_rule = (
+            f"Put the action inside <{answer_tag}>...</{answer_tag}>, in the form the "
+            f"environment asks for. Only the content of the last <{answer_tag}> block is "
+            "sent to the environment. Keep any reasoning before it short."
+        )
+    return (
+        "You are the Reasoning Agent. You interact with an environment over one or more "
+        "turns. Each user message is the environment's observation, and each of your "
+        "replies is one action. The environment gives rewards for correct actions, and "
+        "sometimes partial rewards for progress. Read the feedback after each action and "
+        f"use it. {action_rule} Be concise."
+    )
+
+
+# Matches the default `spade_jax.rollout.agent_loop.ActionParser()` (no answer tag).
+AGENT_SYSTEM_PROMPT: str = agent_system_prompt(None)
+
+
+# --------------------------------------------------------------------------- user prompts
+
+_REGIME_HEADINGS = {
+    "frontier": (
+        "Frontier environments: the agent solved these with the hint but not without it. "
+        "Build on them with new variations, harder instances or other mechanics."
+    ),
+    "mastered": (
+        "Mastered environments: the agent already solves these without the hint. They "
+        "are too easy, so do not repeat them."
+    ),
+    "intractable": (
+        "Intractable environments: the agent failed these even with the hint. They are too "
+        "hard, or broken, or their hint did not help. Avoid them."
+    ),
+}
+
+
+def designer_user_prompt(
+    skill: str | Skill,
+    documents: Sequence[str],
+    memory_examples: Sequence[Mapping[str, Any]],
+    *,
+    max_doc_chars: int,
+    max_program_chars: int = 4000,
+) -> str:
+    """The per-slot request to the designer: the skill, grounding documents, memory.
+
+    Args:
+      skill: a skill name from `spade_jax.spade.skills` or a `Skill`. Its description is
+        shown to the designer.
+      documents: corpus documents freshly sampled for this round (str, or objects with a
+        `.text` such as `corpus.Document`). Each is cut to `max_doc_chars`. Pass an empty
+        list for the no-corpus ablation: the section is left out.
+      memory_examples: environments from memory as dicts. `EnvironmentRecord.to_json()`
+        fits, and so do the short keys `program`, `hint`, `regime`, `win_rate`, `regret`.
+        They are grouped by regime: frontier = build on, mastered = too easy,
+        intractable = too hard or broken. Pass an empty list for the no-memory ablation.
+      max_doc_chars: most characters kept from each document (>= 1).
+      max_program_chars: most characters kept from each memory program (>= 1).
+    """
+    if max_doc_chars < 1:
+        raise ValueError(f"max_doc_chars must be >= 1, got {max_doc_chars}")
+    if max_program_chars < 1:
+        raise ValueError(f"max_program_chars must be >= 1, got {max_program_chars}")
+    resolved = _resolve_skill(skill)
+    parts = [f"Design one new environment for the skill '{resolved.name}': {resolved.description}."]
+    if documents:
+        parts.append(
+            "Reference documents, sampled fresh for this request. Ground the environment in "
+            "a concept, quantity or procedure from them; do not copy them."
+        )
+        for index, document in enumerate(documents, start=1):
+            text = _truncate(_document_text(document, index).strip(), max_doc_chars)
+            parts.append(f"[Document {index}]\n{text}")
+    examples = [_memory_example(example, index) for index, example in enumerate(memory_examples)]
+    for regime, heading in _REGIME_HEADINGS.items():
+        chosen = [example for example in examples if example["regime"] == regime]
+        if not chosen:
+            continue
+        parts.append(heading)
+        for example in chosen:
+            program = _truncate(example["program"], max_program_chars)
+            fence = _fence_for(program)
+            parts.append(
+                f"Agent win rate without hint {example['win_rate']:.2f}, "
+                f"regret {example['regret']:+.2f}\n"
+                f"<hint>{example['hint']}</hint>\n{fence}python\n{program}\n{fence}"
+            )
+    parts.append(
+        "Write a new environment that differs from every example above. Reply with the "
+        "<hint>...</hint> and one ```python block."
+    )
+    return "\n\n".join(parts)
+
+
+def agent_first_observation(observation: str, hint: str | None) -> str:
+    """The agent's first user turn: the observation, with "Hint: ..." appended when the
+    episode is in the hint arm (`hint` is not None). Later turns never carry the hint, and
+    the environment program never receives it."""
+    if hint is None:
+        return observation
+    if not isinstance(hint, str) or not hint.strip():
+        raise ValueError("hint arm needs a non-empty hint (pass None for the no-hint arm)")
+    return f"{observation}\n\nHint: {hint.strip()}"
+
+
+def _resolve_skill(skill: str | Skill) -> Skill:
+    if isinstance(skill, Skill):
+        return skill
+    known = {s.name: s for skill_set in SKILL_SETS.values() for s in skill_set}
+    if skill not in known:
+        raise ValueError(
+            f"unknown skill {skill!r}; known skills: {sorted(known)} (or pass a Skill)"
+        )
+    return known[skill]
+
+
+def _document_text(document: Any, index: int) -> str:
+    text = document if isinstance(document, str) else getattr(document, "text", None)
+    if not isinstance(text, str):
+        raise TypeError(
+            f"document {index} must be a str or have a str .text, got {type(document).__name__}"
+        )
+    return text
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "\n[... truncated]"
+
+
+def _memory_example(example: Any, index: int) -> dict[str, Any]:
+    if hasattr(example, "to_json"):
+        example = example.to_json()
+    if not isinstance(example, Mapping):
+        raise TypeError(f"memory example {index} must be a dict, got {type(example).__name__}")
+
+    def pick(*keys: str) -> Any:
+        for key in keys:
+            if key in example:
+                return example[key]
+        raise ValueError(f"memory example {index} lacks {' / '.join(keys)}")
+
+    regime = str(pick("regime"))  # Regime is a StrEnum: str() gives its value
+    if regime not in _REGIME_HEADINGS:
+        raise ValueError(
+            f"memory example {index} has regime {regime!r}; expected one of "
+            f"{sorted(_REGIME_HEADINGS)}"
+        )
+    return {
+        "program": str(pick("program_source", "program", "source")).rstrip("\n"),
+        "hint": str(pick("hint")),
+        "regime": regime,
+        "win_rate": float(pick("win_rate_no_hint", "win_rate")),
+        "regret": float(pick("regret")),
+    }
+
+
+# --------------------------------------------------------------------------- designer output
+
+PARSE_FAILURE_CODES: tuple[str, ...] = (
+    "not_text",  # the input is not a str
+    "unterminated_think",  # a <think> block that never closes: no visible output
+    "no_program_block",  # no ```python (or untagged) fenced block
+    "unterminated_program_block",  # the program block never closes (output cut off)
+    "empty_program",  # the block holds only whitespace
+    "no_hint",  # no <hint>...</hint> outside the program block
+    "empty_hint",  # the hint tag holds only whitespace
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DesignerOutput:
+    """A parsed designer reply: program source, hint, and the raw text."""
+
+    program: str
+    hint: str
+    raw: str
+
+    @property
+    def ok(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class ParseFailure:
+    """Why a designer reply could not be parsed. `code` is in `PARSE_FAILURE_CODES`."""
+
+    code: str
+    detail: str
+    raw: str
+
+    def __post_init__(self) -> None:
+        if self.code not in PARSE_FAILURE_CODES:
+            raise ValueError(f"unknown parse failure code {self.code!r}")
+
+    @property
+    def ok(self) -> bool:
+        return False
+
+
+_PYTHON_LANGS = frozenset({"python", "python3", "py", "py3"})
+# A fence line: up to three spaces, three or more backticks, an optional info string.
+_OPEN_FENCE = re.compile(r"[ \t]{0,3}(`{3,})([^`]*)")
+_HINT_OPEN = re.compile(r"<hint\s*>", re.I)
+_HINT_CLOSE = re.compile(r"</hint\s*>", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    lang: str  # lower-cased first word of the info string; "" when untagged
+    start: int  # offset of the opening fence line
+    end: int  # offset just past the closing fence line (len(text) if unterminated)
+    content: str
+    closed: bool
+
+
+def _fenced_blocks(text: str) -> list[_Block]:
+    """Fenced blocks in order, scanning line by line (no backtracking regex over text)."""
+    blocks: list[_Block] = []
+    lines = text.split("\n")
+    offset, i = 0, 0
+    while i < len(lines):
+        line = lines[i]
+        opening = _OPEN_FENCE.fullmatch(line.rstrip("\r"))
+        if opening is None:
+            offset += len(line) + 1
+            i += 1
+            continue
+        info = opening.group(2).split()
+        ticks, lang = len(opening.group(1)), (info[0].lower() if info else "")
+        start, body_start = offset, offset + len(line) + 1
+        close = re.compile(rf"[ \t]{{0,3}}`{{{ticks},}}[ \t\r]*")
+        offset, i = body_start, i + 1
+        while i < len(lines) and close.fullmatch(lines[i]) is None:
+            offset += len(lines[i]) + 1
+            i += 1
+        if i == len(lines):
+            blocks.append(_Block(lang, start, len(text), text[body_start:], False))
+            break
+        # The newline that ends the last content line belongs to the fence, not the program.
+        content = text[body_start : max(body_start, offset - 1)]
+        offset += len(lines[i]) + 1
+        i += 1
+        blocks.append(_Block(lang, start, min(offset, len(text)), content, True))
+    return blocks
+
+
+def _strip_thinking(text: str) -> str | None:
+    """Text without the reasoning: a leading <think>...</think> block, or everything up to
+    a </think> whose opening tag was in the prompt. None if a <think> never closes."""
+    stripped = text.lstrip()
+    if stripped.startswith("<think>"):
+        end = stripped.find("</think>")
+        return None if end < 0 else stripped[end + len("</think>") :]
+    end, opening = text.find("</think>"), text.find("<think>")
+    if end >= 0 and (opening < 0 or opening > end):
+        return text[end + len("</think>") :]
+    return text
+
+
+def parse_designer_output(text: str) -> DesignerOutput | ParseFailure:
+    """Reads a designer reply into (program, hint); never raises.
+
+    The program is the last fenced block tagged python/py (or, when none is tagged, the
+    last untagged block), verbatim. The hint is the content of the last
+    `<hint>...</hint>` outside that block, verbatim. An unclosed `<hint>` runs to the
+    next fence or the end of the text. A leading `<think>...</think>` is ignored.
+    """
+    if not isinstance(text, str):
+        return ParseFailure("not_text", f"expected str, got {type(text).__name__}", repr(text))
+    raw = text
+    visible = _strip_thinking(text)
+    if visible is None:
+        return ParseFailure("unterminated_think", "<think> is never closed", raw)
+    blocks = _fenced_blocks(visible)
+    tagged = [b for b in blocks if b.lang in _PYTHON_LANGS]
+    candidates = tagged or [b for b in blocks if b.lang == ""]
+    if not candidates:
+        langs = sorted({b.lang for b in blocks})
+        detail = f"fenced blocks in other languages: {langs}" if blocks else "no fenced block"
+        return ParseFailure("no_program_block", detail, raw)
+    block = candidates[-1]
+    if not block.closed:
+        return ParseFailure("unterminated_program_block", "the ``` fence never closes", raw)
+    if not block.content.strip():
+        return ParseFailure("empty_program", "the program block is empty", raw)
+    hint = _find_hint(visible[: block.start], visible[block.end :])
+    if hint is None:
+        return ParseFailure("no_hint", "no <hint>...</hint> outside the program block", raw)
+    if not hint.strip():
+        return ParseFailure("empty_hint", "the <hint> tag is empty", raw)
+    return DesignerOutput(program=block.content, hint=hint, raw=raw)
+
+
+def _find_hint(before: str, after: str) -> str | None:
+    """The last complete <hint>...</hint> (after the block first), else the last unclosed
+    <hint>, which runs to the next fence. Linear scans: no backtracking over the text."""
+    for part in (after, before):
+        opens = [m.end() for m in _HINT_OPEN.finditer(part)]
+        for close in reversed(list(_HINT_CLOSE.finditer(part))):
+            inside = [o for o in opens if o <= close.start()]
+            if inside:
+                return part[inside[-1] : close.start()]
+    for part in (after, before):
+        opens = list(_HINT_OPEN.finditer(part))
+        if opens:
+            rest = part[opens[-1].end() :]
+            fence = rest.find("```")
+            return rest if fence < 0 else rest[:fence]
+    return None
+
+
+def _fence_for(program: str) -> str:
+    """A backtick fence longer than any backtick run in `program`, so it cannot close early."""
+    longest = max((len(run) for run in re.findall(r"`+", program)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def format_designer_output(program: str, hint: str) -> str:
+    """A designer reply in the canonical format, e.g. a supervised warm-start target.
+
+    `parse_designer_output(format_designer_output(p, h))` gives back exactly `(p, h)`. An
+    input that cannot round-trip raises ValueError: a program or hint that is empty or
+    only whitespace, a hint containing a hint tag, or a program or hint containing a
+    think tag.
+    """
+    if not isinstance(program, str) or not program.strip():
+        raise ValueError("program must be a non-empty str")
+    if not isinstance(hint, str) or not hint.strip():
+        raise ValueError("hint must be a non-empty str")
+    if _HINT_OPEN.search(hint) or _HINT_CLOSE.search(hint):
+        raise ValueError("hint must not contain <hint> or </hint> tags")
+    fence = _fence_for(program)
+    text = f"<hint>{hint}</hint>\n{fence}python\n{program}\n{fence}\n"
+    parsed = parse_designer_output(text)
+    if not isinstance(parsed, DesignerOutput) or (parsed.program, parsed.hint) != (program, hint):
+        reason = parsed.code if isinstance(parsed, ParseFailure) else "content changed"
+        raise ValueError(f"program/hint cannot be written in the designer format ({reason})")
+    return text

@@ -1,0 +1,191 @@
+"""Seed environment programs written by the project, and loading a user's offline pool.
+
+The seed programs have two uses:
+
+- a short supervised warm-start, so that a tiny policy in the designer role emits programs
+  that pass validation (targets built with `prompts.format_designer_output`);
+- the default offline pool for the fixed-designer ablation. In the paper that pool comes
+  from a strong model; `load_program_pool` reads such a pool from a directory.
+
+The programs live as `seed_programs/<name>.py.txt` next to this module. The `.py.txt`
+suffix keeps them out of imports, test collection and the ruff run, and `pyproject.toml`
+ships them as package data. They are kept short (20 to 35 lines) so a small model can
+reproduce them. Each one follows `spade_jax.envs.PROGRAM_CONTRACT` and imports only `random`
+and `re`. Each hint states a fact about the structure of the task. It never gives an
+instance's answer, because a hint is fixed text while every seed draws a new instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from spade_jax.spade.skills import MAIN_SKILLS, Skill
+
+_SOURCE_DIR = pathlib.Path(__file__).with_name("seed_programs")
+_KNOWN_SKILLS = frozenset(skill.name for skill in MAIN_SKILLS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedProgram:
+    """An environment program with the metadata the SPADE loop needs.
+
+    Attributes:
+      name: identifier (file stem); unique within a pool.
+      skill: the skill the program exercises (a `Skill.name`, or the pool's label).
+      source: the program text, following `spade_jax.envs.PROGRAM_CONTRACT`.
+      hint: the hint shown to the agent in the hint arm. It is None only for pool programs
+        that come without a `.hint.txt` file.
+    """
+
+    name: str
+    skill: str
+    source: str
+    hint: str | None
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("SeedProgram.name must be non-empty")
+        if not self.skill.strip():
+            raise ValueError(f"SeedProgram {self.name!r}: skill must be non-empty")
+        if not self.source.strip():
+            raise ValueError(f"SeedProgram {self.name!r}: source is empty")
+        if self.hint is not None and not self.hint.strip():
+            raise ValueError(f"SeedProgram {self.name!r}: hint is empty (use None for no hint)")
+
+
+# (file stem, skill, hint). Single-turn and multi-turn programs for each of the six skills.
+_SEED_TABLE: tuple[tuple[str, str, str], ...] = (
+    (
+        "modular_product",
+        "math",
+        "Reduce each number modulo the divisor before multiplying: (a*b + c) mod m equals "
+        "((a mod m) * (b mod m) + c) mod m, so you only multiply numbers smaller than m.",
+    ),
+    (
+        "arithmetic_chain",
+        "math",
+        "Each step applies to the value after the previous step. If you get a step wrong, "
+        "the feedback tells you the true value; continue from that value.",
+    ),
+    (
+        "sort_numbers",
+        "algorithms",
+        "Negative numbers come first, and a larger absolute value among negatives means "
+        "a smaller number. Count the inputs: your list needs exactly as many numbers.",
+    ),
+    (
+        "guess_number",
+        "algorithms",
+        "Use binary search: always guess the middle of the range that is still possible. "
+        "Each 'higher' or 'lower' halves that range.",
+    ),
+    (
+        "height_order",
+        "logic",
+        "Exactly one person never appears after 'than': that person is the tallest. Chain "
+        "the clues from there, since each clue links two neighbours in the final order.",
+    ),
+    (
+        "boolean_constraints",
+        "logic",
+        "Every constraint is an 'or' of two parts, so one true part is enough. Pick a value "
+        "for the variable that appears most often, then fix the others one at a time.",
+    ),
+    (
+        "sequence_next",
+        "cognition",
+        "Check three patterns: the differences grow by one each step, or each term is the "
+        "previous one times a constant, or each term is the sum of the two before it.",
+    ),
+    (
+        "hidden_rule",
+        "cognition",
+        "The rule is linear, rule(n) = a*n + b. Asking for 0 gives b and asking for 1 gives "
+        "a + b, so two questions are enough.",
+    ),
+    (
+        "speed_units",
+        "science",
+        "1 km/h is 1000 m per 3600 s, so divide km/h by 3.6 to get m/s and multiply m/s by "
+        "3.6 to get km/h; one mile is 1.609344 km.",
+    ),
+    (
+        "spring_experiment",
+        "science",
+        "Stiffness is force over stretch: the weight of G grams is G/1000 * 9.81 N, and "
+        "the stretch is reported in centimetres, so convert it to metres before dividing.",
+    ),
+    (
+        "stack_machine",
+        "code",
+        "Write the target as a product of two digits, or a product plus a digit. Push both "
+        "factors and call 'mul', then push the remainder and call 'add' if you need it.",
+    ),
+    (
+        "predict_loop",
+        "code",
+        "Trace the loop by hand, one line per iteration. Write down i and x after each "
+        "step, and apply the 'if' only when x has gone above 50.",
+    ),
+)
+
+
+def _load_seed_programs() -> tuple[SeedProgram, ...]:
+    programs = []
+    for name, skill, hint in _SEED_TABLE:
+        path = _SOURCE_DIR / f"{name}.py.txt"
+        if not path.is_file():
+            raise FileNotFoundError(f"seed program {name!r} is missing its source {path}")
+        programs.append(SeedProgram(name, skill, path.read_text(encoding="utf-8"), hint))
+    return tuple(programs)
+
+
+SEED_PROGRAMS: tuple[SeedProgram, ...] = _load_seed_programs()
+
+
+def seed_programs_for(skill: str | Skill) -> tuple[SeedProgram, ...]:
+    """The seed programs for one skill of `MAIN_SKILLS` (by name or `Skill`)."""
+    name = skill.name if isinstance(skill, Skill) else skill
+    if name not in _KNOWN_SKILLS:
+        raise ValueError(f"unknown skill {name!r}; seed programs exist for {sorted(_KNOWN_SKILLS)}")
+    return tuple(program for program in SEED_PROGRAMS if program.skill == name)
+
+
+def load_program_pool(
+    directory: str | pathlib.Path, *, skill: str = "any"
+) -> tuple[SeedProgram, ...]:
+    """Reads an offline program pool: every `*.py` file in `directory`, sorted by name.
+
+    A file `NAME.hint.txt` next to `NAME.py` gives that program's hint. Without it the
+    hint is None. Every program in the pool gets the label `skill`. This serves the
+    fixed-designer ablation, where the pool comes from a strong model. Raises
+    FileNotFoundError or NotADirectoryError for a bad path. Raises ValueError for a
+    directory with no `*.py` files, and for an empty or non-UTF-8 program or hint file.
+    The error names the file.
+    """
+    root = pathlib.Path(directory)
+    if not root.exists():
+        raise FileNotFoundError(f"program pool directory {root} does not exist")
+    if not root.is_dir():
+        raise NotADirectoryError(f"program pool path {root} is not a directory")
+    sources = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not sources:
+        raise ValueError(f"program pool directory {root} holds no *.py programs")
+    pool = []
+    for path in sources:
+        source = _read_text(path, "program")
+        hint_path = path.with_name(f"{path.stem}.hint.txt")
+        hint = _read_text(hint_path, "hint").strip() if hint_path.is_file() else None
+        pool.append(SeedProgram(path.stem, skill, source, hint))
+    return tuple(pool)
+
+
+def _read_text(path: pathlib.Path, what: str) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} file {path} is not valid UTF-8: {err}") from err
+    if not text.strip():
+        raise ValueError(f"{what} file {path} is empty")
+    return text
