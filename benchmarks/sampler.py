@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt_len", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=128)
-    parser.add_argument("--moe_impl", default="ragged", choices=["ragged", "dense"])
+    parser.add_argument("--moe_impl", default="blocked", choices=["blocked", "ragged", "dense"])
     parser.add_argument("--cache_dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--skip_hf", action="store_true")
