@@ -1,10 +1,12 @@
 """The optimizer of the policy update: AdamW with warmup + cosine/constant learning rate and
 global-norm gradient clipping, built from one frozen config.
 
-    lr(s) = peak * s / warmup                                   s < warmup
+    lr(s) = peak * (s + 1) / warmup                             s < warmup (s = 0, 1, ...)
           = peak * (end + (1 - end) * (1 + cos(pi * p)) / 2)     cosine, p = (s - warmup) /
-                                                                  (total - warmup), clipped
+                                                                  (total - warmup) in [0, 1]
           = peak                                                 constant
+
+(The first update already uses peak / warmup, not 0.)
 
 Weight decay is decoupled (AdamW) and applied only to matrices (ndim >= 2): norm scales
 and biases are not decayed.
@@ -83,23 +85,18 @@ class OptimizerConfig:
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
-    """Step -> learning rate, as in the module docstring."""
-    warmup = max(cfg.warmup_steps, 0)
-    if cfg.schedule == "constant":
-        if warmup == 0:
-            return optax.constant_schedule(cfg.learning_rate)
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, cfg.learning_rate, warmup),
-             optax.constant_schedule(cfg.learning_rate)],
-            boundaries=[warmup],
-        )
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=warmup,
-        decay_steps=cfg.total_steps,
-        end_value=cfg.learning_rate * cfg.end_lr_ratio,
-    )
+    """Update index s (0-based) -> learning rate, as in the module docstring."""
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32)
+        warmup = jnp.minimum((s + 1.0) / max(cfg.warmup_steps, 1), 1.0)
+        if cfg.schedule == "constant":
+            return cfg.learning_rate * warmup
+        progress = jnp.clip((s - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps), 0, 1)
+        cosine = cfg.end_lr_ratio + (1 - cfg.end_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+        return cfg.learning_rate * jnp.where(s < cfg.warmup_steps, warmup, cosine)
+
+    return schedule
 
 
 def _decay_mask(params):

@@ -8,7 +8,7 @@ Per microbatch m (a strided slice of the batch, accumulated with ``lax.scan``):
     mask^r_bt    = loss_mask_bt * [role_id_b == r]
     A^r_bt       = token_weighting_r(advantages, entropy, mask^r)
     loss^r_m     = policy_loss_r(logp, old_logp, ref_logp, A^r, mask^r)
-    loss_m       = sum_r  w_r * (n^r_m / n^r) * loss^r_m  + aux_coef * aux_m
+    loss_m       = sum_r  w_r * (n^r_m / n^r) * loss^r_m  + aux_coef * aux_m / M
 
 where ``n^r`` counts role r's sequences that have policy tokens (``n^r_m`` those in m).
 Summed over m, this is exactly the full-batch loss of every per-sequence-mean rule (GRPO,
@@ -302,7 +302,7 @@ def microbatch_loss(
     if config.aux_loss_coef > 0:
         k = model.config.num_experts_per_tok
         aux = load_balancing_loss(router_logits, k, batch.attention_mask)
-        total = total + config.aux_loss_coef * aux
+        total = total + config.aux_loss_coef * aux / config.microbatches
         token_stats["aux_loss_sum"] = aux
     return total, (weighted, token_stats)
 
