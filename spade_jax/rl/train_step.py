@@ -169,7 +169,7 @@ class TrainState:
     step: [] int32, number of applied (not skipped) updates; the schedule's step.
     params: nnx.State of the model's parameters (master dtype, logical axes in metadata).
     opt_state: optax state (moments carry the same axes metadata as ``params``).
-    rng: a key for stochastic rules, advanced once per applied update.
+    rng: a raw uint32[2] key for stochastic rules, advanced once per applied update.
     """
 
     step: Array
@@ -440,7 +440,7 @@ def init_train_state(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=optimizer.init(params),
-            rng=jax.random.key(seed),
+            rng=jax.random.PRNGKey(seed),  # raw uint32[2]: checkpoints as a plain array
         )
 
     if mesh is None:
