@@ -122,6 +122,17 @@ def test_stop_tokens_stop_strings_and_batch_compaction(checkpoint, greedy):
     assert out.tokens[2:] == ref[2:] and out.done_reasons[2:] == ["max_tokens"] * 2
     np.testing.assert_allclose(out.logprobs[3], greedy.logprobs[3], atol=1e-5)
     assert out.stats["compactions"] >= 1  # 4 rows -> 2 once rows 0 and 1 finished
+    # Three prompts pad the batch to 4 with an empty row; the real rows are unaffected.
+    assert generate(model, prompts[:3], NEW).tokens == ref[:3]
+
+
+def test_bf16_cache_stays_close_to_the_fp32_policy(checkpoint):
+    _, _, model, prompts = checkpoint
+    out = generate(model, prompts, 8, cache_dtype="bfloat16")
+    assert out.stats["cache_dtype"] == "bfloat16"
+    ref_lps, _ = _full_forward_logprobs(model, prompts, out.tokens, 0.0)
+    for lps, ref_lp in zip(out.logprobs, ref_lps, strict=True):
+        assert len(lps) == 8 and np.abs(np.asarray(lps) - ref_lp).max() < 5e-2
 
 
 def test_sharded_generation_equals_single_device(checkpoint, greedy):

@@ -316,7 +316,7 @@ def _default_stop_tokens(config) -> list[int]:
 
 
 def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
-    if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
+    if isinstance(prompts, str | bytes) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     out = []
     for i, p in enumerate(prompts):
@@ -336,6 +336,7 @@ class _StopStrings:
         if any(per_row) and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer= to decode the generated tokens")
         self.per_row, self.tokenizer = per_row, tokenizer
+        self.settled: set[int] = set()  # rows already finished and checked
 
     def first_stop(self, row: int, tokens: list[int]) -> int | None:
         """Smallest n such that decode(tokens[:n]) contains a stop string, else None."""
@@ -415,6 +416,7 @@ def sample(
 
     graphdef, params = nnx.split(model)
     stats = {"batch_bucket": batch, "prompt_bucket": prompt_len, "cache_len": static.cache_len,
+             "cache_dtype": jnp.dtype(cache_dtype).name,
              "decode_calls": 0, "compactions": 0, "row_steps": 0}
     finished: dict[int, tuple] = {}
     with sharding.activate(mesh) if mesh is not None else contextlib.nullcontext():
@@ -449,6 +451,7 @@ def sample(
 
 
 def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeState:
+    """Ends rows whose decoded text now contains a stop string (cutting their tokens)."""
     done_b = np.array(state.done_b)
     reason_b = np.array(state.reason_b)
     num_b = np.array(state.num_generated_b)
@@ -457,14 +460,14 @@ def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeSt
     changed = False
     for b in range(done_b.shape[0]):
         row = int(row_id_b[b])
-        if row < 0 or not stop_text.per_row[row] or reason_b[b] == _STOP_STRING:
-            continue
-        if done_b[b] and reason_b[b] != _MAX_TOKENS and reason_b[b] != _EOS:
+        if row < 0 or not stop_text.per_row[row] or row in stop_text.settled:
             continue
         tokens_bn = np.asarray(state.tokens_bn) if tokens_bn is None else tokens_bn
         cut = stop_text.first_stop(row, tokens_bn[b, : num_b[b]].tolist())
         if cut is not None:
             done_b[b], reason_b[b], num_b[b], changed = True, _STOP_STRING, cut, True
+        if done_b[b]:  # its tokens will not change any more
+            stop_text.settled.add(row)
     if not changed:
         return state
     return state.replace(done_b=jnp.asarray(done_b), reason_b=jnp.asarray(reason_b),
