@@ -150,3 +150,48 @@ def test_env_errors_end_the_episode(model, tokenizer):
     assert rec.end_reason == "env_error" and rec.step_rewards == [] and rec.cost.turns == 1
     with pytest.raises(ValueError, match="max_turns"):
         AgentLoopConfig(max_turns=0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_env_steps_overlap_generation_of_the_other_half(model, tokenizer, monkeypatch, overlap):
+    """With two episodes (one per half), episode 0's env.step must run while episode 1's
+    turn is being generated. The wrapped sampler holds a flag up for 0.5 s per call."""
+    import threading
+    import time
+
+    from spade_jax.rollout import agent_loop
+
+    generating = threading.Event()
+    real_sample = agent_loop.sample
+
+    def slow_sample(*args, **kwargs):
+        generating.set()
+        try:
+            time.sleep(0.5)
+            return real_sample(*args, **kwargs)
+        finally:
+            generating.clear()
+
+    seen: list[bool] = []
+
+    class Probe(ScriptedEnv):
+        def step(self, action):
+            time.sleep(0.1)
+            seen.append(generating.is_set())
+            return super().step(action)
+
+    monkeypatch.setattr(agent_loop, "sample", slow_sample)
+    config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE,
+                                                   prompt_bucket_min=128, compact_batch=False),
+                             overlap_env_steps=overlap)
+    specs = [EpisodeSpec(Probe(n, [0.0, 1.0], "terminated"), n, i)
+             for i, n in enumerate(("alpha", "beta"))]
+    records = run_episodes(model, tokenizer, specs, config)
+    assert [r.return_ for r in records] == [1.0, 1.0]
+    # Episode 0's first step overlaps episode 1's first turn; its second step overlaps
+    # episode 1's second turn. Episode 1's last step has nothing left to overlap with.
+    if overlap:
+        assert seen.count(True) >= 2, seen
+    else:  # one batch: generation and env steps strictly alternate
+        assert seen == [False] * 4, seen
