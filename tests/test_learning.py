@@ -119,16 +119,25 @@ def test_router_replay_reproduces_rollout_logprobs(sampler):
         batch = batch.replace(routing_replay=tuple(
             None if r is None else (r + replay_shift) % 4 for r in batch.routing_replay
         ))
-        logp, _, _ = policy_logprobs(nnx.merge(graphdef, params), batch, router_replay=True)
-        return logp
+        model = nnx.merge(graphdef, params)
+        logp, _, _ = policy_logprobs(model, batch, router_replay=True)
+        hot_logp, _, _ = policy_logprobs(model, batch, router_replay=True, temperature=2.0)
+        logits = model(batch.input_ids, routing_replay=list(batch.routing_replay)).logits
+        return logp, hot_logp, logits
 
     mask = batch.loss_mask > 0
-    replayed = np.asarray(trainer_logp(params, batch, 0))
+    replayed, hot, logits = map(np.asarray, trainer_logp(params, batch, 0))
     # The KV-cache decode and the one-shot training forward compute the same function with
     # different matmul shapes, so agreement is to fp32 rounding, not bit-for-bit.
     np.testing.assert_allclose(replayed[mask], batch.old_logp[mask], atol=2e-6, rtol=0)
+    # temperature: log-probs of softmax(logits / 2), as a sampler at temperature 2 reports.
+    scaled = logits[:, :-1].astype(np.float64) / 2.0
+    scaled -= scaled.max(-1, keepdims=True)
+    hot_ref = scaled - np.log(np.exp(scaled).sum(-1, keepdims=True))
+    hot_ref = np.take_along_axis(hot_ref, batch.input_ids[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(hot[:, 1:][mask[:, 1:]], hot_ref[mask[:, 1:]], atol=2e-6)
     # Replay is really used: other experts give other log-probs.
-    shifted = np.asarray(trainer_logp(params, batch, 1))
+    shifted = np.asarray(trainer_logp(params, batch, 1)[0])
     assert np.max(np.abs(shifted[mask] - batch.old_logp[mask])) > 1e-3
 
 

@@ -130,6 +130,8 @@ class TrainConfig:
         weights and moments). Must equal the model's ``ModelOptions.dtype``.
       router_replay: run MoE layers on the experts recorded at rollout time.
       logit_chunk: time-chunk length for the log-prob computation (0 = all at once).
+      temperature: the sampler's temperature; log-probs are of softmax(logits / temperature)
+        so they match the sampler's (temperature-scaled) ``old_logp``.
       aux_loss_coef: weight of the MoE load-balancing loss (0 = off).
       skip_nonfinite: leave the state unchanged when the loss or gradient is not finite.
     """
@@ -141,6 +143,7 @@ class TrainConfig:
     compute_dtype: str = "float32"
     router_replay: bool = False
     logit_chunk: int = 0
+    temperature: float = 1.0
     aux_loss_coef: float = 0.0
     skip_nonfinite: bool = True
 
@@ -153,6 +156,8 @@ class TrainConfig:
             )
         if self.logit_chunk < 0:
             raise ValueError(f"logit_chunk must be >= 0 (0 = no chunking), got {self.logit_chunk}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
@@ -220,9 +225,14 @@ def sampled_token_logprobs(
 
 
 def policy_logprobs(
-    model: Qwen3, batch: TrainBatch, router_replay: bool, logit_chunk: int = 0
+    model: Qwen3,
+    batch: TrainBatch,
+    router_replay: bool,
+    logit_chunk: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[Array, Array, list]:
-    """Runs the policy on ``batch``: (logp [B, T], entropy [B, T], router logits per layer)."""
+    """Runs the policy on ``batch``: (logp [B, T], entropy [B, T], router logits per layer).
+    Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew from."""
     replay = None
     if router_replay:
         if batch.routing_replay is None:
@@ -234,9 +244,11 @@ def policy_logprobs(
         routing_replay=replay,
         return_logits=False,
     )
-    logp_bt, entropy_bt = sampled_token_logprobs(
-        model.lm_head, out.hidden, batch.input_ids, logit_chunk
-    )
+    def lm_head(hidden_btd: Array) -> Array:
+        logits_btv = model.lm_head(hidden_btd)
+        return logits_btv if temperature == 1.0 else logits_btv / temperature
+
+    logp_bt, entropy_bt = sampled_token_logprobs(lm_head, out.hidden, batch.input_ids, logit_chunk)
     return logp_bt, entropy_bt, out.router_logits
 
 
@@ -286,7 +298,7 @@ def microbatch_loss(
     compute = COMPUTE_DTYPES[config.compute_dtype]
     model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
     logp_bt, entropy_bt, router_logits = policy_logprobs(
-        model, batch, config.router_replay, config.logit_chunk
+        model, batch, config.router_replay, config.logit_chunk, config.temperature
     )
     total = jnp.zeros((), jnp.float32)
     weighted: Metrics = {}
