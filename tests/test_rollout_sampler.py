@@ -213,3 +213,38 @@ def test_greedy_sampling_is_argmax_with_t1_logprob():
     np.testing.assert_allclose(np.asarray(logprobs),
                                np.asarray(jax.nn.log_softmax(logits))[np.arange(3), tokens],
                                atol=1e-6)
+
+
+def test_after_first_answer_steering_starts_at_the_detected_token(checkpoint, greedy):
+    """The steering hook's "after_first_answer" schedule driven by a device-side detector:
+    rows are untouched until the trigger token is sampled, then every later input token is
+    routed with the edit, exactly as a full forward that steers those positions."""
+    from spade_jax.steering.operator import make_steering_hook
+    from spade_jax.steering.schedule import TokenPatternDetector
+
+    _, _, model, prompts = checkpoint
+    ref = greedy.tokens
+    trigger = ref[0][5]
+    activate, suppress = np.zeros(8, bool), np.zeros(8, bool)
+    activate[3] = True
+    hook = make_steering_hook({0: (activate, suppress), 1: (activate, suppress)}, k=2,
+                              schedule="after_first_answer")
+    out = generate(model, prompts, NEW, router_hook=hook,
+                   answer_detector=TokenPatternDetector(patterns=((trigger,),)))
+    steer_from = np.full((len(prompts), WIDTH), False)
+    for i, (p, toks) in enumerate(zip(prompts, out.tokens, strict=True)):
+        fired = toks.index(trigger) if trigger in toks else None
+        if fired is None:
+            assert toks == ref[i]
+            continue
+        assert toks[:fired + 1] == ref[i][:fired + 1]  # unsteered up to the trigger
+        steer_from[i, len(p) + fired:] = True  # the trigger is the first steered input
+    assert steer_from[0].any() and out.tokens != ref
+
+    def steer_positions(logits_btE, layer_idx):
+        edited = hook(logits_btE, layer_idx, active=np.ones(len(prompts), bool))
+        return jnp.where(steer_from[:, :, None], edited, logits_btE)
+
+    ref_lps, _ = _full_forward_logprobs(model, prompts, out.tokens, 0.0, steer_positions)
+    for lps, ref_lp in zip(out.logprobs, ref_lps, strict=True):
+        assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4

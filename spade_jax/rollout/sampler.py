@@ -132,6 +132,7 @@ class _Static:
     cache_dtype: Any
     cache_len: int
     router_hook: Callable | None
+    answer_detector: Any = None
 
 
 class _Scalars(struct.PyTreeNode):
@@ -159,6 +160,20 @@ class DecodeState(struct.PyTreeNode):
     step: jax.Array  # [] int32 columns of tokens_bn written so far
     router_bnle: jax.Array | None  # [B, N, L, E] fp32 router logits of fed generated tokens
     experts_bnlx: jax.Array | None  # [B, N, L, X] int32
+    answer_state: Any = None  # the answer detector's per-row state (``fired_b`` flags)
+
+
+def _hook_for(static: _Static, answer_state) -> Callable | None:
+    """The router hook as the model calls it; with a detector it also sees ``active=[B]``."""
+    if static.router_hook is None or static.answer_detector is None:
+        return static.router_hook
+    return functools.partial(static.router_hook, active=answer_state.fired_b)
+
+
+def _detect(state: DecodeState, token_b: jax.Array, static: _Static) -> DecodeState:
+    if static.answer_detector is None:
+        return state
+    return state.replace(answer_state=static.answer_detector.update(state.answer_state, token_b))
 
 
 def _moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None:
@@ -206,7 +221,9 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
     cache = cache.replace(k=tuple(sharding.constrain(x, axes) for x in cache.k),
                           v=tuple(sharding.constrain(x, axes) for x in cache.v))
     positions_bp = positions_from_mask(mask_bp)
-    out = model(ids_bp, positions_bp, mask_bp, cache=cache, router_hook=static.router_hook)
+    answer_state = None if static.answer_detector is None else static.answer_detector.init(b)
+    out = model(ids_bp, positions_bp, mask_bp, cache=cache,
+                router_hook=_hook_for(static, answer_state))
     moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
     prompt_router = None
     if static.return_router:
@@ -228,15 +245,16 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
         step=jnp.zeros((), jnp.int32),
         router_bnle=jnp.zeros((b, new_buffer, n_moe, e), jnp.float32) if router else None,
         experts_bnlx=jnp.zeros((b, new_buffer, n_moe, x), jnp.int32) if router else None,
+        answer_state=answer_state,
     )
     token_b, logprob_b = _draw(out.logits[:, -1], row_id_b, 0, scalars, static)
-    return _record(state, token_b, logprob_b), prompt_router
+    return _detect(_record(state, token_b, logprob_b), token_b, static), prompt_router
 
 
 def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) -> DecodeState:
     cfg = model.config
     out = model(state.last_token_b[:, None], state.position_b[:, None], cache=state.cache,
-                router_hook=static.router_hook)
+                router_hook=_hook_for(static, state.answer_state))
     if state.router_bnle is not None:  # routing of the token just fed, column step - 1
         moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
         col = state.step - 1
@@ -248,7 +266,7 @@ def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) 
         )
     state = state.replace(cache=out.cache, position_b=state.position_b + 1)
     token_b, logprob_b = _draw(out.logits[:, -1], state.row_id_b, state.step, scalars, static)
-    return _record(state, token_b, logprob_b)
+    return _detect(_record(state, token_b, logprob_b), token_b, static)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
@@ -361,6 +379,7 @@ def sample(
     router_hook: Callable | None = None,
     mesh: jax.sharding.Mesh | None = None,
     max_new_per_seq: Sequence[int] | None = None,
+    answer_detector: Any = None,
 ) -> GenerationResult:
     """Generates continuations of ragged ``prompts`` with settings from ``config``.
 
@@ -372,6 +391,10 @@ def sample(
     mesh: run sharded; params must already be placed (``load_hf(..., mesh=mesh)``). Rows are
       split over the mesh's batch axes, weights as their logical axes say.
     max_new_per_seq: a smaller per-prompt budget (each in [1, config.max_new_tokens]).
+    answer_detector: a device-side first-answer detector (``init(B)``, ``update(state,
+      token_b)`` with a sticky ``fired_b``, e.g. ``steering.schedule.TokenPatternDetector``);
+      the hook is then called as ``router_hook(logits, layer, active=fired_b)``, so the
+      "after_first_answer" steering schedule edits a row from the token that fired on.
     """
     mcfg = model.config
     prompts = _validate_prompts(prompts, mcfg.vocab_size)
@@ -392,6 +415,7 @@ def sample(
         greedy=config.greedy, top_k=config.top_k,
         use_top_p=config.top_p < 1 and not config.greedy, return_router=config.return_router,
         cache_dtype=cache_dtype, cache_len=prompt_len + new_buffer, router_hook=router_hook,
+        answer_detector=answer_detector,
     )
     ids_bp = np.zeros((batch, prompt_len), np.int32)
     mask_bp = np.zeros((batch, prompt_len), np.int32)
@@ -528,6 +552,7 @@ def generate(
     cache_dtype: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
     config: SamplerConfig | None = None,
+    answer_detector: Any = None,
 ) -> GenerationResult:
     """Samples up to ``max_new_tokens`` per prompt; see :func:`sample` for the keywords.
 
@@ -543,4 +568,4 @@ def generate(
         overrides["cache_dtype"] = cache_dtype
     return sample(model, prompts, dataclasses.replace(base, **overrides),
                   stop_tokens=stop_tokens, stop_strings=stop_strings, tokenizer=tokenizer,
-                  router_hook=router_hook, mesh=mesh)
+                  router_hook=router_hook, mesh=mesh, answer_detector=answer_detector)
