@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gymnasium
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from spade_jax.models import ModelConfig, Qwen3
+from spade_jax.models import ModelConfig, abstract_model
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import (
     ActionParser,
@@ -50,9 +51,17 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
+    """A random dense model, filled from NumPy (eager nnx init compiles op by op: slow)."""
     cfg = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48)
-    return Qwen3(cfg, rngs=nnx.Rngs(0))
+    graphdef, shapes = nnx.split(abstract_model(cfg))
+    rs = np.random.RandomState(0)
+
+    def fill(x):  # norms (1-D) near 1, matrices small
+        noise = rs.normal(0, 0.1, x.shape)
+        return jnp.asarray((1 + noise if len(x.shape) == 1 else noise).astype(x.dtype))
+
+    return nnx.merge(graphdef, jax.tree.map(fill, shapes))
 
 
 def _chatml(role: str, content: str) -> str:
