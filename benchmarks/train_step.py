@@ -79,7 +79,6 @@ def random_batch(cfg: ModelConfig, batch: int, seq: int) -> TrainBatch:
     loss_mask[:, seq // 4 :] = 1.0  # a prompt quarter, then policy tokens
     return TrainBatch(
         input_ids=rng.randint(0, cfg.vocab_size, (batch, seq)).astype(np.int32),
-        attention_mask=np.ones((batch, seq), np.int32),
         loss_mask=loss_mask,
         old_logp=np.full((batch, seq), -np.log(cfg.vocab_size), np.float32) * loss_mask,
         advantages=rng.randn(batch).astype(np.float32),

@@ -28,8 +28,6 @@ class TrainBatch:
 
     Attributes:
       input_ids: [B, T] int32 token ids, right-padded.
-      attention_mask: [B, T] int32, 1 on real tokens (padding is never attended to causally;
-        the mask keeps it out of the MoE load-balancing statistics).
       loss_mask: [B, T] float32, 1 on policy tokens to train on.
       old_logp: [B, T] float32 sampler log-probs of the tokens (0 off the mask).
       advantages: [B] or [B, T] float32.
@@ -37,16 +35,19 @@ class TrainBatch:
       ref_logp: [B, T] float32 reference-policy log-probs, or None (rules with KL need it).
       routing_replay: per layer, [B, T, X] int32 experts recorded at rollout time (None for
         dense layers), or None when routing was not recorded.
+      attention_mask: [B, T] int32, 1 on real tokens, or None (all real). With right padding
+        no real token attends to padding anyway; the mask keeps padding out of the MoE
+        load-balancing statistics.
     """
 
     input_ids: jax.Array
-    attention_mask: jax.Array
     loss_mask: jax.Array
     old_logp: jax.Array
     advantages: jax.Array
     role_id: jax.Array
     ref_logp: jax.Array | None = None
     routing_replay: tuple[jax.Array | None, ...] | None = None
+    attention_mask: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
