@@ -413,13 +413,15 @@ def train_step(
 # ---- set-up: state, sharding, the jitted callable ----------------------------------------
 
 
-def tree_shardings(tree: Any, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES) -> Any:
+def tree_shardings(tree: Any, mesh: Mesh, rules: sharding.Rules | None = None) -> Any:
     """NamedSharding per leaf: from ``axes`` metadata for nnx Variables (params and the Adam
-    moments that mirror them), replicated for everything else (step, counts, rng)."""
+    moments that mirror them), replicated for everything else (step, counts, rng).
+    ``rules=None`` uses the rules made active by ``sharding.activate`` (else the defaults)."""
 
     def one(leaf):
         if isinstance(leaf, nnx.Variable):
-            return sharding.named_sharding(sharding.param_axes(leaf), mesh, rules)
+            spec = sharding.logical_to_spec(sharding.param_axes(leaf), rules, mesh)
+            return NamedSharding(mesh, spec)
         return NamedSharding(mesh, PartitionSpec())
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
