@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spade_jax.models import moe
-from spade_jax.rollout.moe_dispatch import dispatch_blocked
+from spade_jax.models.moe import dispatch_blocked
 
 
 def _numpy_moe(x, wg, wu, wd, weights, experts):

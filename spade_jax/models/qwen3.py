@@ -188,13 +188,18 @@ class Attention(nnx.Module):
 
         b, t, n, h = q_btnh.shape
         kh = cfg.num_kv_heads
-        q_btkgh = q_btnh.reshape(b, t, kh, n // kh, h)
-        scores_bkgts = jnp.einsum(
-            "btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32
+        # Batched matmuls with the batch dims leading ([B, K] x [G*T, H] @ [H, S]): the
+        # layouts XLA lowers to plain GEMMs on every backend, backward pass included.
+        q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
+        k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
+        scores_bkqs = jnp.einsum(
+            "bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32
         ) * (h ** -0.5)
-        scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _NEG_INF)
-        probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(dt)
-        out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+        mask_bqs = jnp.tile(mask_bts, (1, n // kh, 1))  # q = (g, t), g-major
+        scores_bkqs = jnp.where(mask_bqs[:, None], scores_bkqs, _NEG_INF)
+        probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dt)
+        out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh)
+        out_btkgh = out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4)
         out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), self.o_nhd[...].astype(dt))
         if cfg.o_bias:
             out_btd += self.o_bias_d[...].astype(dt)

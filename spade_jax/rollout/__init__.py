@@ -4,7 +4,6 @@
     out = generate(model, prompts, max_new_tokens=64, temperature=1.0, top_p=0.95)
 """
 
-from spade_jax.rollout import moe_dispatch  # registers moe_impl="blocked"
 from spade_jax.rollout.sampler import (
     DONE_REASONS,
     GenerationResult,
@@ -13,4 +12,4 @@ from spade_jax.rollout.sampler import (
     sample,
 )
 
-__all__ = ["moe_dispatch", "DONE_REASONS", "GenerationResult", "SamplerConfig", "generate", "sample"]
+__all__ = ["DONE_REASONS", "GenerationResult", "SamplerConfig", "generate", "sample"]
