@@ -62,6 +62,22 @@ class Environment:
 """
 
 
+# A short designer prompt for CPU-sized policies: a tiny model cannot use 1k tokens of
+# instructions, and every designer sequence carries its system prompt through training.
+COMPACT_DESIGNER_SYSTEM_PROMPT: str = """\
+You are the Environment Designer. Write a Python class Environment with
+reset(self, seed=None) -> (observation, info) and
+step(self, action) -> (observation, reward, terminated, truncated, info);
+text observations and actions, episode return in [0, 1]. Then a hint for the agent.
+Output: <hint>...</hint> then one ```python block.
+"""
+
+DESIGNER_SYSTEM_PROMPTS: dict[str, str] = {
+    "full": DESIGNER_SYSTEM_PROMPT,
+    "compact": COMPACT_DESIGNER_SYSTEM_PROMPT,
+}
+
+
 def agent_system_prompt(answer_tag: str | None = None) -> str:
     """The Reasoning Agent's system prompt, matched to the rollout's action parser.
 

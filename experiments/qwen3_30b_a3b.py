@@ -1,0 +1,43 @@
+"""SPADE on Qwen3-30B-A3B-Instruct-2507, the paper's main setting (400 rounds x 24 envs, GRPO).
+
+    python -m spade_jax.convert --hf_dir=/ckpt/Qwen3-30B-A3B-Instruct-2507 --out_dir=/ckpt/q30b
+    python -m spade_jax.train --experiment=qwen3_30b_a3b --hf_checkpoint=/ckpt/Qwen3-30B-A3B-Instruct-2507 \
+        --workdir=gs://BUCKET/runs/spade_30b
+
+Sharding: 128 experts over the expert axis (expert parallelism), the rest FSDP.
+"""
+
+from spade_jax.experiment import CorpusSpec, ExperimentConfig, ModelSpec, TokenizerSpec
+from spade_jax.rl.optim import OptimizerConfig
+from spade_jax.rl.train_step import RoleConfig, TrainConfig
+from spade_jax.rollout.agent_loop import AgentLoopConfig
+from spade_jax.rollout.sampler import SamplerConfig
+from spade_jax.sharding import MeshConfig
+from spade_jax.spade.config import SpadeConfig
+from spade_jax.spade.prompts import AGENT_SYSTEM_PROMPT
+
+
+def get_config() -> ExperimentConfig:
+    return ExperimentConfig(
+        name="qwen3_30b_a3b",
+        model=ModelSpec(preset="qwen3_30b_a3b_instruct_2507", dtype="bfloat16",
+                        moe_impl="ragged", remat=True),
+        tokenizer=TokenizerSpec(path=""),  # set to the checkpoint dir (tokenizer.json)
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=8),
+        designer_sampler=SamplerConfig(max_new_tokens=2048, temperature=1.0, top_p=1.0,
+                                       cache_dtype="bfloat16"),
+        agent=AgentLoopConfig(max_turns=8, max_turn_tokens=1024, max_episode_tokens=8192,
+                              system_prompt=AGENT_SYSTEM_PROMPT,
+                              sampler=SamplerConfig(max_new_tokens=1024, temperature=1.0,
+                                                    cache_dtype="bfloat16")),
+        train=TrainConfig(
+            optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=10, schedule="constant",
+                                      total_steps=400, weight_decay=0.0, clip_norm=1.0),
+            agent=RoleConfig(policy_loss="gspo"), designer=RoleConfig(policy_loss="gspo"),
+            microbatches=16, compute_dtype="bfloat16", router_replay=False,
+        ),
+        spade=SpadeConfig(rounds=400, envs_per_round=24, designer_group_size=4, n_hint=16,
+                          designer_delay=1, eval_every=20),
+        corpus=CorpusSpec(domain="game"),
+        checkpoint_every=10,
+    )

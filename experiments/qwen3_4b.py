@@ -1,0 +1,25 @@
+"""SPADE on Qwen3-4B-Instruct-2507 (paper scale ablation: 400 rounds x 24 envs, GRPO).
+
+    python -m spade_jax.train --experiment=qwen3_4b --hf_checkpoint=/ckpt/Qwen3-4B-Instruct-2507 \
+        --workdir=gs://BUCKET/runs/spade_qwen3_4b
+
+Dense model: parameters and optimizer state sharded FSDP over every chip.
+"""
+
+import dataclasses
+
+from spade_jax.experiment import ExperimentConfig, ModelSpec, load_experiment
+from spade_jax.rl.train_step import RoleConfig
+from spade_jax.sharding import MeshConfig
+
+
+def get_config() -> ExperimentConfig:
+    base = load_experiment("qwen3_30b_a3b")
+    return dataclasses.replace(
+        base,
+        name="qwen3_4b",
+        model=ModelSpec(preset="qwen3_4b_instruct_2507", dtype="bfloat16", moe_impl="ragged", remat=True),
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=1),
+        train=dataclasses.replace(base.train, agent=RoleConfig(policy_loss="grpo"),
+                                  designer=RoleConfig(policy_loss="grpo"), microbatches=8),
+    )

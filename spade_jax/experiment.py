@@ -1,0 +1,167 @@
+"""An experiment = one frozen config tree, returned by ``experiments/<name>.py:get_config()``.
+
+Each component keeps its own small dataclass (sampler, agent loop, sandbox, trainer,
+SPADE); this module only composes them and finds experiment files by name. Any leaf is
+overridable from the command line: ``--set spade.rounds=5 --set train.optimizer.lr=1e-5``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+from spade_jax.envs.config import SandboxConfig
+from spade_jax.models.config import ModelConfig
+from spade_jax.overrides import apply_overrides
+from spade_jax.rl.train_step import TrainConfig
+from spade_jax.rollout.agent_loop import AgentLoopConfig
+from spade_jax.rollout.sampler import SamplerConfig
+from spade_jax.sharding import MeshConfig
+from spade_jax.spade.config import SpadeConfig
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which weights the policy starts from.
+
+    Attributes:
+      hf_checkpoint: Hugging Face directory (config.json + safetensors) to load.
+      orbax_checkpoint: Orbax model directory (``python -m spade_jax.convert`` output).
+      preset: named architecture (``spade_jax.models.PRESETS``) initialised at random.
+      architecture: an explicit architecture initialised at random (tiny CPU runs).
+      dtype: parameter / activation dtype of the policy ("float32" or "bfloat16").
+      moe_impl: MoE dispatch, "ragged" (grouped matmul) or "dense".
+      remat: recompute decoder layers in the backward pass.
+    The first of hf_checkpoint, orbax_checkpoint, preset, architecture that is set wins.
+    """
+
+    hf_checkpoint: str = ""
+    orbax_checkpoint: str = ""
+    preset: str = ""
+    architecture: ModelConfig | None = None
+    dtype: str = "bfloat16"
+    moe_impl: str = "ragged"
+    remat: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """Tokenizer: a directory/file (tokenizer.json or sentencepiece .model), or, when empty,
+    a sentencepiece model of ``vocab_size`` trained on the project's own text."""
+
+    path: str = ""
+    vocab_size: int = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised pass on the project's example environment programs before self-play, so
+    a small policy's designer role emits programs that validate (0 steps = off)."""
+
+    steps: int = 0
+    batch_size: int = 8
+    learning_rate: float = 3e-3
+    programs: tuple[str, ...] = ()  # seed program names to use; empty = all
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+    """Grounding corpus: JSONL / parquet shards (``text`` field) or the offline default.
+
+    Attributes:
+      paths: shard paths or globs (local or gs://); empty = the offline default corpus.
+      domain: default-corpus domain, "game" or "tool".
+    """
+
+    paths: tuple[str, ...] = ()
+    domain: str = "game"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Held-out evaluation inside training (every ``spade.eval_every`` rounds), on the
+    reasoning-gym suites generated offline with a fixed seed.
+
+    Attributes:
+      suites: suite names (RG-Math, RG-Algo, RG-Cog, RG-Logic).
+      tasks_per_suite: first k tasks of each suite in sorted order (0 = all).
+      problems_per_task: items per task.
+      samples_per_problem: n for pass@1.
+      max_new_tokens: answer budget.
+    """
+
+    suites: tuple[str, ...] = ("RG-Math", "RG-Algo", "RG-Cog", "RG-Logic")
+    tasks_per_suite: int = 0
+    problems_per_task: int = 10
+    samples_per_problem: int = 4
+    max_new_tokens: int = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything one run needs."""
+
+    name: str
+    seed: int = 0
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    tokenizer: TokenizerSpec = dataclasses.field(default_factory=TokenizerSpec)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    designer_sampler: SamplerConfig = dataclasses.field(
+        default_factory=lambda: SamplerConfig(max_new_tokens=2048, temperature=1.0))
+    agent: AgentLoopConfig = dataclasses.field(default_factory=AgentLoopConfig)
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    spade: SpadeConfig = dataclasses.field(default_factory=SpadeConfig)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
+    corpus: CorpusSpec = dataclasses.field(default_factory=CorpusSpec)
+    eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+
+
+def experiment_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix == ".py" and path.exists():
+        return path
+    path = EXPERIMENTS_DIR / f"{name}.py"
+    if not path.exists():
+        known = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.py") if not p.stem.startswith("_"))
+        raise FileNotFoundError(f"unknown experiment {name!r}; known: {known}")
+    return path
+
+
+def load_experiment(name: str, overrides: tuple[str, ...] | list[str] = ()) -> ExperimentConfig:
+    """Imports ``experiments/<name>.py`` (or a path), calls ``get_config()``, applies overrides.
+
+    ``name:arg`` passes ``arg`` to ``get_config`` (big_vision style), e.g.
+    ``spade_no_memory:tiny`` is the no-memory ablation of the tiny experiment.
+    """
+    name, _, arg = name.partition(":")
+    path = experiment_path(name)
+    spec = importlib.util.spec_from_file_location(f"spade_experiment_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise AttributeError(f"{path} defines no get_config()")
+    config = module.get_config(arg) if arg else module.get_config()
+    if not isinstance(config, ExperimentConfig):
+        raise TypeError(f"{path}: get_config() returned {type(config).__name__}, not ExperimentConfig")
+    return apply_overrides(config, list(overrides))
+
+
+def ablation(base: str, name: str, **changes: object) -> ExperimentConfig:
+    """``base`` experiment with dotted-path ``changes`` (e.g. ``spade__use_memory=False``)."""
+    config = load_experiment(base)
+    items = [f"{k.replace('__', '.')}={v!r}" for k, v in changes.items()]
+    return dataclasses.replace(apply_overrides(config, items), name=name)
+
+
+def config_hash(config: ExperimentConfig) -> str:
+    """Short stable digest of a resolved config (checkpoints warn when it changes)."""
+    blob = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

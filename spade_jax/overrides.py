@@ -1,0 +1,93 @@
+"""Command-line overrides of nested frozen dataclass configs.
+
+    cfg = apply_overrides(cfg, ["spade.rounds=5", "model.dtype=bfloat16", "spade.skills=two_skill"])
+
+A key is a dotted path of dataclass fields; the value is parsed as a Python literal
+(numbers, booleans, None, tuples, lists, dicts, quoted strings) and otherwise taken as a
+plain string. The new value must fit the field's current type, so a typo fails loudly
+and names the field instead of silently training with a wrong setting.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+
+class OverrideError(ValueError):
+    """An override that names no field or gives a value of the wrong type."""
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _coerce(path: str, current: Any, value: Any) -> Any:
+    if current is None or value is None:
+        return value
+    if isinstance(current, bool):
+        if not isinstance(value, bool):
+            raise OverrideError(f"{path} expects true/false (True/False), got {value!r}")
+        return value
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(current, tuple) and isinstance(value, list | tuple):
+        return tuple(value)
+    if isinstance(current, str) and not isinstance(value, str):
+        return str(value)
+    if dataclasses.is_dataclass(current):
+        raise OverrideError(f"{path} is a section; override one of its fields: "
+                            f"{[f.name for f in dataclasses.fields(current)]}")
+    if not isinstance(value, type(current)):
+        raise OverrideError(
+            f"{path} expects {type(current).__name__} (current {current!r}), got {value!r}")
+    return value
+
+
+def set_path(config: Any, path: str, value: Any) -> Any:
+    """Returns a copy of ``config`` with the dotted ``path`` set to ``value``."""
+    head, _, rest = path.partition(".")
+    if not dataclasses.is_dataclass(config):
+        raise OverrideError(f"cannot descend into {head!r}: not a config section")
+    names = {f.name for f in dataclasses.fields(config)}
+    if head not in names:
+        raise OverrideError(f"unknown config field {head!r} in {type(config).__name__}; "
+                            f"known: {sorted(names)}")
+    current = getattr(config, head)
+    if rest:
+        if current is None:
+            raise OverrideError(f"{head} is None; set the whole section in the experiment file")
+        new = set_path(current, rest, value)
+    else:
+        new = _coerce(path, current, value)
+    return dataclasses.replace(config, **{head: new})
+
+
+def apply_overrides(config: Any, overrides: Sequence[str]) -> Any:
+    """Applies ``key=value`` strings in order; raises OverrideError naming the bad one."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise OverrideError(f"override {item!r} is not of the form section.field=value")
+        try:
+            config = set_path(config, key.strip(), parse_value(raw.strip()))
+        except OverrideError as e:
+            raise OverrideError(f"override {item!r}: {e}") from None
+        except (TypeError, ValueError) as e:  # a config's own validation in __post_init__
+            raise OverrideError(f"override {item!r} is invalid: {e}") from None
+    return config
+
+
+def diff(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Leaf fields that differ between two configs of the same structure."""
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b) and type(a) is type(b):
+        out: dict[str, tuple[Any, Any]] = {}
+        for f in dataclasses.fields(a):
+            out.update(diff(getattr(a, f.name), getattr(b, f.name), f"{prefix}{f.name}."))
+        return out
+    return {} if a == b else {prefix.rstrip("."): (a, b)}

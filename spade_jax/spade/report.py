@@ -1,0 +1,81 @@
+"""A run's report: ``report.md`` with the paper's evidence metrics, beside PNG curves.
+
+    python -m spade_jax.spade.report RUN_DIR
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from spade_jax.metrics import read_metrics
+from spade_jax.plot import plot_run
+
+# (metric, what it is) in the order the report lists them.
+HEADLINE = (
+    ("validity_rate", "share of designer programs that pass sandbox validation"),
+    ("regret_raw_mean", "mean hint regret, raw (can be negative: the model cannot use hints)"),
+    ("regret_clipped_mean", "mean hint regret clipped to [0, 1]"),
+    ("regret_negative_share", "share of environments with negative regret"),
+    ("return_hint_mean", "agent return with the hint"),
+    ("return_no_hint_mean", "agent return without the hint"),
+    ("learnable_share", "environments with no-hint win rate in [0.2, 0.8], 16-round window"),
+    ("vendi_per_n", "diversity: Vendi score / n over program embeddings"),
+    ("reward_levels_mean", "distinct episode returns per environment"),
+    ("strict_partial_levels_mean", "distinct returns strictly inside (0, 1) per environment"),
+    ("formula_reveal_rate", "opening observations that print the governing formula"),
+    ("designer/anchor_mean", "difficulty anchor (flat-top on win rate)"),
+    ("designer/reward_mean", "designer reward incl. invalid-program penalties"),
+    ("train/agent/logp_gap_mean", "agent: |trainer - sampler| log-prob gap"),
+    ("train/designer/logp_gap_mean", "designer: |trainer - sampler| log-prob gap"),
+)
+PHASES = ("design", "validate", "rollout", "update")
+
+
+def _fmt(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
+
+
+def write_report(run_dir: str | Path, title: str = "SPADE run") -> Path:
+    """Writes ``run_dir/report.md`` (and PNGs under ``run_dir/plots``); returns its path."""
+    run_dir = Path(run_dir)
+    metrics = read_metrics(run_dir)
+    if not metrics:
+        raise ValueError(f"{run_dir} has no metrics.jsonl to report on")
+    pngs = plot_run(run_dir)
+    rounds = max(int(steps.max()) for steps, _ in metrics.values()) + 1
+    lines = [f"# {title}", "", f"{rounds} rounds, metrics from `{run_dir / 'metrics.jsonl'}`.", ""]
+    lines += ["## Evidence metrics", "", "| metric | first | last | mean | what |", "|---|---|---|---|---|"]
+    for name, what in HEADLINE:
+        if name in metrics:
+            values = metrics[name][1].astype(float)
+            finite = values[np.isfinite(values)]
+            mean = float(finite.mean()) if finite.size else float("nan")
+            lines.append(f"| `{name}` | {_fmt(values[0])} | {_fmt(values[-1])} | {_fmt(mean)} | {what} |")
+    invalid = sorted(n for n in metrics if n.startswith("invalid/"))
+    if invalid:
+        lines += ["", "## Invalid programs by reason (total over the run)", "",
+                  "| reason | count |", "|---|---|"]
+        lines += [f"| `{n.split('/', 1)[1]}` | {int(np.nansum(metrics[n][1]))} |" for n in invalid]
+    phases = [p for p in PHASES if f"time/{p}" in metrics]
+    if phases:
+        lines += ["", "## Time per phase (seconds, total over the run)", "",
+                  "| " + " | ".join(phases) + " |", "|" + "---|" * len(phases),
+                  "| " + " | ".join(f"{np.nansum(metrics[f'time/{p}'][1]):.1f}" for p in phases) + " |"]
+    evals = sorted(n for n in metrics if n.startswith("eval/"))
+    if evals:
+        lines += ["", "## Held-out evaluation (last)", "", "| suite | value |", "|---|---|"]
+        lines += [f"| `{n}` | {_fmt(float(metrics[n][1][-1]))} |" for n in evals]
+    lines += ["", "## Curves", ""] + [f"![{p.stem}](plots/{p.name})" for p in pngs]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m spade_jax.spade.report RUN_DIR")
+    print(write_report(sys.argv[1]))

@@ -1,0 +1,275 @@
+"""Builds every component of a run from an ExperimentConfig and drives the rounds.
+
+Kept apart from ``loop.py`` (the round logic) so that the loop can be tested with a
+scripted policy, and apart from ``train.py`` (flags) so a notebook can call
+``run_experiment(config, workdir)`` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from spade_jax import sharding
+from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, PreemptionGuard
+from spade_jax.envs import EnvPool
+from spade_jax.experiment import ExperimentConfig, ModelSpec, TokenizerSpec, config_hash
+from spade_jax.metrics import MetricsWriter, Progress
+from spade_jax.models import ModelOptions, Qwen3, load_hf, preset
+from spade_jax.models.orbax_io import load_orbax
+from spade_jax.rl.batch import PackConfig, pack_sequences
+from spade_jax.rl.train_step import TrainState, init_train_state, make_train_step
+from spade_jax.rollout import generate
+from spade_jax.rollout.agent_loop import run_episodes
+from spade_jax.spade import seed_programs
+from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
+from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
+from spade_jax.spade.loop import SpadeLoop
+from spade_jax.spade.memory import EnvironmentMemory, MemoryConfig
+from spade_jax.spade.prompts import (
+    DESIGNER_SYSTEM_PROMPT,
+    DESIGNER_SYSTEM_PROMPTS,
+    designer_user_prompt,
+    format_designer_output,
+)
+from spade_jax.spade.reward import make_designer_reward
+from spade_jax.spade.warm_start import supervised_pairs, warm_start
+
+log = logging.getLogger(__name__)
+
+
+# ---- components ------------------------------------------------------------------------
+def build_tokenizer(spec: TokenizerSpec, workdir: Path):
+    from spade_jax.tokenizers import load_tokenizer, project_text_files, train_sentencepiece
+
+    if spec.path:
+        return load_tokenizer(spec.path)
+    prefix = workdir / "tokenizer" / "spm"
+    if (prefix.parent / "spm.model").exists():
+        return load_tokenizer(prefix.parent / "spm.model")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    files = project_text_files() + [_seed_program_text(prefix.parent)]
+    log.info("training a %d-piece sentencepiece tokenizer on %d project files", spec.vocab_size, len(files))
+    return train_sentencepiece(files, str(prefix), vocab_size=spec.vocab_size)
+
+
+def _seed_program_text(directory: Path) -> Path:
+    """The seed programs and prompts as one text file, so the tokenizer knows them well."""
+    path = directory / "seed_programs.txt"
+    text = "\n\n".join(format_designer_output(p.source, p.hint) for p in seed_programs.SEED_PROGRAMS)
+    path.write_text(text + "\n" + DESIGNER_SYSTEM_PROMPT)
+    return path
+
+
+def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
+    dtype = jnp.dtype(spec.dtype)
+    options = ModelOptions(dtype=spec.dtype, param_dtype="float32", moe_impl=spec.moe_impl,
+                           remat=spec.remat)
+    if spec.hf_checkpoint:
+        model, _ = load_hf(spec.hf_checkpoint, jnp.float32, mesh=mesh, options=options)
+    elif spec.orbax_checkpoint:
+        model, _ = load_orbax(spec.orbax_checkpoint, jnp.float32, mesh=mesh, options=options)
+    else:
+        arch = preset(spec.preset) if spec.preset else spec.architecture
+        if arch is None:
+            raise ValueError("model: set one of hf_checkpoint, orbax_checkpoint, preset, architecture")
+        if arch.vocab_size < tokenizer.vocab_size:
+            arch = arch.replace(vocab_size=tokenizer.vocab_size)
+        arch = arch.replace(eos_token_id=sorted(tokenizer.eos_ids), pad_token_id=tokenizer.pad_id)
+        model = Qwen3(arch, options, rngs=nnx.Rngs(seed))
+    # the model computes in spec.dtype; master weights stay fp32 in the train state
+    model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
+    return model
+
+
+def build_corpus_sampler(config: ExperimentConfig) -> CorpusSampler | None:
+    if not config.spade.use_corpus or config.spade.designer_mode != "self":
+        return None
+    paths = list(config.corpus.paths)
+    if paths and all(".parquet" in p for p in paths):
+        corpus = ParquetCorpus(paths, "user_corpus")
+    elif paths:
+        corpus = JsonlCorpus(paths, "user_corpus")
+    else:
+        corpus = default_corpus(DefaultCorpusConfig(domain=config.corpus.domain))
+    return CorpusSampler(corpus, CorpusSamplerConfig(seed=config.seed,
+                                                     documents_per_round=config.spade.docs_per_prompt))
+
+
+# ---- checkpoint helpers -----------------------------------------------------------------
+def _saveable(state: TrainState) -> dict[str, Any]:
+    """TrainState as a flat dict of arrays (typed PRNG keys as raw key data)."""
+    leaves = jax.tree.leaves(state)
+    return {f"{i:05d}": (jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for i, x in enumerate(leaves)}
+
+
+def _restore_state(blob: dict[str, Any], like: TrainState) -> TrainState:
+    leaves, treedef = jax.tree.flatten(like)
+    out = []
+    for i, ref in enumerate(leaves):
+        value = blob[f"{i:05d}"]
+        if jnp.issubdtype(ref.dtype, jax.dtypes.prng_key):
+            value = jax.random.wrap_key_data(value)
+        out.append(value)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _abstract(blob_like: dict[str, Any]) -> dict[str, Any]:
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
+            for k, v in blob_like.items()}
+
+
+# ---- the run -----------------------------------------------------------------------------
+def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
+    workdir = Path(workdir)
+    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+    pool = EnvPool(config.sandbox)
+    log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
+    tokenizer = build_tokenizer(config.tokenizer, workdir)
+    mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
+    model = build_model(config.model, tokenizer, config.seed, mesh)
+    log.info("policy: %s, %s parameters", model.config.architecture,
+             f"{model.config.param_count():,}")
+    graphdef, state = init_train_state(model, config.train, seed=config.seed, mesh=mesh)
+    step_fn = make_train_step(graphdef, config.train, mesh)
+    holder = {"state": state}
+
+    def policy() -> Qwen3:
+        return nnx.merge(graphdef, holder["state"].params)
+
+    def generate_fn(prompts, max_new_tokens, round_index):
+        s = config.designer_sampler
+        out = generate(policy(), prompts, max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                       top_k=s.top_k, seed=config.seed * 100_003 + round_index)
+        return out.tokens, out.logprobs
+
+    def episodes_fn(specs):
+        return run_episodes(policy(), tokenizer, specs, config.agent, mesh=mesh)
+
+    data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
+    pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways)
+
+    def update_fn(seqs):
+        batch = pack_sequences(seqs, pack)
+        holder["state"], metrics = step_fn(holder["state"], batch)
+        return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+
+    fixed_pool = []
+    if config.spade.designer_mode == "fixed_pool":
+        programs = (seed_programs.load_program_pool(config.spade.pool_dir) if config.spade.pool_dir
+                    else seed_programs.SEED_PROGRAMS)
+        fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
+    reward_name = config.spade.designer_reward
+    reward_rule = (make_designer_reward(reward_name, config=config.spade.reward,
+                                        success_threshold=config.spade.success_threshold)
+                   if reward_name == "hint_regret" else make_designer_reward(reward_name))
+    loop = SpadeLoop(
+        config.spade, tokenizer=tokenizer, pool=pool, generate=generate_fn,
+        run_episodes=episodes_fn, update=update_fn,
+        corpus_sampler=build_corpus_sampler(config),
+        memory=EnvironmentMemory(MemoryConfig(seed=config.seed)), reward_rule=reward_rule,
+        fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
+    )
+
+    ckpt = CheckpointManager(
+        CheckpointConfig(str((workdir / "checkpoints").absolute()),
+                         save_every_steps=config.checkpoint_every, keep=config.keep_checkpoints),
+        guard=PreemptionGuard.install(), config_hash=config_hash(config))
+    start_round = 0
+    restored = ckpt.restore_latest(_abstract(_saveable(holder["state"])))
+    if restored is not None:
+        holder["state"] = _restore_state(restored.state, holder["state"])
+        loop.load_state_dict(restored.run_state["loop"])
+        start_round = restored.run_state["round"] + 1
+        log.info("resumed from round %d", restored.run_state["round"])
+    elif config.warm_start.steps:
+        holder["state"] = _warm_start(config, tokenizer, graphdef, holder["state"], loop)
+
+    writer = MetricsWriter(workdir)
+    progress = Progress(config.spade.rounds, start_step=start_round, every_seconds=0.0,
+                        print_fn=lambda _: None)
+    try:
+        for round_index in range(start_round, config.spade.rounds):
+            t0 = time.perf_counter()
+            metrics = loop.run_round(round_index)
+            if config.spade.eval_every and (round_index + 1) % config.spade.eval_every == 0:
+                metrics.update(_held_out_eval(config, policy(), tokenizer, round_index))
+            metrics["time/round"] = time.perf_counter() - t0
+            writer.write(round_index, metrics)
+            line = progress.update(round_index + 1, {k: metrics[k] for k in
+                                                     ("validity_rate", "regret_raw_mean") if k in metrics})
+            if line:
+                log.info(line)
+            last = round_index + 1 == config.spade.rounds
+            if ckpt.should_save(round_index + 1) or last:
+                ckpt.save(round_index + 1, _saveable(holder["state"]),
+                          {"round": round_index, "loop": loop.state_dict()})
+            if ckpt.preempted:
+                log.warning("preempted: checkpoint saved after round %d, exiting", round_index)
+                break
+    finally:
+        ckpt.wait()
+        writer.close()
+        pool.close()
+    from spade_jax.spade.report import write_report
+
+    write_report(workdir, title=f"SPADE run: {config.name}")
+
+
+def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop) -> TrainState:
+    """Supervised pass on (designer prompt -> seed program + hint) pairs."""
+    spade_cfg = config.spade
+    pairs = []
+    programs = [p for p in seed_programs.SEED_PROGRAMS
+                if not config.warm_start.programs or p.name in config.warm_start.programs]
+    if not programs:
+        raise ValueError(f"warm_start.programs {config.warm_start.programs} names no seed program")
+    system = DESIGNER_SYSTEM_PROMPTS[spade_cfg.prompt_style]
+    for prog in programs:
+        for with_docs in (False, True):
+            docs = ["(reference document)"] if with_docs and spade_cfg.use_corpus else []
+            user = designer_user_prompt(prog.skill, docs, [], max_doc_chars=spade_cfg.max_doc_chars)
+            pairs.append(([{"role": "system", "content": system},
+                           {"role": "user", "content": user}],
+                          format_designer_output(prog.source, prog.hint)))
+    seqs = supervised_pairs(tokenizer, pairs)
+    ws = config.warm_start
+    log.info("warm start: %d steps on %d designer examples", ws.steps, len(seqs))
+    params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
+                                batch_size=ws.batch_size, learning_rate=ws.learning_rate,
+                                seed=config.seed, pad_id=tokenizer.pad_id)
+    log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
+    return state.replace(params=params) if hasattr(state, "replace") else dataclasses.replace(
+        state, params=params)
+
+
+def _held_out_eval(config, model, tokenizer, round_index) -> dict[str, float]:
+    """The reasoning-gym suites through the same sampler as training."""
+    from spade_jax.evaluation import SamplerPolicy, run_suites
+    from spade_jax.evaluation.suites import EvalConfig, SuiteConfig
+
+    spec = config.eval
+    suites = [SuiteConfig(name, "reasoning_gym", max_tasks=spec.tasks_per_suite or None,
+                          problems_per_task=spec.problems_per_task) for name in spec.suites]
+    results = run_suites(SamplerPolicy(model, tokenizer), suites,
+                         EvalConfig(samples_per_problem=spec.samples_per_problem, seed=config.seed,
+                                    max_new_tokens=spec.max_new_tokens))
+    return {f"eval/{k}": float(v) for k, v in results.items()}
+
+
+def _baseline(config: ExperimentConfig):
+    if config.spade.baseline == "none":
+        return None
+    from spade_jax.spade.baselines import make_baseline
+
+    return make_baseline(config)

@@ -1,0 +1,76 @@
+"""The main command: a SPADE self-play run.
+
+    python -m spade_jax.train --experiment=tiny --workdir=runs/tiny
+    python -m spade_jax.train --experiment=qwen3_30b_a3b --hf_checkpoint=/ckpt/Qwen3-30B-A3B \
+        --workdir=gs://bucket/runs/spade_30b --set spade.rounds=400
+
+Builds the tokenizer, policy, sandbox pool, trainer and SPADE loop from the experiment
+file, resumes from the newest intact checkpoint in ``workdir`` if there is one, runs the
+rounds, and writes ``metrics.jsonl``, TensorBoard events, checkpoints and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("experiment", "tiny", "Experiment name (experiments/<name>.py) or path.")
+flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, report.")
+flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).")
+flags.DEFINE_string("hf_checkpoint", None, "Shortcut for --set model.hf_checkpoint=DIR.")
+flags.DEFINE_bool("dry_run", False, "Print the resolved config and exit.")
+
+log = logging.getLogger("spade_jax.train")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # The sandbox's zygote is a fresh process, but start it before JAX allocates anything.
+    from spade_jax.experiment import load_experiment
+    from spade_jax.overrides import OverrideError
+
+    overrides = list(FLAGS.set)
+    if FLAGS.hf_checkpoint:
+        overrides.append(f"model.hf_checkpoint={FLAGS.hf_checkpoint!r}")
+    try:
+        config = load_experiment(FLAGS.experiment, overrides)
+    except (FileNotFoundError, OverrideError, AttributeError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if FLAGS.dry_run:
+        print(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+        return 0
+    if not FLAGS.workdir:
+        raise app.UsageError("--workdir is required")
+    workdir = Path(FLAGS.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    _setup_logging(workdir)
+    from spade_jax.spade.run import run_experiment
+
+    start = time.time()
+    run_experiment(config, workdir)
+    log.info("done in %.1f min; report: %s", (time.time() - start) / 60, workdir / "report.md")
+    return 0
+
+
+def _setup_logging(workdir: Path) -> None:
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    handler = logging.FileHandler(workdir / "train.log")  # absl already logs to stderr
+    handler.setFormatter(fmt)
+    root.addHandler(handler)
+    for noisy in ("absl", "jax._src", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    app.run(main)
