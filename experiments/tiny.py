@@ -53,7 +53,7 @@ def get_config() -> ExperimentConfig:
         spade=SpadeConfig(
             rounds=4, envs_per_round=4, designer_group_size=2, n_hint=2, designer_delay=1,
             docs_per_prompt=1, max_doc_chars=160, memory_examples=1, memory_train_envs=1,
-            eval_every=2, designer_max_tokens=384, prompt_style="compact",
+            eval_every=2, prompt_style="compact",
         ),
         # Four short seed programs: enough for the designer role to learn the format.
         warm_start=WarmStartConfig(steps=120, batch_size=4, learning_rate=3e-3,

@@ -51,7 +51,7 @@ class ScriptedPolicy:
         self.prompts, self.episode_programs, self.updates = [], [], []
         self.rng = np.random.default_rng(0)
 
-    def generate(self, prompts, max_new_tokens, round_index):
+    def generate(self, prompts, round_index):
         self.prompts.append([list(p) for p in prompts])
         outs = [self.texts[(round_index * len(prompts) + i) % len(self.texts)] for i in range(len(prompts))]
         tokens = [ByteTokenizer().encode(t) for t in outs]

@@ -42,7 +42,6 @@ class SpadeConfig:
       memory_train_envs: environments per round replayed from memory for agent training.
       learnable_window: rounds in the learnable-share window (the paper: 16).
       eval_every: run the held-out suites every N rounds (0 = never).
-      designer_max_tokens: generation budget for one designer output.
       prompt_style: designer system prompt, "full" (contract, quality criteria, format) or
         "compact" (a few lines, for CPU-sized policies).
     """
@@ -69,12 +68,11 @@ class SpadeConfig:
     memory_train_envs: int = 0
     learnable_window: int = 16
     eval_every: int = 20
-    designer_max_tokens: int = 2048
     prompt_style: str = "full"
 
     def __post_init__(self):
         for name in ("rounds", "envs_per_round", "designer_group_size", "n_hint",
-                     "designer_delay", "learnable_window", "designer_max_tokens"):
+                     "designer_delay", "learnable_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"spade.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.success_threshold <= 1.0:

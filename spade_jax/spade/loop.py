@@ -86,7 +86,8 @@ class Candidate:
 
 # What the loop needs from the outside: sampling and training are injected, so the round
 # logic runs the same with the real policy and with a scripted stand-in in tests.
-Generate = Callable[[list[list[int]], int, int], tuple[list[list[int]], list[list[float]]]]
+# generate(prompts, round_index) -> (tokens, logprobs) per prompt
+Generate = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]]]]
 RunEpisodes = Callable[[list[EpisodeSpec]], list[EpisodeRecord]]
 Update = Callable[[list[TrainSequence]], dict[str, float]]
 
@@ -196,7 +197,7 @@ class SpadeLoop:
             for _ in range(cfg.designer_group_size):
                 prompts.append(list(ids))
                 meta.append((slot, skill.name, tuple(d.doc_id for d in docs)))
-        tokens, logprobs = self.generate(prompts, cfg.designer_max_tokens, round_index)
+        tokens, logprobs = self.generate(prompts, round_index)
         return [Candidate(slot=s, skill=k, prompt_ids=p, output_ids=list(t),
                           output_logprobs=list(lp), doc_ids=d)
                 for p, t, lp, (s, k, d) in zip(prompts, tokens, logprobs, meta, strict=True)]

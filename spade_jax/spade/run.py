@@ -147,10 +147,11 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     def policy() -> Qwen3:
         return nnx.merge(graphdef, holder["state"].params)
 
-    def generate_fn(prompts, max_new_tokens, round_index):
+    def generate_fn(prompts, round_index):
         s = config.designer_sampler
-        out = generate(policy(), prompts, max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                       top_k=s.top_k, seed=config.seed * 100_003 + round_index)
+        out = generate(policy(), prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                       top_k=s.top_k, seed=config.seed * 100_003 + round_index,
+                       cache_dtype=s.cache_dtype, mesh=mesh)
         return out.tokens, out.logprobs
 
     def episodes_fn(specs):
