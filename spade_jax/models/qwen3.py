@@ -118,7 +118,9 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
+        # Weight cast to the activation dtype: fp32 master weights must not promote bf16
+        # activations back to fp32 (HF stores the weight in the model dtype).
+        return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
 def rope_tables(positions_bt: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
