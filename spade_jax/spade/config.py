@@ -42,6 +42,9 @@ class SpadeConfig:
       memory_train_envs: environments per round replayed from memory for agent training.
       learnable_window: rounds in the learnable-share window (the paper: 16).
       eval_every: run the held-out suites every N rounds (0 = never).
+      agent_advantage / designer_advantage: advantage estimator of each role (a name in
+        ``spade_jax.rl.advantage_estimators``: "grpo", "dr_grpo", "rloo"); the loss per
+        role is ``train.agent`` / ``train.designer``.
       prompt_style: designer system prompt, "full" (contract, quality criteria, format) or
         "compact" (a few lines, for CPU-sized policies).
     """
@@ -68,6 +71,8 @@ class SpadeConfig:
     memory_train_envs: int = 0
     learnable_window: int = 16
     eval_every: int = 20
+    agent_advantage: str = "grpo"
+    designer_advantage: str = "grpo"
     prompt_style: str = "full"
 
     def __post_init__(self):
@@ -81,6 +86,10 @@ class SpadeConfig:
             raise ValueError(f"spade.n_no_hint must be >= 1 or None, got {self.n_no_hint}")
         if self.skills not in ("main", "two_skill"):
             raise ValueError(f"spade.skills must be 'main' or 'two_skill', got {self.skills!r}")
+        from spade_jax import rl
+
+        for name in (self.agent_advantage, self.designer_advantage):
+            rl.advantage_estimators.get(name)  # KeyError listing the known names
         if self.prompt_style not in ("full", "compact"):
             raise ValueError(f"spade.prompt_style must be 'full' or 'compact', got {self.prompt_style!r}")
         if self.designer_mode not in DESIGNER_MODES:

@@ -288,9 +288,9 @@ class SpadeLoop:
         return seqs
 
     # ---- the round ---------------------------------------------------------------------
-    def run_round(self, round_index: int, *, agent_estimator: str = "grpo",
-                  designer_estimator: str = "grpo") -> dict[str, float]:
+    def run_round(self, round_index: int) -> dict[str, float]:
         cfg, times, metrics = self.config, {}, {}
+        agent_estimator, designer_estimator = cfg.agent_advantage, cfg.designer_advantage
         t0 = time.perf_counter()
         if cfg.baseline != "none":
             return self._baseline_round(round_index, agent_estimator)
