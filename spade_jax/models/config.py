@@ -80,10 +80,14 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     router_aux_loss_coef: float = 0.001
     bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        # Hashable fields only: the config is static metadata of jitted model graphs.
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unknown architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
@@ -244,7 +248,8 @@ class ModelConfig:
             "use_sliding_window": False,
             "sliding_window": None,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+                             else self.eos_token_id),
             "pad_token_id": self.pad_token_id,
             "torch_dtype": "float32",
         }
