@@ -27,7 +27,6 @@ from tokenizers import (
 )
 from tokenizers import Tokenizer as RustTokenizer
 
-import spade_jax.tokenizer
 from spade_jax.tokenizers import (
     QWEN3_CHAT_TEMPLATE,
     ChatTemplate,
@@ -434,11 +433,6 @@ def test_hf_config_errors_name_the_problem(bpe_backend, tmp_path):
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="eos_token '<\\|not_a_token\\|>'"):
         load_tokenizer(directory / "tokenizer.json")
-
-
-def test_short_import_path_is_the_same_api():
-    assert spade_jax.tokenizer.load_tokenizer is load_tokenizer
-    assert spade_jax.tokenizer.Tokenizer is Tokenizer
 
 
 def test_load_errors_are_clear(tmp_path, sp_tokenizer):
