@@ -176,3 +176,39 @@ def parse_judge_output(text: str, num_segments: int) -> list[int]:
 def label_trace_with_judge(judge: Judge, segment_texts: Sequence[str]) -> list[int]:
     """Labels every segment of one trace with one judge call."""
     return parse_judge_output(judge(build_judge_prompt(segment_texts)), len(segment_texts))
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyJudgeConfig:
+    """Attributes:
+    max_new_tokens: budget for the judge's answer (one short line per segment).
+    seed: sampling seed for every call (a greedy policy ignores it).
+    """
+
+    max_new_tokens: int = 1024
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class PolicyJudge:
+    """The :class:`Judge` backed by a text policy (the policy itself through the sampler).
+
+    ``policy`` is anything with the evaluation harness's ``TextPolicy.complete`` method
+    (``spade_jax.evaluation.SamplerPolicy`` for the model, ``ScriptedPolicy`` in tests). The
+    frozen codebook prompt goes in as the single user turn; the one completion comes back
+    as text for :func:`parse_judge_output`.
+    """
+
+    def __init__(self, policy: object, config: PolicyJudgeConfig = PolicyJudgeConfig()) -> None:
+        if not callable(getattr(policy, "complete", None)):
+            raise TypeError("policy must have a TextPolicy-style complete() method")
+        self.policy, self.config = policy, config
+
+    def __call__(self, prompt: str) -> str:
+        out = self.policy.complete([[{"role": "user", "content": prompt}]], n=1,
+                                   seed=self.config.seed,
+                                   max_new_tokens=self.config.max_new_tokens)
+        return out[0][0]

@@ -9,7 +9,8 @@ leaves a readable prefix). The reader loads one chunk at a time.
 Layout of a directory::
 
     manifest.json       {"version", "num_layers", "num_experts", "top_k", "logits_dtype",
-                         "chunk_tokens", "num_tokens", "complete", "chunks": [{file, num_tokens}]}
+                         "chunk_tokens", "num_tokens", "complete", "chunks": [{file, num_tokens}],
+                         "metadata": {...}}
     chunk_000000.npz    token_ids [n] int32, positions [n] int32, sequence_ids [n] int64,
                         router_logits [n, L, E] float16|float32, selected [n, L, k] int16|int32
 
@@ -82,8 +83,12 @@ class TelemetryWriter:
         chunk_tokens: int = 65536,
         logits_dtype: str = "float16",
         compress: bool = False,
+        metadata: dict | None = None,
     ) -> None:
         self.config = TelemetryConfig(chunk_tokens, logits_dtype, compress)
+        # Free-form JSON facts about the run (e.g. "moe_layers": decoder index of each L row);
+        # written into the manifest with every chunk, so it may be filled in before the first.
+        self.metadata: dict = dict(metadata or {})
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         if (self.directory / MANIFEST).exists():
@@ -214,6 +219,7 @@ class TelemetryWriter:
             "num_tokens": self.num_tokens_written,
             "complete": complete,
             "chunks": self._chunks,
+            "metadata": self.metadata,
         })
 
     def close(self) -> None:
@@ -250,6 +256,7 @@ class TelemetryReader:
     top_k = property(lambda self: self.manifest["top_k"])
     num_tokens = property(lambda self: self.manifest["num_tokens"])
     complete = property(lambda self: self.manifest["complete"])
+    metadata = property(lambda self: self.manifest.get("metadata", {}))
 
     def __len__(self) -> int:
         return len(self.manifest["chunks"])
