@@ -10,6 +10,12 @@ Model-independent pieces, all on plain arrays (no model imports here):
   controls   position / TF-IDF / prefix-drop controls for the probes
   experts    risk difference, Top-n expert sets, cross-dataset Jaccard, transfer AUC
   telemetry  chunked on-disk router traces
+
+Model-facing (import the model / sampler lazily):
+
+  capture      teacher-forced and generation-time router capture into telemetry
+  expert_sets  expert-set files and the hook's per-layer masks
+  compare      steered sampler policy and the unmodified/steered/control table
 """
 
 from spade_jax.steering.labels import BEHAVIOURS
