@@ -40,7 +40,7 @@ def get_config() -> ExperimentConfig:
             moe_impl="blocked",  # XLA:CPU runs ragged_dot as a loop of full matmuls
         ),
         tokenizer=TokenizerSpec(vocab_size=4000),
-        designer_sampler=SamplerConfig(max_new_tokens=384, temperature=0.7, top_p=0.95),
+        designer_sampler=SamplerConfig(max_new_tokens=448, temperature=0.3, top_p=0.95),
         agent=AgentLoopConfig(
             max_turns=2, max_turn_tokens=24, max_episode_tokens=1024,
             system_prompt=AGENT_SYSTEM_PROMPT,
@@ -55,10 +55,9 @@ def get_config() -> ExperimentConfig:
             docs_per_prompt=1, max_doc_chars=160, memory_examples=1, memory_train_envs=1,
             eval_every=2, prompt_style="compact",
         ),
-        # Four short seed programs: enough for the designer role to learn the format.
-        warm_start=WarmStartConfig(steps=120, batch_size=4, learning_rate=3e-3,
-                                   programs=("modular_product", "sort_numbers",
-                                             "sequence_next", "predict_loop")),
+        # Three short seed programs: enough for the designer role to learn the format.
+        warm_start=WarmStartConfig(steps=160, batch_size=4, learning_rate=3e-3,
+                                   programs=("modular_product", "sort_numbers", "predict_loop")),
         eval=EvalSpec(suites=("RG-Math", "RG-Logic"), tasks_per_suite=2, problems_per_task=2,
                       samples_per_problem=1, max_new_tokens=16),
         checkpoint_every=2,

@@ -67,6 +67,7 @@ class WarmStartConfig:
     batch_size: int = 8
     learning_rate: float = 3e-3
     programs: tuple[str, ...] = ()  # seed program names to use; empty = all
+    prompts_per_program: int = 3  # prompt variants: one without documents, the rest with
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,18 +91,20 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     return model
 
 
-def build_corpus_sampler(config: ExperimentConfig) -> CorpusSampler | None:
-    if not config.spade.use_corpus or config.spade.designer_mode != "self":
-        return None
+def build_corpus(config: ExperimentConfig):
     paths = list(config.corpus.paths)
     if paths and all(".parquet" in p for p in paths):
-        corpus = ParquetCorpus(paths, "user_corpus")
-    elif paths:
-        corpus = JsonlCorpus(paths, "user_corpus")
-    else:
-        corpus = default_corpus(DefaultCorpusConfig(domain=config.corpus.domain))
-    return CorpusSampler(corpus, CorpusSamplerConfig(seed=config.seed,
-                                                     documents_per_round=config.spade.docs_per_prompt))
+        return ParquetCorpus(paths, "user_corpus")
+    if paths:
+        return JsonlCorpus(paths, "user_corpus")
+    return default_corpus(DefaultCorpusConfig(domain=config.corpus.domain))
+
+
+def build_corpus_sampler(config: ExperimentConfig, seed_offset: int = 0) -> CorpusSampler | None:
+    if not config.spade.use_corpus or config.spade.designer_mode != "self":
+        return None
+    return CorpusSampler(build_corpus(config), CorpusSamplerConfig(
+        seed=config.seed + seed_offset, documents_per_round=config.spade.docs_per_prompt))
 
 
 # ---- checkpoint helpers -----------------------------------------------------------------
@@ -228,30 +230,31 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
 
 
 def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop) -> TrainState:
-    """Supervised pass on (designer prompt -> seed program + hint) pairs."""
-    spade_cfg = config.spade
-    pairs = []
-    programs = [p for p in seed_programs.SEED_PROGRAMS
-                if not config.warm_start.programs or p.name in config.warm_start.programs]
+    """Supervised pass on (designer prompt -> seed program + hint) pairs. The prompts look
+    like the loop's: same system prompt and skill text, real corpus documents (from a
+    sampler of its own, so the run's corpus cursor is untouched), and none."""
+    spade_cfg, ws = config.spade, config.warm_start
+    programs = [p for p in seed_programs.SEED_PROGRAMS if not ws.programs or p.name in ws.programs]
     if not programs:
-        raise ValueError(f"warm_start.programs {config.warm_start.programs} names no seed program")
+        raise ValueError(f"warm_start.programs {ws.programs} names no seed program")
     system = DESIGNER_SYSTEM_PROMPTS[spade_cfg.prompt_style]
+    docs_sampler = build_corpus_sampler(config, seed_offset=7919)
+    pairs = []
     for prog in programs:
-        for with_docs in (False, True):
-            docs = ["(reference document)"] if with_docs and spade_cfg.use_corpus else []
+        for variant in range(ws.prompts_per_program):
+            docs = ([d.text for d in docs_sampler.sample(spade_cfg.docs_per_prompt)]
+                    if docs_sampler is not None and variant > 0 else [])
             user = designer_user_prompt(prog.skill, docs, [], max_doc_chars=spade_cfg.max_doc_chars)
             pairs.append(([{"role": "system", "content": system},
                            {"role": "user", "content": user}],
                           format_designer_output(prog.source, prog.hint)))
     seqs = supervised_pairs(tokenizer, pairs)
-    ws = config.warm_start
     log.info("warm start: %d steps on %d designer examples", ws.steps, len(seqs))
     params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
                                 batch_size=ws.batch_size, learning_rate=ws.learning_rate,
                                 seed=config.seed, pad_id=tokenizer.pad_id)
     log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
-    return state.replace(params=params) if hasattr(state, "replace") else dataclasses.replace(
-        state, params=params)
+    return dataclasses.replace(state, params=params)
 
 
 def _held_out_eval(config, model, tokenizer, round_index) -> dict[str, float]:
