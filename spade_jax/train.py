@@ -33,6 +33,9 @@ log = logging.getLogger("spade_jax.train")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from spade_jax import distributed
+
+    distributed.maybe_initialize()  # multi-host TPU VM: join the job before JAX runs anything
     # The sandbox's zygote is a fresh process, but start it before JAX allocates anything.
     from spade_jax.experiment import load_experiment
     from spade_jax.overrides import OverrideError

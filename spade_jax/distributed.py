@@ -1,0 +1,171 @@
+"""Multi-host set-up: one process per TPU VM worker, all running the same command.
+
+    from spade_jax import distributed
+    distributed.maybe_initialize()          # first thing in main(), before any jax array
+    seed = distributed.host_seed(config.seed)  # this host's environment-worker pool seed
+    docs = distributed.agree(docs_chosen_on_host_0)  # every host gets process 0's choice
+
+What runs where on a pod slice:
+  * every host runs the jitted programs over the global mesh (``jax.devices()``);
+  * environments always run on the local host's CPUs: each host's sandbox pool serves the
+    episodes whose batch rows live on that host, seeded with :func:`host_seed`;
+  * decisions that must be identical everywhere (corpus documents drawn this round,
+    environment-memory entries fed to the designer) are made on process 0 and broadcast
+    with :func:`agree`, so hosts never diverge through a host-local RNG or clock;
+  * only process 0 writes logs and metrics (``metrics.py`` gates on
+    :func:`is_primary`); Orbax checkpoints are written collectively by all hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# Environment variables that mean "this process is one of several" (set by the TPU VM
+# runtime, by `launch/tpu.py`, or by hand for a CPU/GPU cluster).
+_COORDINATOR_VARS = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
+_TPU_WORKER_VARS = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins the job (all None = let jax detect it on a TPU VM).
+
+    Attributes:
+      coordinator_address: "host:port" of process 0.
+      num_processes: hosts in the job.
+      process_id: this host's index in [0, num_processes).
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.coordinator_address, self.num_processes, self.process_id]
+        if any(v is not None for v in given) and any(v is None for v in given):
+            raise ValueError("coordinator_address, num_processes and process_id are set "
+                             f"together or not at all, got {self}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or 0):
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), "
+                             f"got {self.process_id}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DistributedConfig:
+        """Reads JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (an explicit
+        cluster); empty when they are unset (a TPU VM, where jax asks the runtime)."""
+        env = os.environ if env is None else env
+        address = next((env[k] for k in _COORDINATOR_VARS if env.get(k)), None)
+        if address is None:
+            return cls()
+        try:
+            return cls(address, int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"]))
+        except KeyError as e:
+            raise ValueError(f"{_COORDINATOR_VARS[0]} is set, so {e.args[0]} must be too") from e
+
+
+def is_multihost(env: Mapping[str, str] | None = None) -> bool:
+    """True when the environment says this process is one of several hosts: an explicit
+    coordinator, or a TPU VM whose worker list names more than one host."""
+    env = os.environ if env is None else env
+    if any(env.get(k) for k in _COORDINATOR_VARS):
+        return int(env.get("JAX_NUM_PROCESSES", "2")) > 1
+    workers = env.get("TPU_WORKER_HOSTNAMES", "")
+    hosts = [h for h in workers.split(",") if h.strip()]
+    return len(hosts) > 1 or bool(env.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+_initialized = False
+
+
+def maybe_initialize(env: Mapping[str, str] | None = None) -> bool:
+    """Calls ``jax.distributed.initialize()`` when the environment indicates a multi-host
+    job (see :func:`is_multihost`); a no-op on one host and on a second call.
+
+    Must run before any JAX computation. Returns whether this call initialised.
+    """
+    global _initialized
+    if _initialized or not is_multihost(env):
+        return False
+    import jax
+
+    config = DistributedConfig.from_env(env)
+    if config.coordinator_address is None:
+        jax.distributed.initialize()  # TPU VM: jax reads the worker list from the runtime
+    else:
+        jax.distributed.initialize(config.coordinator_address, config.num_processes,
+                                   config.process_id)
+    _initialized = True
+    log.info("jax.distributed: process %d of %d, %d local / %d global devices",
+             jax.process_index(), jax.process_count(), jax.local_device_count(),
+             jax.device_count())
+    return True
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def is_primary() -> bool:
+    """Process 0: the only host that writes logs, metrics and reports."""
+    return process_index() == 0
+
+
+def host_seed(seed: int, process: int | None = None) -> int:
+    """A distinct, reproducible seed for one host's environment-worker pool: the same
+    experiment seed gives each host its own stream, and host 0 keeps ``seed`` itself."""
+    process = process_index() if process is None else process
+    if process < 0:
+        raise ValueError(f"process must be >= 0, got {process}")
+    if process == 0:
+        return int(seed)
+    mixed = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, process]).generate_state(1)[0]
+    return int(mixed)
+
+
+def agree(value: Any) -> Any:
+    """Process 0's ``value`` on every host (a pytree of arrays / numbers / strings).
+
+    Strings and lists of strings (corpus documents, memory entries) are sent as UTF-8
+    bytes padded to one length; other leaves go through
+    ``multihost_utils.broadcast_one_to_all``. One host: returns ``value`` unchanged.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    if isinstance(value, str):
+        return _agree_strings([value])[0]
+    if isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value):
+        return type(value)(_agree_strings(list(value)))
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(value)
+
+
+def _agree_strings(values: list[str]) -> list[str]:
+    from jax.experimental import multihost_utils
+
+    encoded = [v.encode("utf-8") for v in values]
+    # Every host must call the collective with the same shape: agree on the sizes first.
+    count = int(multihost_utils.broadcast_one_to_all(np.int64(len(encoded))))
+    width = int(multihost_utils.broadcast_one_to_all(
+        np.int64(max((len(e) for e in encoded), default=0))))
+    buffer = np.zeros((count, width), np.uint8)
+    lengths = np.zeros((count,), np.int64)
+    for i, e in enumerate(encoded[:count]):
+        buffer[i, :len(e)] = np.frombuffer(e, np.uint8)[:width]
+        lengths[i] = len(e)
+    buffer, lengths = multihost_utils.broadcast_one_to_all((buffer, lengths))
+    return [bytes(np.asarray(row[:n])).decode("utf-8") for row, n in zip(buffer, lengths, strict=True)]
