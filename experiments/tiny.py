@@ -40,7 +40,7 @@ def get_config() -> ExperimentConfig:
             moe_impl="blocked",  # XLA:CPU runs ragged_dot as a loop of full matmuls
         ),
         tokenizer=TokenizerSpec(vocab_size=4000),
-        designer_sampler=SamplerConfig(max_new_tokens=448, temperature=0.3, top_p=0.95),
+        designer_sampler=SamplerConfig(max_new_tokens=448, temperature=0.2, top_p=0.95),
         agent=AgentLoopConfig(
             max_turns=2, max_turn_tokens=24, max_episode_tokens=1024,
             system_prompt=AGENT_SYSTEM_PROMPT,
@@ -52,12 +52,14 @@ def get_config() -> ExperimentConfig:
                                                     total_steps=100)),
         spade=SpadeConfig(
             rounds=4, envs_per_round=4, designer_group_size=2, n_hint=2, designer_delay=1,
-            docs_per_prompt=1, max_doc_chars=160, memory_examples=1, memory_train_envs=1,
+            docs_per_prompt=1, max_doc_chars=64, memory_examples=1, memory_train_envs=1,
             eval_every=2, prompt_style="compact",
         ),
-        # Three short seed programs: enough for the designer role to learn the format.
+        # Two short seed programs under prompts of every skill and with corpus documents:
+        # a 1M-parameter policy learns to emit one of them whatever the prompt says.
         warm_start=WarmStartConfig(steps=160, batch_size=4, learning_rate=3e-3,
-                                   programs=("modular_product", "sort_numbers", "predict_loop")),
+                                   programs=("modular_product", "sort_numbers"),
+                                   prompts_per_program=6, vary_skills=True),
         eval=EvalSpec(suites=("RG-Math", "RG-Logic"), tasks_per_suite=2, problems_per_task=2,
                       samples_per_problem=1, max_new_tokens=16),
         checkpoint_every=2,

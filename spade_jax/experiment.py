@@ -68,6 +68,7 @@ class WarmStartConfig:
     learning_rate: float = 3e-3
     programs: tuple[str, ...] = ()  # seed program names to use; empty = all
     prompts_per_program: int = 3  # prompt variants: one without documents, the rest with
+    vary_skills: bool = False  # variants cycle through every skill, not the program's own
 
 
 @dataclasses.dataclass(frozen=True)

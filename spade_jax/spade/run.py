@@ -42,6 +42,7 @@ from spade_jax.spade.prompts import (
     format_designer_output,
 )
 from spade_jax.spade.reward import make_designer_reward
+from spade_jax.spade.skills import get_skill_set
 from spade_jax.spade.warm_start import supervised_pairs, warm_start
 
 log = logging.getLogger(__name__)
@@ -239,12 +240,14 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
         raise ValueError(f"warm_start.programs {ws.programs} names no seed program")
     system = DESIGNER_SYSTEM_PROMPTS[spade_cfg.prompt_style]
     docs_sampler = build_corpus_sampler(config, seed_offset=7919)
+    skills = [s.name for s in get_skill_set(spade_cfg.skills)]
     pairs = []
     for prog in programs:
         for variant in range(ws.prompts_per_program):
             docs = ([d.text for d in docs_sampler.sample(spade_cfg.docs_per_prompt)]
                     if docs_sampler is not None and variant > 0 else [])
-            user = designer_user_prompt(prog.skill, docs, [], max_doc_chars=spade_cfg.max_doc_chars)
+            skill = skills[variant % len(skills)] if ws.vary_skills else prog.skill
+            user = designer_user_prompt(skill, docs, [], max_doc_chars=spade_cfg.max_doc_chars)
             pairs.append(([{"role": "system", "content": system},
                            {"role": "user", "content": user}],
                           format_designer_output(prog.source, prog.hint)))
