@@ -17,9 +17,12 @@ Peak bytes of a program = argument + output - aliased (donated) + temp. While th
 runs, the Adam moments stay resident on the chip (the sampler reads the master params), so
 they are added to the sampler programs' peaks.
 
+Step time is a roofline on XLA's per-chip numbers, max(FLOPs / peak FLOP/s, bytes accessed /
+HBM bandwidth): collectives are not in it, so it is a lower bound and MFU an upper bound.
 MFU = 6 * N_active * tokens / (chips * peak_flops * step_seconds) for the train step and
-2 * N_active * tokens / (...) for the sampler, N_active = parameters touched per token
-(attention over the context is not counted, so MFU is conservative at long context).
+2 * N_active * tokens / (...) for the sampler, N_active = parameters a token multiplies
+through (active parameters less the untied input embedding; attention over the context is
+not counted).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def _grid(chips: int, three_d: bool) -> tuple[int, ...]:
             dims[dims.index(min(dims))] *= 2
         dims = sorted(dims)
     if math.prod(dims) != chips:
-        raise ValueError(f"{chips} chips is not a power-of-two slice")
+        raise ValueError(f"topology of {chips} chips: not a power-of-two slice")
     return tuple(dims)
 
 
@@ -113,7 +116,8 @@ def parse_topology(name: str) -> Topology:
     chip = CHIPS[generation]
     cores = int(count)
     if cores % chip.cores_per_chip:
-        raise ValueError(f"{name}: {generation} sizes count TensorCores, {cores} is odd")
+        raise ValueError(f"topology {name}: {generation} sizes count TensorCores (2 per chip), "
+                         f"{cores} is odd")
     chips = cores // chip.cores_per_chip
     return Topology(name, generation, chips, _grid(chips, chip.three_d))
 
@@ -301,6 +305,13 @@ def _timed_compile(lowered, name: str) -> tuple[Any, float]:
     return compiled, seconds
 
 
+def _matmul_params(arch) -> int:
+    """Parameters a token multiplies through (N_active of the MFU): the active parameters
+    less the input embedding table, a gather (unless it is tied to the LM head)."""
+    embedding = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    return arch.param_count(active=True) - embedding
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -358,7 +369,7 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
     data_ways = int(np.prod([mesh.shape[a] for a in batch_axes]))
     rows = NamedSharding(mesh, PartitionSpec(batch_axes or None))
     rows2 = NamedSharding(mesh, PartitionSpec(batch_axes or None, None))
-    active = arch.param_count(active=True)
+    active = _matmul_params(arch)
     programs: list[ProgramCost] = []
 
     if "train" in config.programs:
@@ -506,6 +517,12 @@ def main(argv: list[str]) -> int:
     except (ValueError, ImportError, FileNotFoundError, OverrideError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # the TPU compiler refuses programs that exceed HBM outright
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(f"DOES NOT FIT: {config.experiment} on {config.topology}: the TPU compiler ran "
+              f"out of HBM: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     print(format_plan(result))
     print(table_row(result))
     failed = [p.name for p in result.programs if not result.fits(p)]
