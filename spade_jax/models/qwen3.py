@@ -374,7 +374,7 @@ class Qwen3(nnx.Module):
         def run_layer(layer, x_btd, kv, replay_btX):
             return layer(x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX)
 
-        if self.options.remat:
+        if self.options.remat and cache is None:  # recompute only matters when training
             run_layer = nnx.remat(run_layer)
 
         router_logits, selected, new_k, new_v = [], [], [], []
