@@ -86,6 +86,9 @@ class RoleConfig:
       token_weighting: name in ``rl.token_weightings`` ("none": advantages unchanged).
       weighting_config: as ``loss_config``, for the token weighting.
       weight: w_r, this role's weight in the summed loss (0 trains the role not at all).
+      temperature: this role's sampling temperature, when it differs from
+        ``TrainConfig.temperature`` (None): log-probs are of softmax(logits / T_role), so the
+        ratio compares like with like when the roles sample at different temperatures.
     """
 
     policy_loss: str = "grpo"
@@ -93,6 +96,7 @@ class RoleConfig:
     token_weighting: str = "none"
     weighting_config: Any = None
     weight: float = 1.0
+    temperature: float | None = None
 
     def __post_init__(self) -> None:
         loss_rule = registry.policy_losses.get(self.policy_loss)
@@ -105,6 +109,8 @@ class RoleConfig:
         )
         if not self.weight >= 0:
             raise ValueError(f"role weight must be >= 0, got {self.weight}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"role temperature must be > 0 or None, got {self.temperature}")
 
     @property
     def loss_fn(self) -> registry.PolicyLoss:
@@ -229,10 +235,11 @@ def policy_logprobs(
     batch: TrainBatch,
     router_replay: bool,
     logit_chunk: int = 0,
-    temperature: float = 1.0,
+    temperature: float | Array = 1.0,
 ) -> tuple[Array, Array, list]:
     """Runs the policy on ``batch``: (logp [B, T], entropy [B, T], router logits per layer).
-    Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew from."""
+    Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew from;
+    ``temperature`` is a float or one value per row ([B])."""
     replay = None
     if router_replay:
         if batch.routing_replay is None:
@@ -246,7 +253,9 @@ def policy_logprobs(
     )
     def lm_head(hidden_btd: Array) -> Array:
         logits_btv = model.lm_head(hidden_btd)
-        return logits_btv if temperature == 1.0 else logits_btv / temperature
+        if isinstance(temperature, float | int):
+            return logits_btv if temperature == 1.0 else logits_btv / temperature
+        return logits_btv / temperature[:, None, None]
 
     logp_bt, entropy_bt = sampled_token_logprobs(lm_head, out.hidden, batch.input_ids, logit_chunk)
     return logp_bt, entropy_bt, out.router_logits
@@ -297,8 +306,12 @@ def microbatch_loss(
     """Loss of one microbatch as in the module docstring, plus (weighted, token) metrics."""
     compute = COMPUTE_DTYPES[config.compute_dtype]
     model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
+    role_temps = [config.temperature if r.temperature is None else r.temperature
+                  for r in config.roles]
+    temperature = (config.temperature if len(set(role_temps)) == 1
+                   else jnp.asarray(role_temps, jnp.float32)[batch.role_id])
     logp_bt, entropy_bt, router_logits = policy_logprobs(
-        model, batch, config.router_replay, config.logit_chunk, config.temperature
+        model, batch, config.router_replay, config.logit_chunk, temperature
     )
     total = jnp.zeros((), jnp.float32)
     weighted: Metrics = {}

@@ -143,8 +143,9 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     model = build_model(config.model, tokenizer, config.seed, mesh)
     log.info("policy: %s, %s parameters", model.config.architecture,
              f"{model.config.param_count():,}")
-    graphdef, state = init_train_state(model, config.train, seed=config.seed, mesh=mesh)
-    step_fn = make_train_step(graphdef, config.train, mesh)
+    train_config = _with_sampler_temperatures(config)
+    graphdef, state = init_train_state(model, train_config, seed=config.seed, mesh=mesh)
+    step_fn = make_train_step(graphdef, train_config, mesh)
     holder = {"state": state}
 
     def policy() -> Qwen3:
@@ -228,6 +229,19 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     from spade_jax.spade.report import write_report
 
     write_report(workdir, title=f"SPADE run: {config.name}")
+
+
+def _with_sampler_temperatures(config: ExperimentConfig):
+    """Each role's log-probs in training use the temperature that role sampled at, so the
+    sampler's old_logp and the trainer's logp are of the same distribution."""
+    def temp(sampler):
+        return sampler.temperature if sampler.temperature > 0 else 1.0  # greedy: T = 1
+
+    train = config.train
+    return dataclasses.replace(
+        train,
+        agent=dataclasses.replace(train.agent, temperature=temp(config.agent.sampler)),
+        designer=dataclasses.replace(train.designer, temperature=temp(config.designer_sampler)))
 
 
 def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop) -> TrainState:
