@@ -370,6 +370,14 @@ class SpadeLoop:
         m["designer/reward_mean"] = float(np.mean([c.designer_return for c in candidates])) \
             if candidates else 0.0
         scored = [c for c in valid if c.reward is not None]
+        # Every round logs the same keys (NaN: no valid environment this round), so a
+        # stretch with nothing to score shows up as a gap in the curves, not a missing key.
+        nan = float("nan")
+        m.update({k: nan for k in ("regret_raw_mean", "regret_clipped_mean", "regret_negative_share",
+                                   "return_hint_mean", "return_no_hint_mean", "win_rate_mean",
+                                   "designer/anchor_mean", "designer/total_mean",
+                                   "reward_levels_mean", "strict_partial_levels_mean",
+                                   "formula_reveal_rate")})
         if scored and hasattr(scored[0].reward, "regret"):
             regrets = np.array([c.reward.regret for c in scored])
             m.update({
@@ -404,7 +412,7 @@ class SpadeLoop:
             m["formula_reveal_rate"] = float(np.mean(
                 [env_stats.formula_reveal(c.opening_observation) for c in valid]))
         else:
-            m["vendi_per_n"] = float("nan")
+            m["vendi_per_n"] = nan
         for name, count in self.memory.regime_counts().items():
             m[f"memory/{name}"] = float(count)
         return m
