@@ -79,19 +79,28 @@ def dispatch_ragged(
     experts_tX: jax.Array,
 ) -> jax.Array:
     """Dropless grouped-matmul path: sort assignments by expert, ragged_dot, unsort."""
-    num_tokens, k = experts_tX.shape
-    num_experts = w_gate_EDF.shape[0]
-    experts_M = experts_tX.reshape(-1)
-    order_M = jnp.argsort(experts_M, stable=True)  # assignment slots grouped by expert
-    x_MD = x_tD[order_M // k]
-    group_sizes_E = jnp.bincount(experts_M, length=num_experts).astype(jnp.int32)
+    order_M, group_sizes_E = _sort_by_expert(experts_tX, w_gate_EDF.shape[0])
+    x_MD = x_tD[order_M // experts_tX.shape[1]]
     h_MF = _swiglu(
         jax.lax.ragged_dot(x_MD, w_gate_EDF, group_sizes_E),
         jax.lax.ragged_dot(x_MD, w_up_EDF, group_sizes_E),
     )
     y_sorted_MD = jax.lax.ragged_dot(h_MF, w_down_EFD, group_sizes_E)
+    return _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
+
+
+def _sort_by_expert(experts_tX: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order_M: assignment slots grouped by expert, stable; group_sizes_E int32)."""
+    experts_M = experts_tX.reshape(-1)
+    order_M = jnp.argsort(experts_M, stable=True)
+    return order_M, jnp.bincount(experts_M, length=num_experts).astype(jnp.int32)
+
+
+def _unsort_and_combine(y_sorted_MD: jax.Array, order_M: jax.Array,
+                        weights_tX: jax.Array) -> jax.Array:
+    """Expert outputs back in assignment order, summed per token with the router weights."""
     y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
-    y_tXD = y_MD.reshape(num_tokens, k, -1)
+    y_tXD = y_MD.reshape(*weights_tX.shape, -1)
     return jnp.einsum("txd,tx->td", y_tXD, weights_tX.astype(y_tXD.dtype))
 
 
@@ -120,10 +129,8 @@ def dispatch_blocked(
     bs = _block_rows(m, num_experts)
     # Each non-empty group wastes < bs padded rows: a static bound on the block count.
     nb = -(-(m + min(num_experts, m) * (bs - 1)) // bs)
-    experts_M = experts_tX.reshape(-1)
-    order_M = jnp.argsort(experts_M, stable=True)
-    sorted_experts_M = experts_M[order_M]
-    group_E = jnp.bincount(experts_M, length=num_experts).astype(jnp.int32)
+    order_M, group_E = _sort_by_expert(experts_tX, num_experts)
+    sorted_experts_M = experts_tX.reshape(-1)[order_M]
     padded_E = -(-group_E // bs) * bs
     group_start_E = jnp.cumsum(group_E) - group_E
     padded_start_E = jnp.cumsum(padded_E) - padded_E
@@ -140,9 +147,7 @@ def dispatch_blocked(
 
     y_rows = jax.lax.map(expert_block, (x_rows.reshape(nb, bs, -1), block_expert_NB))
     y_sorted_MD = y_rows.reshape(nb * bs, -1)[row_M]
-    y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
-    y_tXD = y_MD.reshape(num_tokens, k, -1)
-    return jnp.einsum("txd,tx->td", y_tXD, weights_tX.astype(y_tXD.dtype))
+    return _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
 
 
 DISPATCH: dict[str, Callable[..., jax.Array]] = {
