@@ -7,18 +7,22 @@
 
 What runs where on a pod slice:
   * every host runs the jitted programs over the global mesh (``jax.devices()``);
-  * environments always run on the local host's CPUs: each host's sandbox pool serves the
-    episodes whose batch rows live on that host, seeded with :func:`host_seed`;
+  * environments always run on the local host's CPUs, in each host's own sandbox pool;
+    today every host steps every episode (seeds shared, from the experiment seed), so
+    the batch rows agree; :func:`host_seed` is for per-host pool randomness, which the
+    pool does not take yet (see docs/scale_out.md);
   * decisions that must be identical everywhere (corpus documents drawn this round,
-    environment-memory entries fed to the designer) are made on process 0 and broadcast
-    with :func:`agree`, so hosts never diverge through a host-local RNG or clock;
-  * only process 0 writes logs and metrics (``metrics.py`` gates on
-    :func:`is_primary`); Orbax checkpoints are written collectively by all hosts.
+    environment-memory entries fed to the designer or replayed) are made on process 0 and
+    broadcast with :func:`agree` / :func:`agree_json` (``SpadeLoop._prompt_draws``,
+    ``SpadeLoop._replay_picks``), so hosts never diverge through a host-local corpus or RNG;
+  * only process 0 writes logs, metrics and the report (``metrics.py`` and
+    ``spade/run.py`` gate on process 0); Orbax checkpoints are written by all hosts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -152,6 +156,19 @@ def agree(value: Any) -> Any:
     from jax.experimental import multihost_utils
 
     return multihost_utils.broadcast_one_to_all(value)
+
+
+def agree_json(value: Any) -> Any:
+    """Process 0's JSON-able ``value`` (nested dicts / lists / strings / numbers) on every
+    host, sent as one UTF-8 string whatever its shape, so hosts whose local values differ
+    in structure (one host's memory is empty, another's is not) still make the same
+    collective calls. JSON turns tuples into lists. One host: ``value`` itself, untouched.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return value
+    return json.loads(agree(json.dumps(value)))
 
 
 def _agree_strings(values: list[str]) -> list[str]:

@@ -26,16 +26,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import gymnasium
+import jax
 import numpy as np
 
-from spade_jax import rl
+from spade_jax import distributed, rl
 from spade_jax.envs import EnvPool, make_env, validate_program
 from spade_jax.rl.batch import TrainSequence
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.spade import env_stats
 from spade_jax.spade.config import SpadeConfig
-from spade_jax.spade.corpus import CorpusSampler
+from spade_jax.spade.corpus import CorpusSampler, Document
 from spade_jax.spade.diversity import ProgramFeaturiser, normalized_vendi_score
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import (
@@ -174,20 +175,15 @@ class SpadeLoop:
                               output_logprobs=[], doc_ids=(),
                               parsed=DesignerOutput(self.fixed_pool[p][0], self.fixed_pool[p][1], ""))
                     for i, p in enumerate(picks)]
+        skills = [self._slot_skill(round_index, slot) for slot in range(self.num_slots)]
+        docs_per_slot, examples_per_slot = self._prompt_draws(skills)
         prompts, meta = [], []
-        for slot in range(self.num_slots):
-            skill = self._slot_skill(round_index, slot)
-            docs = []
-            if cfg.use_corpus and self.corpus_sampler is not None and cfg.docs_per_prompt:
-                docs = self.corpus_sampler.sample(cfg.docs_per_prompt)
-                reused = [d.doc_id for d in docs if d.doc_id in self.used_doc_ids]
-                if reused:  # the sampler draws without replacement; guard the invariant
-                    raise RuntimeError(f"corpus documents reused within a run: {reused}")
-                self.used_doc_ids.update(d.doc_id for d in docs)
-            examples = []
-            if cfg.use_memory and self.memory.records and cfg.memory_examples:
-                examples = [_memory_example(r) for r in
-                            self.memory.sample_for_prompt(cfg.memory_examples, skill.name)]
+        for slot, (skill, docs, examples) in enumerate(
+                zip(skills, docs_per_slot, examples_per_slot, strict=True)):
+            reused = [d.doc_id for d in docs if d.doc_id in self.used_doc_ids]
+            if reused:  # the sampler draws without replacement; guard the invariant
+                raise RuntimeError(f"corpus documents reused within a run: {reused}")
+            self.used_doc_ids.update(d.doc_id for d in docs)
             user = designer_user_prompt(skill.name, [d.text for d in docs], examples,
                                         max_doc_chars=cfg.max_doc_chars)
             ids = self.tokenizer.apply_chat_template(
@@ -201,6 +197,47 @@ class SpadeLoop:
         return [Candidate(slot=s, skill=k, prompt_ids=p, output_ids=list(t),
                           output_logprobs=list(lp), doc_ids=d)
                 for p, t, lp, (s, k, d) in zip(prompts, tokens, logprobs, meta, strict=True)]
+
+    def _prompt_draws(self, skills: Sequence[Skill]) -> tuple[list[list[Document]],
+                                                               list[list[dict[str, Any]]]]:
+        """Corpus documents and memory examples for each designer slot of this round.
+
+        Multi-host: every host builds the same designer prompts (they are rows of one global
+        batch), but each reads its own corpus (the default one is extracted from locally
+        installed packages) and keeps its own memory, so process 0's draws are used
+        everywhere: one broadcast per round, a no-op on one host.
+        """
+        cfg = self.config
+        docs_per_slot: list[list[Document]] = []
+        examples_per_slot: list[list[dict[str, Any]]] = []
+        for skill in skills:
+            docs = []
+            if cfg.use_corpus and self.corpus_sampler is not None and cfg.docs_per_prompt:
+                docs = self.corpus_sampler.sample(cfg.docs_per_prompt)
+            examples = []
+            if cfg.use_memory and self.memory.records and cfg.memory_examples:
+                examples = [_memory_example(r) for r in
+                            self.memory.sample_for_prompt(cfg.memory_examples, skill.name)]
+            docs_per_slot.append(docs)
+            examples_per_slot.append(examples)
+        if jax.process_count() == 1:  # one host: nothing to agree on, objects untouched
+            return docs_per_slot, examples_per_slot
+        agreed = distributed.agree_json(
+            {"docs": [[dataclasses.astuple(d) for d in docs] for docs in docs_per_slot],
+             "examples": examples_per_slot})
+        return ([[Document(*d) for d in docs] for docs in agreed["docs"]], agreed["examples"])
+
+    def _replay_picks(self) -> list[EnvironmentRecord]:
+        """Memory environments replayed for agent training this round; process 0's picks
+        on every host (see ``_prompt_draws``). Called whenever the config asks for replay,
+        even with an empty memory, so every host makes the same collective calls."""
+        cfg = self.config
+        picks = (self.memory.sample_for_training(cfg.memory_train_envs)
+                 if self.memory.records else [])
+        if jax.process_count() == 1:
+            return picks
+        return [EnvironmentRecord.from_json(r)
+                for r in distributed.agree_json([r.to_json() for r in picks])]
 
     def validate(self, candidates: list[Candidate], round_index: int) -> None:
         for i, cand in enumerate(candidates):
@@ -330,9 +367,9 @@ class SpadeLoop:
     def _memory_replay(self, round_index: int) -> list[EpisodeRecord]:
         """Agent training episodes on environments sampled from memory (depth)."""
         cfg = self.config
-        if not (cfg.use_memory and cfg.memory_train_envs and self.memory.records):
+        if not (cfg.use_memory and cfg.memory_train_envs):
             return []
-        picks = self.memory.sample_for_training(cfg.memory_train_envs)
+        picks = self._replay_picks()
         rng = np.random.default_rng([self.seed, round_index, 3])
         specs = []
         for rec in picks:

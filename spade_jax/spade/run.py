@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spade_jax import sharding
+from spade_jax import distributed, sharding
 from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, PreemptionGuard
 from spade_jax.envs import EnvPool
 from spade_jax.experiment import ExperimentConfig, ModelSpec, TokenizerSpec, config_hash
@@ -135,7 +135,9 @@ def _abstract(blob_like: dict[str, Any]) -> dict[str, Any]:
 # ---- the run -----------------------------------------------------------------------------
 def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     workdir = Path(workdir)
-    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+    if distributed.is_primary():  # multi-host: only process 0 writes the run's files
+        (workdir / "config.json").write_text(
+            json.dumps(dataclasses.asdict(config), indent=2, default=str))
     pool = EnvPool(config.sandbox)
     log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
     tokenizer = build_tokenizer(config.tokenizer, workdir)
@@ -178,10 +180,12 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     reward_rule = (make_designer_reward(reward_name, config=config.spade.reward,
                                         success_threshold=config.spade.success_threshold)
                    if reward_name == "hint_regret" else make_designer_reward(reward_name))
+    corpus_sampler = build_corpus_sampler(config)
+    _check_corpus_agrees(corpus_sampler)
     loop = SpadeLoop(
         config.spade, tokenizer=tokenizer, pool=pool, generate=generate_fn,
         run_episodes=episodes_fn, update=update_fn,
-        corpus_sampler=build_corpus_sampler(config),
+        corpus_sampler=corpus_sampler,
         memory=EnvironmentMemory(MemoryConfig(seed=config.seed)), reward_rule=reward_rule,
         fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
     )
@@ -226,9 +230,23 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
         ckpt.wait()
         writer.close()
         pool.close()
-    from spade_jax.spade.report import write_report
+    if distributed.is_primary():  # metrics.jsonl exists on process 0 only
+        from spade_jax.spade.report import write_report
 
-    write_report(workdir, title=f"SPADE run: {config.name}")
+        write_report(workdir, title=f"SPADE run: {config.name}")
+
+
+def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:
+    """Multi-host: warns when this host's corpus differs from process 0's (e.g. the default
+    corpus, extracted from locally installed package versions). The run stays correct, as
+    the loop uses process 0's documents on every host, but the difference is worth knowing."""
+    if sampler is None or jax.process_count() == 1:
+        return
+    primary = distributed.agree(sampler.fingerprint)
+    if primary != sampler.fingerprint:
+        log.warning("host %d's corpus (fingerprint %s) differs from process 0's (%s); "
+                    "process 0's documents are used on every host", jax.process_index(),
+                    sampler.fingerprint, primary)
 
 
 def _with_sampler_temperatures(config: ExperimentConfig):
@@ -265,6 +283,10 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
             pairs.append(([{"role": "system", "content": system},
                            {"role": "user", "content": user}],
                           format_designer_output(prog.source, prog.hint)))
+    if jax.process_count() > 1:
+        # The warm-start batch is global, so every host needs the same pairs, but each drew
+        # its documents from its own corpus: process 0's pairs everywhere (one broadcast).
+        pairs = [(messages, target) for messages, target in distributed.agree_json(pairs)]
     seqs = supervised_pairs(tokenizer, pairs)
     log.info("warm start: %d steps on %d designer examples", ws.steps, len(seqs))
     params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
