@@ -3,21 +3,29 @@
 Shape legend: T tokens (batch and time flattened), D hidden, F expert hidden, E experts,
 X = k selected experts per token, M = T * X token-expert assignments.
 
-Two dispatch implementations compute the same thing:
+The dispatch implementations compute the same thing:
   ``ragged``  dropless: sort the M assignments by expert, run grouped matmuls with
               ``jax.lax.ragged_dot``, unsort. FLOPs scale with k, not E. The default.
   ``dense``   every expert on every token, combined with a [T, E] weight matrix that is
               zero off the selected experts. FLOPs scale with E; the reference for tests.
   ``blocked`` dropless block-sorted dispatch with a lax.map over expert blocks; FLOPs
               scale with k; the fast path on CPU (NB blocks of BS rows in its legend).
+  ``expert_parallel``  tokens routed to the devices that hold their experts with
+              all_to_all over the "expert" mesh axis (shard_map), local experts run as in
+              ``ragged``; dropless by default. Without a mesh it is ``ragged``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from spade_jax.sharding import active_mesh, logical_to_spec
 
 # A pure function that may edit router logits (fp32, [..., E]) before softmax/top-k.
 # It receives the decoder-layer index so per-layer expert sets are possible.
@@ -150,10 +158,201 @@ def dispatch_blocked(
     return _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
 
 
+# ---- expert_parallel: explicit token routing across the expert mesh axis.
+#
+# Under an active mesh (spade_jax.sharding.activate) the MoE layer runs inside a
+# jax.shard_map. Tokens are split over the batch axes (rule "batch"), expert weights over
+# the expert axis (rule "expert"; their embed dim over "embed" -> fsdp, all-gathered inside
+# as FSDP does, and their F dim over "expert_mlp" -> tensor, summed at the end). Each
+# shard, with its t local tokens and M = t * k assignments:
+#   1. sorts its assignments by destination shard (the one holding the expert) and packs
+#      them into a [N, C, D] send buffer: C slots per (source, destination) pair;
+#   2. all_to_all over the expert axis: shard j now holds what every shard sent it;
+#   3. runs its E / N local experts on the N * C received rows (sort by local expert,
+#      grouped matmul; empty slots carry a sentinel expert and are masked);
+#   4. the reverse all_to_all returns each row to its sender, which unsorts and combines
+#      with the router weights.
+# Capacity: by default C = t * min(k, E / N), the most one source can ever send one
+# destination, so nothing is dropped and the result equals the other dispatches exactly
+# (what RL needs: the trainer's log-probs must be the sampler's). The price is buffers and
+# grouped-matmul rows N x larger than the mean load. ``capacity_factor=c`` instead uses
+# C = ceil(c * M / N) (capped at the dropless bound) and drops the assignments past a
+# pair's C-th (in token order): a dropped assignment contributes zero and the token's
+# other experts keep their weights (no renormalisation), as in GShard / Switch;
+# :func:`expert_parallel_with_drops` returns how many were dropped.
+_EMPTY = -1  # not a real shard / expert: padding tokens and empty slots
+
+
+def _mesh_axes(logical: str) -> tuple[str, ...]:
+    """Mesh axes (size > 1) that the active rules map one logical name to."""
+    entry = logical_to_spec((logical,))[0]
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def _axes_size(mesh, axes: Sequence[str]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _local_experts(x_RD: jax.Array, expert_R: jax.Array, w_gate_EDF: jax.Array,
+                   w_up_EDF: jax.Array, w_down_EFD: jax.Array, local_impl: str) -> jax.Array:
+    """SwiGLU of each received row with its (local) expert; zero rows for empty slots."""
+    num_local = w_gate_EDF.shape[0]
+    valid_R = expert_R >= 0
+    if local_impl == "ragged":
+        # Empty slots sort last and are left out of the group sizes (bincount ignores the
+        # out-of-range id), so the grouped matmul need not compute them.
+        order_R, group_E = _sort_by_expert(
+            jnp.where(valid_R, expert_R, num_local)[:, None], num_local)
+        x_sorted = x_RD[order_R]
+        h_RF = _swiglu(jax.lax.ragged_dot(x_sorted, w_gate_EDF, group_E),
+                       jax.lax.ragged_dot(x_sorted, w_up_EDF, group_E))
+        y_sorted = jax.lax.ragged_dot(h_RF, w_down_EFD, group_E)
+        y_RD = jnp.zeros_like(y_sorted).at[order_R].set(y_sorted)
+    elif local_impl == "blocked":
+        # Empty slots hold zero rows, and SwiGLU(0) = 0, whichever expert they land on.
+        ones_R1 = jnp.ones((x_RD.shape[0], 1), x_RD.dtype)
+        y_RD = dispatch_blocked(x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, ones_R1,
+                                jnp.maximum(expert_R, 0)[:, None])
+    else:
+        raise ValueError(f"local_impl must be 'ragged' or 'blocked', got {local_impl!r}")
+    # where, not a multiply: whatever a backend leaves in skipped rows cannot leak (NaN).
+    return jnp.where(valid_R[:, None], y_RD, 0)
+
+
+def _expert_parallel_shard(
+    x_tD, valid_t, w_gate_EDF, w_up_EDF, w_down_EFD, weights_tX, experts_tX, *,
+    ep_axes, embed_axes, mlp_axes, token_axes, num_shards, capacity, local_impl,
+):
+    """One device's part of :func:`expert_parallel_with_drops` (inside shard_map)."""
+    if embed_axes:  # FSDP: whole embed dim for the matmuls; grads reduce-scatter back
+        w_gate_EDF = jax.lax.all_gather(w_gate_EDF, embed_axes, axis=1, tiled=True)
+        w_up_EDF = jax.lax.all_gather(w_up_EDF, embed_axes, axis=1, tiled=True)
+        w_down_EFD = jax.lax.all_gather(w_down_EFD, embed_axes, axis=2, tiled=True)
+    num_local = w_gate_EDF.shape[0]
+    t, k = experts_tX.shape
+    m, n, cap, d = t * k, num_shards, capacity, x_tD.shape[1]
+
+    # 1. Assignments sorted (stably) by destination shard; padding tokens go nowhere.
+    valid_M = jnp.repeat(valid_t, k)
+    dest_M = jnp.where(valid_M, experts_tX.reshape(-1) // num_local, n)  # n: not sent
+    order_M, count_N = _sort_by_expert(dest_M[:, None], n)
+    dest_sorted = dest_M[order_M]
+    start_N = jnp.cumsum(count_N) - count_N
+    rank_M = jnp.arange(m) - start_N[jnp.minimum(dest_sorted, n - 1)]
+    sent_M = (dest_sorted < n) & (rank_M < cap)
+    slot_M = jnp.where(sent_M, dest_sorted * cap + rank_M, n * cap)  # n * cap: dropped
+    dropped = jnp.sum(valid_M) - jnp.sum(sent_M)
+
+    send_x = jnp.zeros((n * cap, d), x_tD.dtype).at[slot_M].set(x_tD[order_M // k], mode="drop")
+    local_expert_M = experts_tX.reshape(-1)[order_M] % num_local
+    send_e = jnp.full((n * cap,), _EMPTY, jnp.int32).at[slot_M].set(local_expert_M, mode="drop")
+
+    # 2.-4. To the expert shards, through the local experts, and back.
+    recv_x = jax.lax.all_to_all(send_x, ep_axes, 0, 0, tiled=True)
+    recv_e = jax.lax.all_to_all(send_e, ep_axes, 0, 0, tiled=True)
+    y_recv = _local_experts(recv_x, recv_e, w_gate_EDF, w_up_EDF, w_down_EFD, local_impl)
+    y_back = jax.lax.all_to_all(y_recv, ep_axes, 0, 0, tiled=True)
+    y_sorted_MD = y_back.at[slot_M].get(mode="fill", fill_value=0)
+    y_tD = _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
+    if mlp_axes:  # each shard of the F dim holds a partial sum of the down projection
+        y_tD = jax.lax.psum(y_tD, mlp_axes)
+    return y_tD, jax.lax.psum(dropped, token_axes)
+
+
+def expert_parallel_with_drops(
+    x_tD: jax.Array,
+    w_gate_EDF: jax.Array,
+    w_up_EDF: jax.Array,
+    w_down_EFD: jax.Array,
+    weights_tX: jax.Array,
+    experts_tX: jax.Array,
+    *,
+    capacity_factor: float | None = None,
+    local_impl: str = "ragged",
+) -> tuple[jax.Array, jax.Array]:
+    """Expert-parallel dispatch over the active mesh; also returns the dropped count.
+
+    Returns (y_tD, dropped): ``dropped`` is the number of token-expert assignments, over
+    the whole batch, that did not fit their (source, destination) capacity (always 0 with
+    ``capacity_factor=None``). Without an active mesh, or when the rule for "expert" gives
+    a single shard, this is :func:`dispatch_ragged` and ``dropped`` is 0.
+    """
+    if local_impl not in ("ragged", "blocked"):
+        raise ValueError(f"local_impl must be 'ragged' or 'blocked', got {local_impl!r}")
+    mesh = active_mesh()
+    ep_axes = _mesh_axes("expert") if mesh is not None else ()
+    if not ep_axes:
+        y_tD = dispatch_ragged(x_tD, w_gate_EDF, w_up_EDF, w_down_EFD, weights_tX, experts_tX)
+        return y_tD, jnp.zeros((), jnp.int32)
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be positive or None, got {capacity_factor}")
+    num_experts, d, f = w_gate_EDF.shape
+    n = _axes_size(mesh, ep_axes)
+    if num_experts % n:
+        raise ValueError(
+            f"expert_parallel: {num_experts} experts cannot be split over the expert mesh axes "
+            f"{ep_axes} of size {n}; use an expert axis size that divides the expert count")
+    # Weight dims are split only where the split is even; elsewhere they enter replicated.
+    embed_axes = tuple(a for a in _mesh_axes("embed") if a not in ep_axes)
+    if d % _axes_size(mesh, embed_axes):
+        embed_axes = ()
+    mlp_axes = tuple(a for a in _mesh_axes("expert_mlp") if a not in ep_axes + embed_axes)
+    if f % _axes_size(mesh, mlp_axes):
+        mlp_axes = ()
+    # Tokens must differ across the expert axis (each shard sends its own) and be whole on
+    # the F-split axis (every F shard sees the same rows).
+    token_axes = tuple(a for a in _mesh_axes("batch") if a not in mlp_axes)
+    token_axes += tuple(a for a in ep_axes if a not in token_axes)
+    ways = _axes_size(mesh, token_axes)
+
+    num_tokens, k = experts_tX.shape
+    pad = -num_tokens % ways  # e.g. a decode step with fewer rows than devices
+    valid_t = jnp.arange(num_tokens + pad) < num_tokens
+    if pad:
+        x_tD = jnp.pad(x_tD, ((0, pad), (0, 0)))
+        weights_tX = jnp.pad(weights_tX, ((0, pad), (0, 0)))
+        experts_tX = jnp.pad(experts_tX, ((0, pad), (0, 0)))
+    t = (num_tokens + pad) // ways  # tokens per shard
+    most = t * min(k, num_experts // n)  # one source never sends one destination more
+    capacity = most if capacity_factor is None else min(
+        most, max(1, math.ceil(capacity_factor * t * k / n)))
+
+    tok = P(token_axes, None)
+    w_in, w_out = P(ep_axes, embed_axes or None, mlp_axes or None), P(
+        ep_axes, mlp_axes or None, embed_axes or None)
+    body = functools.partial(
+        _expert_parallel_shard, ep_axes=ep_axes, embed_axes=embed_axes, mlp_axes=mlp_axes,
+        token_axes=token_axes, num_shards=n, capacity=capacity, local_impl=local_impl)
+    y_tD, dropped = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(tok, P(token_axes), w_in, w_in, w_out, tok, tok),
+        out_specs=(tok, P()),
+    )(x_tD, valid_t, w_gate_EDF, w_up_EDF, w_down_EFD, weights_tX, experts_tX)
+    return y_tD[:num_tokens], dropped
+
+
+def dispatch_expert_parallel(
+    x_tD: jax.Array,
+    w_gate_EDF: jax.Array,
+    w_up_EDF: jax.Array,
+    w_down_EFD: jax.Array,
+    weights_tX: jax.Array,
+    experts_tX: jax.Array,
+    *,
+    capacity_factor: float | None = None,
+    local_impl: str = "ragged",
+) -> jax.Array:
+    """Explicit expert parallelism (all_to_all over the expert axis); dropless by default."""
+    return expert_parallel_with_drops(
+        x_tD, w_gate_EDF, w_up_EDF, w_down_EFD, weights_tX, experts_tX,
+        capacity_factor=capacity_factor, local_impl=local_impl)[0]
+
+
 DISPATCH: dict[str, Callable[..., jax.Array]] = {
     "ragged": dispatch_ragged,
     "dense": dispatch_dense,
     "blocked": dispatch_blocked,
+    "expert_parallel": dispatch_expert_parallel,
 }
 
 
