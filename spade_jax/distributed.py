@@ -7,20 +7,22 @@
 
 What runs where on a pod slice:
   * every host runs the jitted programs over the global mesh (``jax.devices()``);
-  * environments always run on the local host's CPUs, in each host's own sandbox pool;
-    today every host steps every episode (seeds shared, from the experiment seed), so
-    the batch rows agree; :func:`host_seed` is for per-host pool randomness, which the
-    pool does not take yet (see docs/scale_out.md);
+  * environments always run on the local host's CPUs, in each host's own sandbox pool
+    (seeded with :func:`host_seed`); every host steps every episode (episode seeds are
+    shared, from the experiment seed), so the batch rows agree;
   * decisions that must be identical everywhere (corpus documents drawn this round,
-    environment-memory entries fed to the designer or replayed) are made on process 0 and
-    broadcast with :func:`agree` / :func:`agree_json` (``SpadeLoop._prompt_draws``,
-    ``SpadeLoop._replay_picks``), so hosts never diverge through a host-local corpus or RNG;
+    environment-memory entries fed to the designer or replayed, which programs validated
+    and loaded, episode returns, the trained tokenizer) are made on process 0 and
+    broadcast with :func:`agree` / :func:`agree_json` / :func:`agree_bytes`, so hosts
+    never diverge through a host-local corpus, RNG or wall-clock deadline; a host that
+    cannot follow process 0 says so through :func:`failing_hosts`, and every host raises;
   * only process 0 writes logs, metrics and the report (``metrics.py`` and
     ``spade/run.py`` gate on process 0); Orbax checkpoints are written by all hosts.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -171,6 +173,36 @@ def agree_json(value: Any) -> Any:
     return json.loads(agree(json.dumps(value)))
 
 
+def agree_bytes(data: bytes) -> bytes:
+    """Process 0's ``data`` on every host (a small file, e.g. a tokenizer model), sent as
+    one base64 string. One host: ``data`` itself."""
+    import jax
+
+    if not isinstance(data, bytes | bytearray):
+        raise TypeError(f"agree_bytes takes bytes, got {type(data).__name__}")
+    if jax.process_count() == 1:
+        return bytes(data)
+    return base64.b64decode(agree(base64.b64encode(data).decode("ascii")))
+
+
+def failing_hosts(failed: bool) -> list[int]:
+    """The processes whose ``failed`` is True, known on every host (an all-gather).
+
+    For a host that cannot follow process 0's decision: rather than raise alone and leave
+    the others waiting in the next collective, every host calls this with its own flag
+    and all raise together. A collective: every host calls it at the same point. One
+    host: ``[0]`` or ``[]``, with no communication.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return [0] if failed else []
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(bool(failed)))).reshape(-1)
+    return [int(i) for i in np.flatnonzero(flags)]
+
+
 def _agree_strings(values: list[str]) -> list[str]:
     from jax.experimental import multihost_utils
 
@@ -179,6 +211,9 @@ def _agree_strings(values: list[str]) -> list[str]:
     count = int(multihost_utils.broadcast_one_to_all(np.int64(len(encoded))))
     width = int(multihost_utils.broadcast_one_to_all(
         np.int64(max((len(e) for e in encoded), default=0))))
+    # Each new buffer shape compiles a new broadcast (~0.2 s on CPU): pad the width to a
+    # power of two so a run's per-round messages reuse a few compiled programs.
+    width = max(64, 1 << (width - 1).bit_length())
     buffer = np.zeros((count, width), np.uint8)
     lengths = np.zeros((count,), np.int64)
     for i, e in enumerate(encoded[:count]):

@@ -65,8 +65,19 @@ def main(argv: list[str]) -> int:
 
 
 def _setup_logging(workdir: Path) -> None:
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    """INFO to stderr and ``workdir/train.log`` on process 0. Other hosts of a multi-host
+    job print WARNING and above to their own stderr only: N copies of every progress line
+    would bury process 0's, and their appends would interleave in a shared train.log."""
+    from absl import logging as absl_logging
+
+    from spade_jax import distributed
+
     root = logging.getLogger()
+    if not distributed.is_primary():
+        root.setLevel(logging.WARNING)
+        absl_logging.set_verbosity(absl_logging.WARNING)
+        return
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root.setLevel(logging.INFO)
     handler = logging.FileHandler(workdir / "train.log")  # absl already logs to stderr
     handler.setFormatter(fmt)

@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import os
-import secrets
+import random
 import threading
 import warnings
 from collections.abc import Sequence
@@ -241,8 +241,20 @@ class EnvHandle:
 class EnvPool:
     """Sandboxed execution of environment programs (see the module docstring)."""
 
-    def __init__(self, config: SandboxConfig | None = None) -> None:
+    def __init__(self, config: SandboxConfig | None = None, *, seed: int | None = None) -> None:
+        """Starts the zygote and probes the isolation layers.
+
+        Args:
+          config: sandbox limits and layers (defaults: ``SandboxConfig()``).
+          seed: seeds the episode seed drawn for a ``reset(seed=None)``, so a run's pool
+            is reproducible (multi-host: ``distributed.host_seed`` gives each host its own
+            stream); None seeds from the OS. Resets given a seed are unaffected.
+        """
+        if seed is not None and type(seed) is not int:
+            raise TypeError(f"pool seed must be an int or None, got {seed!r}")
         self.config = config if config is not None else SandboxConfig()
+        self.seed = seed
+        self._rng = random.Random(seed)
         self._lock = threading.RLock()
         self._spares: collections.deque[supervisor.WorkerProcess] = collections.deque()
         self._namespaced = self.config.use_namespaces and find_bwrap(self.config) is not None
@@ -374,7 +386,7 @@ class EnvPool:
             if handle.worker is None or handle.error is not None:
                 results[index] = failed_reset(handle.error or SandboxError("closed"))
                 continue
-            seed = secrets.randbelow(2**31) if seed is None else seed
+            seed = self._rng.randrange(2**31) if seed is None else seed
             live.append((index, handle, seed))
         replies = supervisor.exchange(
             [

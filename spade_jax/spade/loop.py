@@ -242,33 +242,113 @@ class SpadeLoop:
     def validate(self, candidates: list[Candidate], round_index: int) -> None:
         for i, cand in enumerate(candidates):
             cand.env_id = f"r{round_index}_c{i}"
-            if cand.parsed is None:
-                text = self.tokenizer.decode(cand.output_ids, skip_special_tokens=True)
-                parsed = parse_designer_output(text)
-                if not isinstance(parsed, DesignerOutput):
-                    cand.reason = f"parse_{parsed.code}"
-                    continue
-                cand.parsed = parsed
-            report = validate_program(cand.parsed.program, hint=cand.parsed.hint, pool=self.pool)
-            if not report.ok:
-                cand.reason = report.reason.split(":", 1)[0].strip() or "invalid"
+            cand.reason = self._check(cand)
+        if jax.process_count() > 1:
+            # Validation runs under wall-clock deadlines, so a program near one can pass
+            # here and fail on another host: every host keeps process 0's verdicts.
+            outcomes = self._agree_outcomes(
+                "validation", [c.env_id for c in candidates], [c.reason for c in candidates],
+                lambda i: self._check(candidates[i]))
+            for cand, reason in zip(candidates, outcomes, strict=True):
+                cand.reason = reason
+
+    def _check(self, cand: Candidate) -> str:
+        """Parses (if needed) and validates one candidate: "" valid, else the reason code."""
+        if cand.parsed is None:
+            text = self.tokenizer.decode(cand.output_ids, skip_special_tokens=True)
+            parsed = parse_designer_output(text)
+            if not isinstance(parsed, DesignerOutput):
+                return f"parse_{parsed.code}"
+            cand.parsed = parsed
+        report = validate_program(cand.parsed.program, hint=cand.parsed.hint, pool=self.pool)
+        if not report.ok:
+            return report.reason.split(":", 1)[0].strip() or "invalid"
+        return ""
+
+    def _agree_outcomes(self, stage: str, names: Sequence[str], local: Sequence[str],
+                        recheck: Callable[[int], str]) -> list[str]:
+        """Multi-host: process 0's per-item outcomes ("" ok, else a reason code), the same
+        on every host. An item process 0 rejected is dropped here whatever this host found;
+        one process 0 accepted but this host rejected (e.g. a deadline hit only here) is
+        rechecked once with ``recheck(i)`` (-> new local outcome). If it fails again, or
+        the hosts disagree on the item count, every host raises, since a host that went
+        on alone would wait forever in the next collective."""
+        agreed = [str(r) for r in distributed.agree_json(list(local))]
+        problems = []
+        if len(agreed) != len(local):
+            problems.append(f"{len(local)} items here, {len(agreed)} on process 0")
+        else:
+            for i, (mine, primary) in enumerate(zip(local, agreed, strict=True)):
+                if mine and not primary:
+                    again = recheck(i)
+                    if again:
+                        problems.append(f"{names[i]} ({mine!r}, then {again!r} on a retry)")
+                    else:
+                        log.warning("%s: %s failed here (%s) but passed on process 0 and on a "
+                                    "retry; kept", stage, names[i], mine)
+                elif primary and not mine:
+                    log.warning("%s: %s passed here but failed on process 0 (%s); dropped",
+                                stage, names[i], primary)
+        failing = distributed.failing_hosts(bool(problems))
+        if failing:
+            here = (f"this host ({jax.process_index()}) rejects " + "; ".join(problems)
+                    if problems else f"this host ({jax.process_index()}) agrees with process 0")
+            raise RuntimeError(
+                f"multi-host {stage}: host(s) {failing} cannot reproduce process 0's outcome "
+                f"(process 0 accepted what they reject, even after a retry), so the hosts "
+                f"would train on different environments; {here}")
+        return agreed
+
+    def _open_envs(self, program: str, count: int) -> tuple[list[gymnasium.Env], str]:
+        """``count`` fresh sandboxed copies of a program (a fresh worker per episode: arms
+        never share state), stopping at the first that fails to load: (envs, reason)."""
+        envs = []
+        for _ in range(count):
+            try:
+                envs.append(make_env(program, self.pool))
+            except Exception as e:  # noqa: BLE001 - untrusted program; record, go on
+                return envs, f"load_error: {type(e).__name__}"
+        return envs, ""
+
+    def _agree_loads(self, stage: str, names: Sequence[str], programs: Sequence[str],
+                     opened: list[tuple[list[gymnasium.Env], str]], count: int) -> None:
+        """Multi-host: every host keeps the programs that loaded on process 0 (in place in
+        ``opened``): ones that failed there are closed here; ones that failed only here
+        get their missing copies opened once more (see ``_agree_outcomes``)."""
+        def recheck(i: int) -> str:
+            envs, _ = opened[i]
+            more, reason = self._open_envs(programs[i], count - len(envs))
+            envs.extend(more)
+            return reason
+
+        outcomes = self._agree_outcomes(stage, names, [reason for _, reason in opened], recheck)
+        for i, reason in enumerate(outcomes):
+            envs, _ = opened[i]
+            if reason:
+                for env in envs:
+                    env.close()
+                envs = []
+            opened[i] = (envs, reason)
 
     def rollout(self, candidates: list[Candidate], round_index: int) -> list[EpisodeRecord]:
         """Both arms of every valid candidate in one batch of episodes; fills in returns."""
         cfg = self.config
-        specs, owners = [], []
         rng = np.random.default_rng([self.seed, round_index, 2])
-        for cand in candidates:
-            if cand.reason:
-                continue
-            seeds = rng.integers(0, 2**31 - 1, size=cfg.n_hint + cfg.no_hint_episodes)
-            for j, seed in enumerate(seeds):
+        todo = [c for c in candidates if not c.reason]
+        count = cfg.n_hint + cfg.no_hint_episodes
+        seeds = [rng.integers(0, 2**31 - 1, size=count) for _ in todo]
+        opened = [self._open_envs(c.parsed.program, count) for c in todo]
+        if jax.process_count() > 1:  # a load deadline can also be hit on one host only
+            self._agree_loads("environment loading", [c.env_id for c in todo],
+                              [c.parsed.program for c in todo], opened, count)
+        specs, owners = [], []
+        for cand, cand_seeds, (envs, reason) in zip(todo, seeds, opened, strict=True):
+            if reason:
+                cand.reason = reason
+            # One host: the copies opened before a load failure still run (as they always
+            # have); their returns never count, since the candidate now has a reason.
+            for j, (env, seed) in enumerate(zip(envs, cand_seeds, strict=False)):
                 hinted = j < cfg.n_hint
-                try:  # a fresh sandbox worker per episode: arms never share state
-                    env = make_env(cand.parsed.program, self.pool)
-                except Exception as e:  # noqa: BLE001 - untrusted program; record, go on
-                    cand.reason = f"load_error: {type(e).__name__}"
-                    break
                 if hinted:
                     env = HintedEnv(env, cand.parsed.hint)
                 specs.append(EpisodeSpec(env=env, env_id=cand.env_id, seed=int(seed)))
@@ -341,6 +421,8 @@ class SpadeLoop:
         t0 = time.perf_counter()
         records = self.rollout(candidates, round_index)
         records += self._memory_replay(round_index)
+        if jax.process_count() > 1:
+            self._agree_returns(candidates, records)
         self.score(candidates)
         times["rollout"] = time.perf_counter() - t0
 
@@ -371,18 +453,48 @@ class SpadeLoop:
             return []
         picks = self._replay_picks()
         rng = np.random.default_rng([self.seed, round_index, 3])
-        specs = []
-        for rec in picks:
-            for seed in rng.integers(0, 2**31 - 1, size=cfg.n_hint):
-                try:
-                    env = make_env(rec.program_source, self.pool)
-                except Exception:  # noqa: BLE001
-                    break
-                specs.append(EpisodeSpec(env=env, env_id=f"mem_{rec.env_id}", seed=int(seed)))
+        seeds = [rng.integers(0, 2**31 - 1, size=cfg.n_hint) for _ in picks]
+        opened = [self._open_envs(rec.program_source, cfg.n_hint) for rec in picks]
+        if jax.process_count() > 1:
+            self._agree_loads("memory replay loading", [f"mem_{r.env_id}" for r in picks],
+                              [r.program_source for r in picks], opened, cfg.n_hint)
+        specs = [EpisodeSpec(env=env, env_id=f"mem_{rec.env_id}", seed=int(seed))
+                 for rec, rec_seeds, (envs, _) in zip(picks, seeds, opened, strict=True)
+                 for env, seed in zip(envs, rec_seeds, strict=False)]
         records = self.run_episodes(specs) if specs else []
         for spec in specs:
             spec.env.close()
         return records
+
+    def _agree_returns(self, candidates: list[Candidate], records: list[EpisodeRecord]) -> None:
+        """Multi-host: process 0's episode returns on every host (one broadcast a round).
+
+        Rewards come from untrusted programs under wall-clock deadlines, so an episode can
+        time out on one host only; the returns behind the agent advantages and the designer
+        reward are made process 0's. (The tokens of such an episode still differ: the
+        rollout loop would have to agree each turn's observation for those to match.)
+        """
+        local = {"hint": [c.returns_hint for c in candidates],
+                 "no_hint": [c.returns_no_hint for c in candidates],
+                 "records": [float(r.return_) for r in records]}
+        agreed = distributed.agree_json(local)
+
+        def shape(returns: dict[str, Any]) -> list[Any]:  # episodes per candidate arm, records
+            return [[len(x) for x in returns["hint"]], [len(x) for x in returns["no_hint"]],
+                    len(returns["records"])]
+
+        failing = distributed.failing_hosts(shape(local) != shape(agreed))
+        if failing:
+            raise RuntimeError(
+                f"multi-host rollout: host(s) {failing} ran a different set of episodes than "
+                f"process 0 (episodes per hinted arm, no-hint arm, records: this host "
+                f"({jax.process_index()}) {shape(local)}, process 0 {shape(agreed)}), so "
+                "their training batches would differ")
+        for cand, hint, no_hint in zip(candidates, agreed["hint"], agreed["no_hint"], strict=True):
+            cand.returns_hint = [float(x) for x in hint]
+            cand.returns_no_hint = [float(x) for x in no_hint]
+        for rec, ret in zip(records, agreed["records"], strict=True):
+            rec.return_ = float(ret)
 
     def _remember(self, candidates: list[Candidate], round_index: int) -> None:
         if not self.config.use_memory:
@@ -464,6 +576,8 @@ class SpadeLoop:
         specs = [EpisodeSpec(env=env, env_id=env_id, seed=int(s))
                  for env_id, env in envs for s in rng.integers(0, 2**31 - 1, size=self.config.n_hint)]
         records = self.run_episodes(specs)
+        if jax.process_count() > 1:
+            self._agree_returns([], records)
         t_roll = time.perf_counter() - t0
         t0 = time.perf_counter()
         update_metrics = self.update(self.agent_sequences(records, estimator))

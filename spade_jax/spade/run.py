@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,32 @@ log = logging.getLogger(__name__)
 
 # ---- components ------------------------------------------------------------------------
 def build_tokenizer(spec: TokenizerSpec, workdir: Path):
-    from spade_jax.tokenizers import load_tokenizer, project_text_files, train_sentencepiece
+    """``spec.path`` when given (on every host); otherwise the sentencepiece model in
+    ``workdir/tokenizer``, trained there on the first run.
+
+    Multi-host: the trained model depends on each host's local files (installed package
+    versions), so process 0 trains or loads it and sends the model file's bytes; the other
+    hosts load that copy from a local temporary directory and write nothing to ``workdir``.
+    """
+    from spade_jax.tokenizers import load_tokenizer
 
     if spec.path:
         return load_tokenizer(spec.path)
+    if jax.process_count() == 1:
+        return _train_or_load_tokenizer(spec, workdir)
+    tokenizer = _train_or_load_tokenizer(spec, workdir) if distributed.is_primary() else None
+    data = distributed.agree_bytes(tokenizer.model_file.read_bytes() if tokenizer else b"")
+    if tokenizer is not None:
+        return tokenizer
+    local = Path(tempfile.mkdtemp(prefix=f"spade_tokenizer_p{jax.process_index()}_"))
+    local = local / "spm.model"
+    local.write_bytes(data)
+    return load_tokenizer(local)
+
+
+def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: Path):
+    from spade_jax.tokenizers import load_tokenizer, project_text_files, train_sentencepiece
+
     prefix = workdir / "tokenizer" / "spm"
     if (prefix.parent / "spm.model").exists():
         return load_tokenizer(prefix.parent / "spm.model")
@@ -90,6 +113,12 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     # the model computes in spec.dtype; master weights stay fp32 in the train state
     model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
     return model
+
+
+def build_pool(config: ExperimentConfig) -> EnvPool:
+    """This host's sandbox pool, seeded per host (episode seeds stay shared: they are
+    drawn by the loop from the experiment seed)."""
+    return EnvPool(config.sandbox, seed=distributed.host_seed(config.seed))
 
 
 def build_corpus(config: ExperimentConfig):
@@ -138,7 +167,7 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2, default=str))
-    pool = EnvPool(config.sandbox)
+    pool = build_pool(config)
     log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
     tokenizer = build_tokenizer(config.tokenizer, workdir)
     mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
