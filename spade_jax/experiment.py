@@ -15,6 +15,7 @@ from pathlib import Path
 
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.models.config import ModelConfig
+from spade_jax.models.qwen3 import ModelOptions
 from spade_jax.overrides import apply_overrides
 from spade_jax.rl.train_step import TrainConfig
 from spade_jax.rollout.agent_loop import AgentLoopConfig
@@ -35,8 +36,12 @@ class ModelSpec:
       preset: named architecture (``spade_jax.models.PRESETS``) initialised at random.
       architecture: an explicit architecture initialised at random (tiny CPU runs).
       dtype: parameter / activation dtype of the policy ("float32" or "bfloat16").
-      moe_impl: MoE dispatch, "ragged" (grouped matmul) or "dense".
-      remat: recompute decoder layers in the backward pass.
+      moe_impl: MoE dispatch, a key of ``spade_jax.models.moe.DISPATCH``.
+      remat: backward-pass recompute policy per decoder layer: False/"none", True/"full",
+        "dots" or "dots_no_batch" (``spade_jax.models.qwen3.REMAT_POLICIES``).
+      scan_layers: stacked layers run by ``jax.lax.scan`` (compile time independent of
+        depth); needs every layer of one kind.
+      attention_chunk: queries per attention-softmax block (0 = all at once).
     The first of hf_checkpoint, orbax_checkpoint, preset, architecture that is set wins.
     """
 
@@ -46,7 +51,15 @@ class ModelSpec:
     architecture: ModelConfig | None = None
     dtype: str = "bfloat16"
     moe_impl: str = "ragged"
-    remat: bool = False
+    remat: bool | str = False
+    scan_layers: bool = False
+    attention_chunk: int = 0
+
+    def options(self) -> ModelOptions:
+        """How the policy runs: compute in ``dtype``, fp32 master parameters."""
+        return ModelOptions(dtype=self.dtype, param_dtype="float32", moe_impl=self.moe_impl,
+                            remat=self.remat, scan_layers=self.scan_layers,
+                            attention_chunk=self.attention_chunk)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,12 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def _coerce(path: str, current: Any, value: Any) -> Any:
+def _coerce(path: str, current: Any, value: Any, annotation: Any = None) -> Any:
     if current is None or value is None:
+        return value
+    # A union field (e.g. ``remat: bool | str``) takes a value of any of its member types.
+    union = [t.strip() for t in annotation.split("|")] if isinstance(annotation, str) else []
+    if len(union) > 1 and type(value).__name__ in union:
         return value
     if isinstance(current, bool):
         if not isinstance(value, bool):
@@ -54,7 +58,8 @@ def set_path(config: Any, path: str, value: Any) -> Any:
     head, _, rest = path.partition(".")
     if not dataclasses.is_dataclass(config):
         raise OverrideError(f"cannot descend into {head!r}: not a config section")
-    names = {f.name for f in dataclasses.fields(config)}
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    names = set(fields)
     if head not in names:
         raise OverrideError(f"unknown config field {head!r} in {type(config).__name__}; "
                             f"known: {sorted(names)}")
@@ -64,7 +69,7 @@ def set_path(config: Any, path: str, value: Any) -> Any:
             raise OverrideError(f"{head} is None; set the whole section in the experiment file")
         new = set_path(current, rest, value)
     else:
-        new = _coerce(path, current, value)
+        new = _coerce(path, current, value, fields[head].type)
     return dataclasses.replace(config, **{head: new})
 
 

@@ -51,6 +51,7 @@ DEFAULT_RULES: Rules = (
     ("expert", "expert"),
     ("expert_mlp", "tensor"),
     ("norm", None),
+    ("layers", None),  # the stacked-layer axis of a scanned model: every chip holds all layers
 )
 
 # Expert parallelism for large MoE models: experts spread over the expert axis, the rest

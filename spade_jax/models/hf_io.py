@@ -47,6 +47,9 @@ class ParamMapping:
     shape: tuple[int, ...]
     load: Callable[[TensorIndex], np.ndarray]  # reads + transforms HF tensors
     export: Callable[[np.ndarray], list[tuple[str, np.ndarray]]]  # ours -> HF tensors
+    # A stacked parameter of a scanned model ([L, ...]): the per-layer mappings it stacks,
+    # so loading and saving can stream one layer at a time.
+    layers: tuple[ParamMapping, ...] = ()
 
 
 def _linear(path: Path_, hf_name: str, shape: tuple[int, ...]) -> ParamMapping:
@@ -125,8 +128,34 @@ def _get(index: TensorIndex, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return index.get(name)
 
 
-def param_mappings(config: ModelConfig) -> list[ParamMapping]:
-    """Every parameter of :class:`Qwen3` with its Hugging Face storage."""
+def param_mappings(config: ModelConfig, scan_layers: bool = False) -> list[ParamMapping]:
+    """Every parameter of :class:`Qwen3` with its Hugging Face storage; with ``scan_layers``,
+    the per-layer parameters are grouped into stacked ``("layers", ...)`` ones."""
+    maps = _per_layer_mappings(config)
+    if not scan_layers:
+        return maps
+    grouped: dict[Path_, list[ParamMapping]] = {}
+    out = []
+    for m in maps:
+        if m.path[0] == "layers":
+            grouped.setdefault(("layers", *m.path[2:]), []).append(m)
+        else:
+            out.append(m)
+    return out + [_stacked(path, per_layer) for path, per_layer in grouped.items()]
+
+
+def _stacked(path: Path_, per_layer: list[ParamMapping]) -> ParamMapping:
+    def load(index: TensorIndex) -> np.ndarray:
+        return np.stack([m.load(index) for m in per_layer])
+
+    def export(arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        return [t for i, m in enumerate(per_layer) for t in m.export(arr[i])]
+
+    return ParamMapping(path, (len(per_layer), *per_layer[0].shape), load, export,
+                        tuple(per_layer))
+
+
+def _per_layer_mappings(config: ModelConfig) -> list[ParamMapping]:
     c = config
     d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     maps = [_copy(("embed_vd",), "model.embed_tokens.weight", (c.vocab_size, d)),
@@ -215,13 +244,24 @@ def load_hf(
     abstract = abstract_model(config, options)
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    mappings = param_mappings(config)
+    mappings = param_mappings(config, options.scan_layers)
     expected_paths = {m.path for m in mappings}
     if set(flat) != expected_paths:  # guards the mapping table itself
         raise AssertionError(f"mapping/model mismatch: {set(flat) ^ expected_paths}")
 
     for m in mappings:
         var = flat[m.path]
+        if mesh is not None and m.layers:
+            # Stacked: each device's shard is assembled one layer at a time, so the host
+            # never holds a whole stacked tensor (the "layers" axis is never sharded).
+            def shard(idx, m=m):
+                layers = m.layers[idx[0]]
+                return np.stack([np.asarray(ml.load(index))[idx[1:]] for ml in layers]
+                                ).astype(jnp.dtype(dtype))
+
+            target = sharding.named_sharding(sharding.param_axes(var), mesh, rules)
+            var.set_value(jax.make_array_from_callback(m.shape, target, shard))
+            continue
         arr = np.asarray(m.load(index)).astype(jnp.dtype(dtype))
         if mesh is None:
             value = jnp.asarray(arr)
@@ -253,13 +293,15 @@ def _hf_names(config: ModelConfig, index: TensorIndex) -> set[str]:
 def hf_tensors(model: Qwen3) -> Iterator[tuple[str, np.ndarray]]:
     """Streams the model's parameters as (HF name, numpy array), one at a time."""
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    for m in param_mappings(model.config):
+    for m in param_mappings(model.config, model.options.scan_layers):
         value = flat[m.path].get_value()
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+        # A stacked parameter is gathered and exported one layer at a time.
+        for mapping, part in (zip(m.layers, value, strict=True) if m.layers else [(m, value)]):
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
 
-            value = multihost_utils.process_allgather(value, tiled=True)
-        yield from m.export(np.asarray(jax.device_get(value)))
+                part = multihost_utils.process_allgather(part, tiled=True)
+            yield from mapping.export(np.asarray(jax.device_get(part)))
 
 
 def save_hf(model: Qwen3, config: ModelConfig, path: str | Path,

@@ -29,6 +29,15 @@ from spade_jax.sharding import constrain
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NEG_INF = -1e30  # finite, so fully-masked (padding) rows give uniform weights, not NaN
 
+# Remat policies by name: which intermediates of a decoder layer the backward pass may keep
+# (everything else is recomputed from the layer's input). None = no remat at all.
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
@@ -38,14 +47,28 @@ class ModelOptions:
       dtype: activation / matmul dtype ("float32" or "bfloat16"). Norms, RoPE tables,
         router softmax, attention softmax and logits are always computed in fp32.
       param_dtype: storage dtype of the parameters.
-      moe_impl: "ragged" (grouped matmul, default) or "dense" (all-experts reference).
-      remat: recompute each decoder layer in the backward pass (saves activation memory).
+      moe_impl: MoE dispatch, a key of ``moe.DISPATCH`` ("ragged" grouped matmul, default;
+        "dense" all-experts reference; "blocked" block-sorted, fast on CPU).
+      remat: what the backward pass recomputes per decoder layer, a key of
+        ``REMAT_POLICIES``: "none" (keep every activation), "full" (keep only the layer's
+        input), "dots" (keep matmul outputs), "dots_no_batch" (keep weight matmuls, recompute
+        attention scores). ``True`` means "full", ``False`` "none".
+      attention_chunk: queries per block of the attention softmax (0 = all at once). With a
+        block, the [queries, keys] score matrix exists one block at a time (each block
+        recomputed in the backward pass), so attention memory is O(block x keys) instead of
+        O(queries x keys): what long (8k) training sequences need to fit on a chip.
+      scan_layers: store the decoder layers stacked ([L, ...] parameters, logical axis
+        "layers") and run them with ``jax.lax.scan``: one compiled layer instead of L, so
+        compile time and program size stop growing with depth. Needs every layer of one
+        kind (all MoE or all dense).
     """
 
     dtype: str = "float32"
     param_dtype: str = "float32"
     moe_impl: str = "ragged"
-    remat: bool = False
+    remat: bool | str = False
+    attention_chunk: int = 0
+    scan_layers: bool = False
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -53,6 +76,19 @@ class ModelOptions:
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
         if self.moe_impl not in moe.DISPATCH:
             raise ValueError(f"moe_impl must be one of {sorted(moe.DISPATCH)}, got {self.moe_impl!r}")
+        if self.attention_chunk < 0:
+            raise ValueError(f"attention_chunk must be >= 0 (0 = no chunking), "
+                             f"got {self.attention_chunk}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat must be a bool or one of {sorted(REMAT_POLICIES)}, "
+                             f"got {self.remat!r}")
+
+    @property
+    def remat_policy(self) -> str:
+        """The remat setting as a ``REMAT_POLICIES`` name."""
+        if isinstance(self.remat, bool):
+            return "full" if self.remat else "none"
+        return self.remat
 
     @property
     def compute_dtype(self):
@@ -68,24 +104,48 @@ class KVCache:
     """Preallocated keys/values per layer and which slots hold real tokens.
 
     ``index`` is the next slot to write; every sequence in the batch shares it (prompts
-    are left-padded, and ``valid_bs`` masks the padding).
+    are left-padded, and ``valid_bs`` masks the padding). ``k``/``v`` are a tuple of L
+    arrays, or one stacked [L, B, S, K, H] array for a model with ``scan_layers``.
     """
 
-    k: tuple[jax.Array, ...]  # L x [B, S, K, H]
-    v: tuple[jax.Array, ...]  # L x [B, S, K, H]
+    k: tuple[jax.Array, ...] | jax.Array  # L x [B, S, K, H], or [L, B, S, K, H] stacked
+    v: tuple[jax.Array, ...] | jax.Array
     valid_bs: jax.Array  # [B, S] bool
     index: jax.Array  # [] int32
 
     @classmethod
-    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
+             stacked: bool = False) -> KVCache:
         shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        return cls(
-            k=zeros,
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-            valid_bs=jnp.zeros((batch, max_len), bool),
-            index=jnp.zeros((), jnp.int32),
-        )
+        if stacked:
+            k = jnp.zeros((config.num_layers, *shape), dtype)
+            v = jnp.zeros((config.num_layers, *shape), dtype)
+        else:
+            k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+            v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(k=k, v=v, valid_bs=jnp.zeros((batch, max_len), bool),
+                   index=jnp.zeros((), jnp.int32))
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    def constrain(self) -> KVCache:
+        """Shards the cache by logical axes (batch rows, kv heads) under the active mesh."""
+        axes = ("batch", "cache_seq", "act_kv_heads", None)
+        if self.stacked:
+            return self.replace(k=constrain(self.k, (None, *axes)), v=constrain(self.v, (None, *axes)))
+        return self.replace(k=tuple(constrain(x, axes) for x in self.k),
+                            v=tuple(constrain(x, axes) for x in self.v))
+
+    def take_rows(self, rows_b: jax.Array) -> KVCache:
+        """The cache of the given batch rows (batch compaction)."""
+        if self.stacked:
+            k, v = jnp.take(self.k, rows_b, axis=1), jnp.take(self.v, rows_b, axis=1)
+        else:
+            k = tuple(jnp.take(x, rows_b, axis=0) for x in self.k)
+            v = tuple(jnp.take(x, rows_b, axis=0) for x in self.v)
+        return self.replace(k=k, v=v, valid_bs=jnp.take(self.valid_bs, rows_b, axis=0))
 
 
 @struct.dataclass
@@ -141,7 +201,7 @@ def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, opts: ModelOptions, rngs: nnx.Rngs):
         d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts.storage_dtype
-        self.cfg, self.dtype = cfg, opts.compute_dtype
+        self.cfg, self.dtype, self.chunk = cfg, opts.compute_dtype, opts.attention_chunk
         self.q_dnh = _init(rngs, (d, n, h), pd, ("embed", "heads", "head_dim"))
         self.k_dkh = _init(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
         self.v_dkh = _init(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
@@ -188,24 +248,56 @@ class Attention(nnx.Module):
         else:
             k_bskh, v_bskh = k_btkh, v_btkh
 
-        b, t, n, h = q_btnh.shape
-        kh = cfg.num_kv_heads
-        # Batched matmuls with the batch dims leading ([B, K] x [G*T, H] @ [H, S]): the
-        # layouts XLA lowers to plain GEMMs on every backend, backward pass included.
-        q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
-        k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
-        scores_bkqs = jnp.einsum(
-            "bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32
-        ) * (h ** -0.5)
-        mask_bqs = jnp.tile(mask_bts, (1, n // kh, 1))  # q = (g, t), g-major
-        scores_bkqs = jnp.where(mask_bqs[:, None], scores_bkqs, _NEG_INF)
-        probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dt)
-        out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh)
-        out_btkgh = out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4)
-        out_btd = jnp.einsum("btnh,nhd->btd", out_btkgh.reshape(b, t, n, h), self.o_nhd[...].astype(dt))
+        if self.chunk and q_btnh.shape[1] > self.chunk:
+            out_btnh = _chunked_attention(q_btnh, k_bskh, v_bskh, mask_bts, self.chunk)
+        else:
+            out_btnh = _attention(q_btnh, k_bskh, v_bskh, mask_bts)
+        out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt))
         if cfg.o_bias:
             out_btd += self.o_bias_d[...].astype(dt)
         return out_btd, kv
+
+
+def _attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+               mask_bts: jax.Array) -> jax.Array:
+    """Softmax attention with grouped kv heads; scores and softmax in fp32."""
+    b, t, n, h = q_btnh.shape
+    kh = k_bskh.shape[2]
+    dt = q_btnh.dtype
+    # Batched matmuls with the batch dims leading ([B, K] x [G*T, H] @ [H, S]): the
+    # layouts XLA lowers to plain GEMMs on every backend, backward pass included.
+    q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
+    k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
+    scores_bkqs = jnp.einsum(
+        "bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32
+    ) * (h ** -0.5)
+    mask_bqs = jnp.tile(mask_bts, (1, n // kh, 1))  # q = (g, t), g-major
+    scores_bkqs = jnp.where(mask_bqs[:, None], scores_bkqs, _NEG_INF)
+    probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dt)
+    out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh)
+    return out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _chunked_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+                       mask_bts: jax.Array, chunk: int) -> jax.Array:
+    """:func:`_attention` over blocks of ``chunk`` queries (``lax.map``), each block
+    rematerialised so its [chunk, S] scores are never saved for the backward pass.
+    Queries are padded up to a whole number of blocks; padded rows are discarded."""
+    b, t, n, h = q_btnh.shape
+    blocks = -(-t // chunk)
+    pad = blocks * chunk - t
+    q = jnp.pad(q_btnh, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    mask = jnp.pad(mask_bts, ((0, 0), (0, pad), (0, 0)))
+    q_cbtnh = q.reshape(b, blocks, chunk, n, h).swapaxes(0, 1)
+    mask_cbts = mask.reshape(b, blocks, chunk, -1).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def block(args):
+        q_blk, mask_blk = args
+        return _attention(q_blk, k_bskh, v_bskh, mask_blk)
+
+    out_cbtnh = jax.lax.map(block, (q_cbtnh, mask_cbts))
+    return out_cbtnh.swapaxes(0, 1).reshape(b, blocks * chunk, n, h)[:, :t]
 
 
 class MLP(nnx.Module):
@@ -288,12 +380,15 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, opts, rngs)
 
-    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, write_index, router_hook, replay_btX):
+    def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, write_index, router_hook, replay_btX,
+                 layer_idx: int | jax.Array | None = None):
+        """``layer_idx`` overrides the stored index (a traced one when layers are scanned)."""
+        layer_idx = self.layer_idx if layer_idx is None else layer_idx
         attn_out, kv = self.attn(self.input_norm(x_btd), cos_bth, sin_bth, mask_bts, kv, write_index)
         h_btd = constrain(x_btd + attn_out, ("batch", "seq", "act_embed"))
         normed = self.post_attn_norm(h_btd)
         if hasattr(self, "moe"):
-            ff, logits_btE, experts_btX = self.moe(normed, self.layer_idx, router_hook, replay_btX)
+            ff, logits_btE, experts_btX = self.moe(normed, layer_idx, router_hook, replay_btX)
         else:
             ff, logits_btE, experts_btX = self.mlp(normed), None, None
         out_btd = constrain(h_btd + ff, ("batch", "seq", "act_embed"))
@@ -319,9 +414,12 @@ class Qwen3(nnx.Module):
         self.config, self.options = config, options
         pd = options.storage_dtype
         self.embed_vd = _init(rngs, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
-        self.layers = nnx.List(
-            [DecoderLayer(config, options, i, rngs) for i in range(config.num_layers)]
-        )
+        if options.scan_layers:
+            self.layers = _stacked_layers(config, options, rngs)
+        else:
+            self.layers = nnx.List(
+                [DecoderLayer(config, options, i, rngs) for i in range(config.num_layers)]
+            )
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
         if not config.tie_word_embeddings:
             self.lm_head_dv = _init(rngs, (config.hidden_size, config.vocab_size), pd, ("embed", "vocab"))
@@ -371,32 +469,103 @@ class Qwen3(nnx.Module):
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
         cos_bth, sin_bth = rope_tables(positions_bt, cfg.head_dim, cfg.rope_theta)
 
-        def run_layer(layer, x_btd, kv, replay_btX):
-            return layer(x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX)
-
-        if self.options.remat and cache is None:  # recompute only matters when training
-            run_layer = nnx.remat(run_layer)
-
-        router_logits, selected, new_k, new_v = [], [], [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            replay = None if routing_replay is None else routing_replay[i]
-            x_btd, kv, logits_btE, experts_btX = run_layer(layer, x_btd, kv, replay)
-            router_logits.append(logits_btE)
-            selected.append(experts_btX)
-            if kv is not None:
-                new_k.append(kv[0])
-                new_v.append(kv[1])
+        # Remat only matters when differentiating; the cache (sampling) path never is.
+        policy = REMAT_POLICIES[self.options.remat_policy] if cache is None else None
+        layer_args = (cos_bth, sin_bth, mask_bts, start, router_hook)
+        if self.options.scan_layers:
+            if cache is not None and not cache.stacked:
+                raise ValueError("a model with scan_layers needs a stacked KVCache "
+                                 "(model.init_cache builds one)")
+            x_btd, kv, router_logits, selected = _scan_layers(
+                self.layers, x_btd, layer_args, cache, routing_replay, policy)
+        else:
+            if cache is not None and cache.stacked:
+                raise ValueError("a stacked KVCache needs a model with scan_layers")
+            x_btd, kv, router_logits, selected = _loop_layers(
+                self.layers, x_btd, layer_args, cache, routing_replay, policy)
 
         hidden_btd = self.final_norm(x_btd)
         logits = self.lm_head(hidden_btd) if return_logits else None
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), valid_bs=key_valid_bs, index=start + t)
+            new_cache = KVCache(k=kv[0], v=kv[1], valid_bs=key_valid_bs, index=start + t)
         return ModelOutput(logits, hidden_btd, router_logits, selected, new_cache)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
-        return KVCache.init(self.config, batch, max_len, dtype or self.options.compute_dtype)
+        return KVCache.init(self.config, batch, max_len, dtype or self.options.compute_dtype,
+                            stacked=self.options.scan_layers)
+
+
+def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
+    """Runs the layers one after another in Python (any mix of dense and MoE layers)."""
+    cos_bth, sin_bth, mask_bts, start, router_hook = layer_args
+
+    def run_layer(layer, x_btd, kv, replay_btX):
+        return layer(x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX)
+
+    if policy is not None:
+        run_layer = nnx.remat(run_layer, policy=policy)
+    router_logits, selected, new_k, new_v = [], [], [], []
+    for i, layer in enumerate(layers):
+        kv = None if cache is None else (cache.k[i], cache.v[i])
+        replay = None if routing_replay is None else routing_replay[i]
+        x_btd, kv, logits_btE, experts_btX = run_layer(layer, x_btd, kv, replay)
+        router_logits.append(logits_btE)
+        selected.append(experts_btX)
+        if kv is not None:
+            new_k.append(kv[0])
+            new_v.append(kv[1])
+    return x_btd, (tuple(new_k), tuple(new_v)), router_logits, selected
+
+
+def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
+    """Runs stacked layers with ``jax.lax.scan``: the layer index, its parameters, its cache
+    slice and its replayed routing are the scanned inputs; router logits, selected experts
+    and the updated cache come back stacked and are split into per-layer lists."""
+    cos_bth, sin_bth, mask_bts, start, router_hook = layer_args
+    graphdef, params = nnx.split(layers)
+    num_layers = jax.tree.leaves(params)[0].shape[0]
+
+    def body(x_btd, xs):
+        layer_params, layer_idx, kv, replay_btX = xs
+        layer = nnx.merge(graphdef, layer_params)
+        x_btd, kv, logits_btE, experts_btX = layer(
+            x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX,
+            layer_idx=layer_idx)
+        return x_btd, (kv, logits_btE, experts_btX)
+
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    kv = None if cache is None else (cache.k, cache.v)
+    replay = None if routing_replay is None else jnp.stack(list(routing_replay))
+    xs = (params, jnp.arange(num_layers, dtype=jnp.int32), kv, replay)
+    x_btd, (kv, logits_LbtE, experts_LbtX) = jax.lax.scan(body, x_btd, xs)
+    def unstack(a):  # dense layers return no routing
+        return [None] * num_layers if a is None else list(a)
+
+    return x_btd, kv, unstack(logits_LbtE), unstack(experts_LbtX)
+
+
+def _stacked_layers(config: ModelConfig, options: ModelOptions, rngs: nnx.Rngs) -> DecoderLayer:
+    """One DecoderLayer whose parameters carry a leading layer axis (logical name "layers")."""
+    kinds = {config.is_moe_layer(i) for i in range(config.num_layers)}
+    if len(kinds) > 1:
+        dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+        raise ValueError(
+            f"scan_layers needs every decoder layer of one kind, but {config.architecture} has "
+            f"dense layers {dense} among MoE layers; use ModelOptions(scan_layers=False)")
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        # layer_idx 0 stands for the kind of every layer; the real index is passed in the scan.
+        return DecoderLayer(config, options, 0, rngs)
+
+    layers = make(rngs)
+    for _, var in nnx.iter_graph(layers):
+        if isinstance(var, nnx.Variable) and "axes" in var.get_metadata():
+            var.set_metadata(axes=("layers", *var.get_metadata()["axes"]))
+    return layers
 
 
 def positions_from_mask(attention_mask_bt: jax.Array) -> jax.Array:

@@ -216,10 +216,7 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
     model = nnx.merge(graphdef, params)
     cfg = model.config
     b, p = ids_bp.shape
-    cache = KVCache.init(cfg, b, static.cache_len, static.cache_dtype)
-    axes = ("batch", "cache_seq", "act_kv_heads", None)
-    cache = cache.replace(k=tuple(sharding.constrain(x, axes) for x in cache.k),
-                          v=tuple(sharding.constrain(x, axes) for x in cache.v))
+    cache = model.init_cache(b, static.cache_len, static.cache_dtype).constrain()
     positions_bp = positions_from_mask(mask_bp)
     answer_state = None if static.answer_detector is None else static.answer_detector.init(b)
     out = model(ids_bp, positions_bp, mask_bp, cache=cache,
@@ -288,9 +285,7 @@ def _take_rows(state: DecodeState, rows_b: jax.Array) -> DecodeState:
     def take(x):
         return x if x.ndim == 0 else jnp.take(x, rows_b, axis=0)
 
-    cache = state.cache
-    cache = cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
-                          valid_bs=take(cache.valid_bs))
+    cache = state.cache.take_rows(rows_b)
     rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
             if f.name not in ("cache", "step")}
     return state.replace(cache=cache, **jax.tree.map(take, rest))

@@ -25,7 +25,7 @@ from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, Preemption
 from spade_jax.envs import EnvPool
 from spade_jax.experiment import ExperimentConfig, ModelSpec, TokenizerSpec, config_hash
 from spade_jax.metrics import MetricsWriter, Progress
-from spade_jax.models import ModelOptions, Qwen3, load_hf, preset
+from spade_jax.models import Qwen3, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.rl.batch import PackConfig, pack_sequences
 from spade_jax.rl.train_step import TrainState, init_train_state, make_train_step
@@ -96,8 +96,7 @@ def _seed_program_text(directory: Path) -> Path:
 
 def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     dtype = jnp.dtype(spec.dtype)
-    options = ModelOptions(dtype=spec.dtype, param_dtype="float32", moe_impl=spec.moe_impl,
-                           remat=spec.remat)
+    options = spec.options()
     if spec.hf_checkpoint:
         model, _ = load_hf(spec.hf_checkpoint, jnp.float32, mesh=mesh, options=options)
     elif spec.orbax_checkpoint:
