@@ -17,12 +17,14 @@ Peak bytes of a program = argument + output - aliased (donated) + temp. While th
 runs, the Adam moments stay resident on the chip (the sampler reads the master params), so
 they are added to the sampler programs' peaks.
 
-Step time is a roofline on XLA's per-chip numbers, max(FLOPs / peak FLOP/s, bytes accessed /
-HBM bandwidth): collectives are not in it, so it is a lower bound and MFU an upper bound.
-MFU = 6 * N_active * tokens / (chips * peak_flops * step_seconds) for the train step and
-2 * N_active * tokens / (...) for the sampler, N_active = parameters a token multiplies
-through (active parameters less the untied input embedding; attention over the context is
-not counted).
+XLA's cost analysis counts the body of every loop once, and with scan over layers, the
+microbatch scan and query-chunked attention most of the work is in loops; so the step time
+is a roofline on analytic counts (:func:`analytic_cost`): max(FLOPs / peak FLOP/s, HBM
+bytes / HBM bandwidth, ICI bytes / ICI bandwidth) per chip, perfect overlap assumed, a lower
+bound; MFU = model FLOPs / (chips * peak * step time) is then an upper bound. Model FLOPs
+follow PaLM: 3 forwards for training (6 N_active per token plus attention), 1 for sampling;
+N_active = parameters a token multiplies through (active parameters less the untied input
+embedding). XLA's own numbers are printed too.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ class ChipSpec:
     cores_per_chip: int
     libtpu_name: str
     three_d: bool
+    ici_bandwidth: float  # bytes/s per chip, all links (Cloud TPU's published Gbps / 8)
 
 
 CHIPS: dict[str, ChipSpec] = {
-    "v4": ChipSpec(32 * GIB, 275e12, 1.23e12, 2, "v4", True),
-    "v5p": ChipSpec(95 * GIB, 459e12, 2.77e12, 2, "v5", True),
-    "v5e": ChipSpec(16 * GIB, 197e12, 0.82e12, 1, "v5e", False),
-    "v6e": ChipSpec(32 * GIB, 918e12, 1.64e12, 1, "v6e", False),
+    "v4": ChipSpec(32 * GIB, 275e12, 1.23e12, 2, "v4", True, 2400e9 / 8),
+    "v5p": ChipSpec(95 * GIB, 459e12, 2.77e12, 2, "v5", True, 4800e9 / 8),
+    "v5e": ChipSpec(16 * GIB, 197e12, 0.82e12, 1, "v5e", False, 1600e9 / 8),
+    "v6e": ChipSpec(32 * GIB, 918e12, 1.64e12, 1, "v6e", False, 3584e9 / 8),
 }
 
 
@@ -167,7 +170,8 @@ class AotConfig:
         sequence per data-parallel chip per microbatch).
       seq_len: train sequence length T (0 = the agent's ``max_episode_tokens``).
       sample_batch: sampler rows (0 = agent episodes per round = envs_per_round x n_hint x
-        (designer_delay + 1), rounded up to the batch shards).
+        (designer_delay + 1), at most the agent sampler's ``max_rows``, rounded up to the
+        batch shards).
       prompt_len: prefill length (0 = next power of two >= max_episode_tokens -
         max_turn_tokens, the last turn's prompt).
       new_tokens: decode buffer (0 = the agent sampler's ``max_new_tokens``).
@@ -216,6 +220,11 @@ class ProgramCost:
     tokens: int  # tokens processed per call, whole slice
     model_flops: float  # 6 (train) or 2 (sampler) x N_active x tokens, whole slice
     compile_seconds: float
+    # Analytic counts (see ``analytic_cost``): XLA's cost analysis counts the body of a loop
+    # once, and the layers, microbatches and attention blocks are all loops.
+    hardware_flops: float = 0.0  # whole slice, recomputation included
+    hbm_traffic: float = 0.0  # bytes per chip, a lower bound
+    ici_traffic: float = 0.0  # bytes per chip received over ICI (collectives), a lower bound
 
     @property
     def peak_bytes(self) -> int:
@@ -237,11 +246,24 @@ class Plan:
         return program.peak_bytes <= self.hbm_fraction * self.topology.chip.hbm_bytes
 
     def seconds(self, program: ProgramCost) -> float:
-        """Roofline step time per chip from XLA's FLOPs and bytes accessed:
-        max(flops / peak, bytes / HBM bandwidth). Collectives (ICI) are not counted, so this
-        is a lower bound. (XLA's ``optimal_seconds`` is negative for programs with loops.)"""
+        """Roofline step time: max(FLOPs / peak, HBM bytes / HBM bandwidth, ICI bytes / ICI
+        bandwidth) per chip from the analytic counts, i.e. perfect overlap of compute, memory
+        and communication: a lower bound on the step time, so MFU is an upper bound. Plans
+        written before the analytic counts existed fall back to XLA's (per-loop-trip) ones."""
         chip = self.topology.chip
+        if program.hardware_flops:
+            return max(program.hardware_flops / self.topology.chips / chip.peak_flops,
+                       program.hbm_traffic / chip.hbm_bandwidth,
+                       program.ici_traffic / chip.ici_bandwidth)
         return max(program.flops / chip.peak_flops, program.bytes_accessed / chip.hbm_bandwidth)
+
+    def bound(self, program: ProgramCost) -> str:
+        """Which roofline term sets :meth:`seconds`: "compute", "HBM" or "ICI"."""
+        chip = self.topology.chip
+        terms = {"compute": program.hardware_flops / self.topology.chips / chip.peak_flops,
+                 "HBM": program.hbm_traffic / chip.hbm_bandwidth,
+                 "ICI": program.ici_traffic / chip.ici_bandwidth}
+        return max(terms, key=terms.get)
 
     def mfu(self, program: ProgramCost) -> float:
         peak = self.topology.chips * self.topology.chip.peak_flops * self.seconds(program)
@@ -279,7 +301,7 @@ def _bytes_per_chip(tree: Any) -> int:
 
 
 def _program(name: str, shape: str, compiled, seconds: float, *, resident: int, tokens: int,
-             model_flops: float) -> ProgramCost:
+             model_flops: float, **analytic: float) -> ProgramCost:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -293,7 +315,7 @@ def _program(name: str, shape: str, compiled, seconds: float, *, resident: int, 
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         xla_optimal_seconds=float(cost.get("optimal_seconds", -1.0)),
-        tokens=tokens, model_flops=model_flops, compile_seconds=seconds,
+        tokens=tokens, model_flops=model_flops, compile_seconds=seconds, **analytic,
     )
 
 
@@ -316,6 +338,79 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """Ways the slice splits the work: batch rows, FSDP parameter shards, expert shards."""
+
+    chips: int
+    batch: int
+    fsdp: int
+    expert: int
+
+
+def analytic_cost(program: str, arch, options, par: Parallelism, *, rows: int, length: int,
+                  keys: int, microbatches: int = 1, cache_itemsize: int = 2) -> dict[str, float]:
+    """FLOPs and bytes of one call, counted from the architecture (whole-slice FLOPs, per-chip
+    bytes). ``rows`` x ``length`` tokens each attend to ``keys`` key slots (the full masked
+    score matrix is computed, as the model does).
+
+    FLOPs: a forward is 2 N_active per token plus 4 n h S per token and layer for attention
+    (QK^T and PV); training is forward + 2x backward, plus what remat recomputes ("full": the
+    forward again; "dots_no_batch": attention; a query-chunked attention recomputes its
+    blocks once more). ``model_flops`` (for MFU, PaLM's definition) is 3 forwards for
+    training and 1 for sampling, no recomputation.
+
+    HBM bytes per chip (lower bound): the bf16 weights a chip multiplies through (after the
+    FSDP all-gather: every dense weight, and its expert shard's experts) once per pass, plus
+    its fp32 parameter shard; for decode also its rows' KV cache.
+
+    ICI bytes per chip (lower bound): FSDP all-gathers of bf16 weights per pass and a
+    reduce-scatter of fp32 gradients per microbatch; expert-parallel all-to-alls of token
+    rows (``"expert_parallel"`` is dropless: its buffers hold ``expert`` x the average
+    load, and the whole buffer moves).
+    """
+    n, h, layers, d = arch.num_heads, arch.head_dim, arch.num_layers, arch.hidden_size
+    active = _matmul_params(arch)
+    total = arch.param_count()
+    moe_layers = sum(arch.is_moe_layer(i) for i in range(layers))
+    expert_params = moe_layers * arch.num_experts * 3 * d * arch.moe_intermediate_size
+    tokens = rows * length
+    attention = 4 * n * h * keys * layers  # per token
+    forward = tokens * (2 * active + attention)
+    # bf16 weights one chip multiplies through, after FSDP gathers (experts: its shard only).
+    gathered = 2 * ((total - expert_params) + expert_params / par.expert)
+    fsdp_gather = gathered * (par.fsdp - 1) / par.fsdp if par.fsdp > 1 else 0.0
+    tokens_per_chip = tokens / par.batch
+    a2a_layer = 0.0  # bytes one chip receives per MoE layer per pass
+    if options.moe_impl == "expert_parallel" and par.expert > 1 and moe_layers:
+        buffer = tokens_per_chip * arch.num_experts_per_tok * par.expert  # dropless slots
+        a2a_layer = 2 * buffer * d * 2 * (par.expert - 1) / par.expert  # there and back, bf16
+
+    if program == "train":
+        policy = options.remat_policy
+        recompute = {"full": forward, "dots_no_batch": tokens * attention}.get(policy, 0.0)
+        if options.attention_chunk and length > options.attention_chunk:
+            recompute += tokens * attention
+        passes = 3 if policy != "none" else 2  # forward (+ remat forward) + backward
+        return dict(
+            hardware_flops=3 * forward + recompute,
+            model_flops=3 * forward,
+            hbm_traffic=microbatches * passes * gathered + 3 * 4 * total / par.chips,
+            ici_traffic=microbatches * (passes * (fsdp_gather + moe_layers * a2a_layer)
+                                        # fp32 gradients reduced over the batch shards
+                                        + 2 * gathered * (par.batch - 1) / par.batch),
+        )
+    kv_bytes = 0.0
+    if program == "decode":
+        kv_bytes = (rows / par.batch) * keys * layers * 2 * arch.num_kv_heads * h * cache_itemsize
+    return dict(
+        hardware_flops=forward,
+        model_flops=forward,
+        hbm_traffic=gathered + 4 * total / par.chips + kv_bytes,
+        ici_traffic=fsdp_gather + moe_layers * a2a_layer,
+    )
+
+
 def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
     """Compiles the experiment's programs for ``config.topology`` and measures them.
 
@@ -329,7 +424,7 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
 
     from spade_jax import sharding
     from spade_jax.experiment import load_experiment
-    from spade_jax.models import ModelOptions, abstract_model, preset
+    from spade_jax.models import abstract_model, preset
     from spade_jax.rl.batch import TrainBatch
     from spade_jax.rl.optim import MASTER_DTYPES, make_optimizer
     from spade_jax.rl.train_step import TrainState, train_step, tree_shardings
@@ -345,8 +440,7 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
     if arch is None:
         raise ValueError(f"{experiment.name}: the plan needs model.preset or "
                          "model.architecture (a checkpoint's shape is not read here)")
-    options = ModelOptions(dtype=spec.dtype, param_dtype="float32", moe_impl=spec.moe_impl,
-                           remat=spec.remat)
+    options = spec.options()
     graphdef, abstract_params = nnx.split(abstract_model(arch, options))
     # The sampler never differentiates, so remat changes nothing in its programs (and
     # nnx.remat around a layer that writes the KV cache does not trace).
@@ -367,6 +461,8 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
     batch_axes = sharding.logical_to_spec(("batch",), rules, mesh)[0]
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
     data_ways = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    par = Parallelism(chips=len(devices), batch=data_ways, fsdp=int(mesh.shape["fsdp"]),
+                      expert=int(mesh.shape["expert"]))
     rows = NamedSharding(mesh, PartitionSpec(batch_axes or None))
     rows2 = NamedSharding(mesh, PartitionSpec(batch_axes or None, None))
     active = _matmul_params(arch)
@@ -394,13 +490,14 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         # M=1 and M=4 report the same FLOPs for the same batch).
         programs.append(_program(
             "train", f"B={b} T={t} M={train.microbatches}", compiled, seconds, resident=0,
-            tokens=b * t, model_flops=6.0 * active * b * t))
+            tokens=b * t, **analytic_cost("train", arch, options, par, rows=b, length=t, keys=t,
+                                          microbatches=train.microbatches)))
 
     if {"prefill", "decode"} & set(config.programs):
         agent = experiment.agent
         episodes = (experiment.spade.envs_per_round * experiment.spade.n_hint
                     * (experiment.spade.designer_delay + 1))
-        b = config.sample_batch or episodes
+        b = config.sample_batch or min(episodes, agent.sampler.max_rows or episodes)
         b = -(-b // data_ways) * data_ways
         p = config.prompt_len or _next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
         n = config.new_tokens or agent.sampler.max_new_tokens
@@ -413,7 +510,8 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         scalars = sampler_lib._Scalars(
             temperature=jax.ShapeDtypeStruct((), jnp.float32),
             top_p=jax.ShapeDtypeStruct((), jnp.float32),
-            seed=jax.ShapeDtypeStruct((), jnp.int32))
+            seed=jax.ShapeDtypeStruct((), jnp.int32),
+            row_offset=jax.ShapeDtypeStruct((), jnp.int32))
         prefill_args = (
             jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows2),
             jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows2),
@@ -428,7 +526,8 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         if "prefill" in config.programs:
             programs.append(_program(
                 "prefill", f"B={b} P={p}", compiled, seconds, resident=moments_bytes,
-                tokens=b * p, model_flops=2.0 * active * b * p))
+                tokens=b * p, **analytic_cost("prefill", arch, options, par, rows=b, length=p,
+                                              keys=p + n)))
         if "decode" in config.programs:
             decode_state = jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -444,7 +543,9 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
                     step.lower(params_sds, decode_state, scalars), "decode")
             programs.append(_program(
                 "decode", f"B={b} S={p + n} (1 token)", compiled, seconds,
-                resident=moments_bytes, tokens=b, model_flops=2.0 * active * b))
+                resident=moments_bytes, tokens=b, **analytic_cost(
+                    "decode", arch, options, par, rows=b, length=1, keys=p + n,
+                    cache_itemsize=cache_dtype.itemsize)))
 
     return Plan(
         experiment=experiment.name, topology=topology,
@@ -455,6 +556,26 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
 
 
 # ---- report -------------------------------------------------------------------------------
+
+
+def write_plan(result: Plan, path: str) -> None:
+    """The plan's raw numbers as JSON (re-reported later without recompiling)."""
+    import json
+
+    data = dataclasses.asdict(result)
+    data["topology"] = result.topology.name
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def read_plan(path: str) -> Plan:
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    data["topology"] = parse_topology(data["topology"])
+    data["programs"] = tuple(ProgramCost(**p) for p in data["programs"])
+    return Plan(**data)
 
 
 def format_plan(result: Plan) -> str:
@@ -478,10 +599,14 @@ def format_plan(result: Plan) -> str:
             f"{p.temp_bytes / GIB:.2f} GiB, resident {p.resident_bytes / GIB:.2f} GiB",
             f"    peak {p.peak_bytes / GIB:.2f} GiB = {100 * p.peak_bytes / hbm:.1f}% of HBM "
             f"(limit {100 * result.hbm_fraction:.0f}%): {verdict}",
-            f"    XLA: {p.flops / 1e12:.3f} TFLOP, {p.bytes_accessed / GIB:.2f} GiB accessed per "
-            f"chip; roofline {result.seconds(p) * 1e3:,.1f} ms (XLA optimal_seconds "
-            f"{p.xla_optimal_seconds * 1e3:,.1f} ms); implied MFU {100 * result.mfu(p):.1f}%, "
-            f"{result.tokens_per_second_per_chip(p):,.0f} tokens/s/chip",
+            f"    XLA (each loop body counted once): {p.flops / 1e12:.3f} TFLOP, "
+            f"{p.bytes_accessed / GIB:.2f} GiB accessed per chip, optimal_seconds "
+            f"{p.xla_optimal_seconds * 1e3:,.1f} ms",
+            f"    analytic per chip: {p.hardware_flops / topo.chips / 1e12:,.1f} TFLOP, HBM "
+            f"{p.hbm_traffic / GIB:,.1f} GiB, ICI {p.ici_traffic / GIB:,.1f} GiB",
+            f"    roofline {result.seconds(p) * 1e3:,.1f} ms ({result.bound(p)}-bound); MFU at "
+            f"most {100 * result.mfu(p):.1f}%, {result.tokens_per_second_per_chip(p):,.0f} "
+            f"tokens/s/chip",
         ]
     return "\n".join(lines)
 
@@ -492,8 +617,8 @@ def table_row(result: Plan) -> str:
              "x".join(f"{k}{v}" for k, v in result.mesh_shape.items() if v > 1) or "1"]
     for p in result.programs:
         hbm = 100 * p.peak_bytes / result.topology.chip.hbm_bytes
-        cells.append(f"{p.name}: {hbm:.0f}% HBM, {result.seconds(p) * 1e3:,.1f} ms, "
-                     f"MFU {100 * result.mfu(p):.0f}%")
+        cells.append(f"{p.name}: {hbm:.0f}% HBM, {result.seconds(p) * 1e3:,.1f} ms "
+                     f"({result.bound(p)}), MFU ≤{100 * result.mfu(p):.0f}%")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -525,6 +650,8 @@ def main(argv: list[str]) -> int:
         return 1
     print(format_plan(result))
     print(table_row(result))
+    if FLAGS.json_out:
+        write_plan(result, FLAGS.json_out)
     failed = [p.name for p in result.programs if not result.fits(p)]
     if failed:
         print(f"DOES NOT FIT: {', '.join(failed)} exceed {100 * config.hbm_fraction:.0f}% of "
@@ -547,6 +674,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("new_tokens", 0, "Decode buffer (0 = agent sampler max_new_tokens).")
     flags.DEFINE_float("hbm_fraction", 0.85, "Fit limit as a share of HBM.")
     flags.DEFINE_list("programs", ["train", "prefill", "decode"], "Programs to compile.")
+    flags.DEFINE_string("json_out", "", "Also write the plan's raw numbers to this JSON file "
+                        "(python -m spade_jax.aot_table renders a table from such files).")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Compiles are the cost on CPU, so the tests share one tiny MoE checkpoint and reu
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from flax import nnx
 from spade_jax import sharding
 from spade_jax.models import load_hf
 from spade_jax.rollout import SamplerConfig, generate, sampling
+from spade_jax.rollout.sampler import sample
 
 NEW = 64
 WIDTH = 80
@@ -248,3 +251,24 @@ def test_after_first_answer_steering_starts_at_the_detected_token(checkpoint, gr
     ref_lps, _ = _full_forward_logprobs(model, prompts, out.tokens, 0.0, steer_positions)
     for lps, ref_lp in zip(out.logprobs, ref_lps, strict=True):
         assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4
+
+
+def test_max_rows_batches_give_the_same_samples(checkpoint):
+    """Prompts generated 2 at a time (3 batches) equal one batch: same tokens, stop reasons,
+    routing and log-probs, per-prompt budgets and stop lists included."""
+    model = checkpoint[2]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15]]
+    kwargs = dict(stop_tokens=[[3], [5], [], [7], [9], [11]], max_new_per_seq=[6, 5, 4, 6, 3, 6],
+                  router_hook=None)
+    config = SamplerConfig(max_new_tokens=6, temperature=1.0, seed=3, return_router=True)
+    whole = sample(model, prompts, config, **kwargs)
+    split = sample(model, prompts, dataclasses.replace(config, max_rows=2), **kwargs)
+    assert split.tokens == whole.tokens and split.done_reasons == whole.done_reasons
+    # (a different batch shape changes float summation order: log-probs to rounding)
+    np.testing.assert_allclose(np.concatenate([np.asarray(x) for x in split.logprobs]),
+                               np.concatenate([np.asarray(x) for x in whole.logprobs]), atol=1e-5)
+    for a, b in zip(split.selected_experts, whole.selected_experts, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(split.stats["batches"]) == 3
+    with pytest.raises(ValueError, match="max_rows"):
+        SamplerConfig(max_new_tokens=4, max_rows=-1)

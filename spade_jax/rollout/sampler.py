@@ -60,6 +60,9 @@ class SamplerConfig:
       chunk_steps: decode steps per jitted call between host checks (stop strings, batch
         compaction). 0 = one call for the whole decode when neither is needed.
       compact_batch: shrink the batch to the next bucket when half the rows have finished.
+      max_rows: prompts per prefill/decode batch at most (0 = all at once); more prompts are
+        generated in consecutive batches with the same tokens (row i keeps its random
+        stream; log-probs agree to float rounding), bounding the KV cache and prefill activations of a large round.
     """
 
     max_new_tokens: int
@@ -73,6 +76,7 @@ class SamplerConfig:
     new_tokens_bucket: int = 64
     chunk_steps: int = 32
     compact_batch: bool = True
+    max_rows: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -91,6 +95,8 @@ class SamplerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_steps < 0:
             raise ValueError(f"chunk_steps must be >= 0, got {self.chunk_steps}")
+        if self.max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0 (0 = all prompts at once), got {self.max_rows}")
 
     @property
     def greedy(self) -> bool:
@@ -141,6 +147,7 @@ class _Scalars(struct.PyTreeNode):
     temperature: jax.Array
     top_p: jax.Array
     seed: jax.Array
+    row_offset: jax.Array  # prompt index of this batch's row 0 (batches of max_rows)
 
 
 class DecodeState(struct.PyTreeNode):
@@ -185,7 +192,7 @@ def _moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None
 def _draw(logits_bv, state_like_rows, step, scalars: _Scalars, static: _Static):
     base = jax.random.key(scalars.seed)
     keys_b = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(
-        state_like_rows
+        state_like_rows + scalars.row_offset
     )
     return sampling.sample_tokens(
         logits_bv, keys_b, temperature=scalars.temperature, top_k=static.top_k,
@@ -219,8 +226,12 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
     cache = model.init_cache(b, static.cache_len, static.cache_dtype).constrain()
     positions_bp = positions_from_mask(mask_bp)
     answer_state = None if static.answer_detector is None else static.answer_detector.init(b)
+    # Only the last position's logits are sampled from: the LM head over every prompt
+    # position would be a [B, P, V] fp32 array (119 GiB per chip for 24 rows of 8k tokens
+    # with Qwen3's 152k vocabulary).
     out = model(ids_bp, positions_bp, mask_bp, cache=cache,
-                router_hook=_hook_for(static, answer_state))
+                router_hook=_hook_for(static, answer_state), return_logits=False)
+    last_logits_bv = model.lm_head(out.hidden[:, -1:])[:, -1]
     moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
     prompt_router = None
     if static.return_router:
@@ -244,7 +255,7 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
         experts_bnlx=jnp.zeros((b, new_buffer, n_moe, x), jnp.int32) if router else None,
         answer_state=answer_state,
     )
-    token_b, logprob_b = _draw(out.logits[:, -1], row_id_b, 0, scalars, static)
+    token_b, logprob_b = _draw(last_logits_bv, row_id_b, 0, scalars, static)
     return _detect(_record(state, token_b, logprob_b), token_b, static), prompt_router
 
 
@@ -375,6 +386,7 @@ def sample(
     mesh: jax.sharding.Mesh | None = None,
     max_new_per_seq: Sequence[int] | None = None,
     answer_detector: Any = None,
+    _row_offset: int = 0,
 ) -> GenerationResult:
     """Generates continuations of ragged ``prompts`` with settings from ``config``.
 
@@ -394,6 +406,9 @@ def sample(
     mcfg = model.config
     prompts = _validate_prompts(prompts, mcfg.vocab_size)
     n = len(prompts)
+    if config.max_rows and n > config.max_rows:
+        return _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokenizer,
+                                  router_hook, mesh, max_new_per_seq, answer_detector)
     stop_ids = _per_sequence(
         _default_stop_tokens(mcfg) if stop_tokens is None else stop_tokens, n, "stop_tokens")
     if any(not 0 <= t < mcfg.vocab_size for row in stop_ids for t in row):
@@ -428,7 +443,8 @@ def sample(
             raise ValueError(f"max_new_per_seq needs {n} values in [1, {config.max_new_tokens}]")
         limit_b[:n] = max_new_per_seq
     scalars = _Scalars(temperature=jnp.float32(config.temperature),
-                       top_p=jnp.float32(config.top_p), seed=jnp.int32(config.seed))
+                       top_p=jnp.float32(config.top_p), seed=jnp.int32(config.seed),
+                       row_offset=jnp.int32(_row_offset))
     chunk = config.chunk_steps
     if chunk == 0 and (any(stop_text.per_row) or config.compact_batch):
         chunk = 32
@@ -467,6 +483,40 @@ def sample(
                 stats["compactions"] += 1
         _harvest(state, np.flatnonzero(np.asarray(state.row_id_b) >= 0), finished)
     return _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats)
+
+
+def _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokenizer,
+                       router_hook, mesh, max_new_per_seq, answer_detector) -> GenerationResult:
+    """:func:`sample` over consecutive batches of ``config.max_rows`` prompts, concatenated.
+    Each batch draws with its prompts' global row indices, so the result equals one call."""
+    n = len(prompts)
+    stops = _per_sequence(_default_stop_tokens(model.config) if stop_tokens is None
+                          else stop_tokens, n, "stop_tokens")
+    strings = None if stop_strings is None else _per_sequence(stop_strings, n, "stop_strings")
+    budgets = None if max_new_per_seq is None else list(max_new_per_seq)
+    if budgets is not None and len(budgets) != n:
+        raise ValueError(f"max_new_per_seq needs {n} values, got {len(budgets)}")
+    one_batch = dataclasses.replace(config, max_rows=0)
+    parts = []
+    for lo in range(0, n, config.max_rows):
+        hi = min(n, lo + config.max_rows)
+        parts.append(sample(
+            model, prompts[lo:hi], one_batch, stop_tokens=stops[lo:hi],
+            stop_strings=None if strings is None else strings[lo:hi], tokenizer=tokenizer,
+            router_hook=router_hook, mesh=mesh,
+            max_new_per_seq=None if budgets is None else budgets[lo:hi],
+            answer_detector=answer_detector, _row_offset=lo))
+    router = parts[0].router_logits is not None
+    stats = {"batches": [p.stats for p in parts]}
+    for key in ("decode_calls", "compactions", "row_steps"):
+        stats[key] = sum(p.stats.get(key, 0) for p in parts)
+    return GenerationResult(
+        tokens=[t for p in parts for t in p.tokens],
+        logprobs=[lp for p in parts for lp in p.logprobs],
+        done_reasons=[r for p in parts for r in p.done_reasons],
+        router_logits=[x for p in parts for x in p.router_logits] if router else None,
+        selected_experts=[x for p in parts for x in p.selected_experts] if router else None,
+        moe_layers=parts[0].moe_layers, stats=stats)
 
 
 def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeState:
