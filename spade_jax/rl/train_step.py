@@ -27,10 +27,9 @@ recorded at rollout time (``batch.routing_replay``) instead of its own top-k, so
 trainer's log-probs match the sampler's. ``<role>/logp_gap_mean|max`` =
 |logp - old_logp| over the role's policy tokens is logged either way.
 
-Memory levers: ``ModelOptions(remat=True)`` recomputes each decoder layer in the backward
-pass; ``logit_chunk`` computes log-probs over time chunks (each rematerialised) so
-[B, T, V] logits never exist at once; the state is donated. Scan over layers would have to
-live in the model (it is a Python loop over heterogeneous layers today): future work.
+Memory levers: the model's ``ModelOptions`` (``remat`` policy, ``scan_layers``,
+``attention_chunk``); ``logit_chunk`` computes log-probs over time chunks (each
+rematerialised) so [B, T, V] logits never exist at once; the state is donated.
 """
 
 from __future__ import annotations
