@@ -380,10 +380,12 @@ def analytic_cost(program: str, arch, options, par: Parallelism, *, rows: int, l
     # bf16 weights one chip multiplies through, after FSDP gathers (experts: its shard only).
     gathered = 2 * ((total - expert_params) + expert_params / par.expert)
     fsdp_gather = gathered * (par.fsdp - 1) / par.fsdp if par.fsdp > 1 else 0.0
-    tokens_per_chip = tokens / par.batch
-    a2a_layer = 0.0  # bytes one chip receives per MoE layer per pass
+    tokens_per_chip = tokens / par.batch  # over the whole call (all microbatches)
+    a2a_layer = 0.0  # bytes one chip receives per MoE layer per pass, whole call
     if options.moe_impl == "expert_parallel" and par.expert > 1 and moe_layers:
-        buffer = tokens_per_chip * arch.num_experts_per_tok * par.expert  # dropless slots
+        # dropless: N x C slots, C = t * min(k, E / N) per (source, destination) pair
+        per_pair = min(arch.num_experts_per_tok, arch.num_experts // par.expert)
+        buffer = tokens_per_chip * per_pair * par.expert
         a2a_layer = 2 * buffer * d * 2 * (par.expert - 1) / par.expert  # there and back, bf16
 
     if program == "train":
@@ -396,9 +398,11 @@ def analytic_cost(program: str, arch, options, par: Parallelism, *, rows: int, l
             hardware_flops=3 * forward + recompute,
             model_flops=3 * forward,
             hbm_traffic=microbatches * passes * gathered + 3 * 4 * total / par.chips,
-            ici_traffic=microbatches * (passes * (fsdp_gather + moe_layers * a2a_layer)
-                                        # fp32 gradients reduced over the batch shards
-                                        + 2 * gathered * (par.batch - 1) / par.batch),
+            # per microbatch: weight gathers per pass and a gradient reduction (fp32); the
+            # token all-to-alls scale with tokens, so they are counted for the whole call
+            ici_traffic=(microbatches * (passes * fsdp_gather
+                                         + 2 * gathered * (par.batch - 1) / par.batch)
+                         + passes * moe_layers * a2a_layer),
         )
     kv_bytes = 0.0
     if program == "decode":
@@ -525,7 +529,7 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         compiled, seconds = _timed_compile(lowered, "prefill")
         if "prefill" in config.programs:
             programs.append(_program(
-                "prefill", f"B={b} P={p}", compiled, seconds, resident=moments_bytes,
+                "prefill", f"B={b} P={p} S={p + n}", compiled, seconds, resident=moments_bytes,
                 tokens=b * p, **analytic_cost("prefill", arch, options, par, rows=b, length=p,
                                               keys=p + n)))
         if "decode" in config.programs:
@@ -566,6 +570,52 @@ def write_plan(result: Plan, path: str) -> None:
     data["topology"] = result.topology.name
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
+
+
+def recost(result: Plan, overrides: tuple[str, ...] = ()) -> Plan:
+    """The stored compile results with the analytic counts recomputed by today's
+    :func:`analytic_cost` (memory is the compiler's; the cost model can improve later).
+    Shapes come from each program's ``shape`` string, the model from the experiment."""
+    import re
+
+    from spade_jax.experiment import load_experiment
+    from spade_jax.models import preset
+
+    experiment = load_experiment(result.experiment, list(overrides))
+    spec = experiment.model
+    arch = preset(spec.preset) if spec.preset else spec.architecture
+    mesh = result.mesh_shape
+    batch_axes = [a for a in ("data", "fsdp", "expert") if mesh.get(a, 1) > 1]
+    par = Parallelism(chips=result.topology.chips,
+                      batch=int(np.prod([mesh[a] for a in batch_axes])) if batch_axes else 1,
+                      fsdp=mesh.get("fsdp", 1), expert=mesh.get("expert", 1))
+    cache = experiment.agent.sampler.cache_dtype or spec.dtype
+    programs = []
+    for p in result.programs:
+        dims = {k: int(v) for k, v in re.findall(r"([A-Z])=(\d+)", p.shape)}
+        if p.name == "train":
+            cost = analytic_cost("train", arch, spec.options(), par, rows=dims["B"],
+                                 length=dims["T"], keys=dims["T"], microbatches=dims["M"])
+        elif p.name == "prefill":
+            keys = dims.get("S") or dims["P"] + _round_up(  # (older plans: no S label)
+                experiment.agent.sampler.max_new_tokens, experiment.agent.sampler.new_tokens_bucket)
+            cost = analytic_cost("prefill", arch, spec.options(), par, rows=dims["B"],
+                                 length=dims["P"], keys=keys)
+        else:
+            cost = analytic_cost("decode", arch, spec.options(), par, rows=dims["B"], length=1,
+                                 keys=dims["S"], cache_itemsize=_itemsize(cache))
+        programs.append(dataclasses.replace(p, **cost))
+    return dataclasses.replace(result, programs=tuple(programs))
+
+
+def _itemsize(dtype: str) -> int:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def read_plan(path: str) -> Plan:
@@ -611,6 +661,10 @@ def format_plan(result: Plan) -> str:
     return "\n".join(lines)
 
 
+TABLE_HEADER = ("| experiment | topology | mesh | train step | prefill | decode (1 token) |\n"
+                "|---|---|---|---|---|---|")
+
+
 def table_row(result: Plan) -> str:
     """One markdown row: experiment | topology | mesh | per-program HBM%, ms, MFU."""
     cells = [result.experiment, result.topology.name,
@@ -631,6 +685,11 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         return 2
+    if FLAGS.render:
+        print(TABLE_HEADER)
+        for path in FLAGS.render:
+            print(table_row(recost(read_plan(path), tuple(FLAGS.set))))
+        return 0
     try:
         config = AotConfig(
             experiment=FLAGS.experiment, topology=FLAGS.topology, overrides=tuple(FLAGS.set),
@@ -674,8 +733,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("new_tokens", 0, "Decode buffer (0 = agent sampler max_new_tokens).")
     flags.DEFINE_float("hbm_fraction", 0.85, "Fit limit as a share of HBM.")
     flags.DEFINE_list("programs", ["train", "prefill", "decode"], "Programs to compile.")
-    flags.DEFINE_string("json_out", "", "Also write the plan's raw numbers to this JSON file "
-                        "(python -m spade_jax.aot_table renders a table from such files).")
+    flags.DEFINE_string("json_out", "", "Also write the plan's raw numbers to this JSON file.")
+    flags.DEFINE_list("render", [], "Compile nothing: print the markdown table of these "
+                      "--json_out files.")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,19 @@ def test_tiny_plan_bytes_and_flops_match_the_model(tiny_plan):
 
 
 @needs_libtpu
+def test_stored_plan_renders_with_the_same_costs(tiny_plan, tmp_path):
+    """--json_out / --render: the stored compile results re-costed from the experiment give
+    the numbers the plan computed (the shapes round-trip through the program labels)."""
+    config, result = tiny_plan
+    aot.write_plan(result, str(tmp_path / "plan.json"))
+    again = aot.recost(aot.read_plan(str(tmp_path / "plan.json")))
+    for a, b in zip(result.programs, again.programs, strict=True):
+        assert (a.hardware_flops, a.hbm_traffic, a.ici_traffic, a.peak_bytes) == pytest.approx(
+            (b.hardware_flops, b.hbm_traffic, b.ici_traffic, b.peak_bytes))
+    assert aot.table_row(again) == aot.table_row(result)
+
+
+@needs_libtpu
 def test_cli_fails_loudly_when_it_does_not_fit():
     out = subprocess.run(
         [sys.executable, "-m", "spade_jax.aot", "--experiment=tiny", "--topology=v4-8",
