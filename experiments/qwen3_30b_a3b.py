@@ -20,21 +20,27 @@ from spade_jax.spade.prompts import AGENT_SYSTEM_PROMPT
 def get_config() -> ExperimentConfig:
     return ExperimentConfig(
         name="qwen3_30b_a3b",
+        # Memory levers chosen from `python -m spade_jax.aot` (README table): stacked layers
+        # under lax.scan, full per-layer remat, attention scores 512 queries at a time.
         model=ModelSpec(preset="qwen3_30b_a3b_instruct_2507", dtype="bfloat16",
-                        moe_impl="ragged", remat=True),
+                        moe_impl="expert_parallel", remat="full", scan_layers=True,
+                        attention_chunk=512),
         tokenizer=TokenizerSpec(path=""),  # set to the checkpoint dir (tokenizer.json)
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=8),
         designer_sampler=SamplerConfig(max_new_tokens=2048, temperature=1.0, top_p=1.0,
                                        cache_dtype="bfloat16"),
         agent=AgentLoopConfig(max_turns=8, max_turn_tokens=1024, max_episode_tokens=8192,
                               system_prompt=AGENT_SYSTEM_PROMPT,
+                              # 256 rows per batch: the KV cache of 8k-token episodes
+                              # stays < 12 GiB per chip on 32 chips (README AOT table).
                               sampler=SamplerConfig(max_new_tokens=1024, temperature=1.0,
-                                                    cache_dtype="bfloat16")),
+                                                    cache_dtype="bfloat16", max_rows=256)),
         train=TrainConfig(
             optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=10, schedule="constant",
                                       total_steps=400, weight_decay=0.0, clip_norm=1.0),
             agent=RoleConfig(policy_loss="gspo"), designer=RoleConfig(policy_loss="gspo"),
             microbatches=16, compute_dtype="bfloat16", router_replay=False,
+            logit_chunk=1024,  # [tokens, 151k vocab] logits 1024 positions at a time
         ),
         spade=SpadeConfig(rounds=400, envs_per_round=24, designer_group_size=4, n_hint=16,
                           designer_delay=1, eval_every=20),

@@ -8,7 +8,7 @@ Dense model: parameters and optimizer state sharded FSDP over every chip.
 
 import dataclasses
 
-from spade_jax.experiment import ExperimentConfig, ModelSpec, load_experiment
+from spade_jax.experiment import ExperimentConfig, load_experiment
 from spade_jax.rl.train_step import RoleConfig
 from spade_jax.sharding import MeshConfig
 
@@ -18,7 +18,7 @@ def get_config() -> ExperimentConfig:
     return dataclasses.replace(
         base,
         name="qwen3_4b",
-        model=ModelSpec(preset="qwen3_4b_instruct_2507", dtype="bfloat16", moe_impl="ragged", remat=True),
+        model=dataclasses.replace(base.model, preset="qwen3_4b_instruct_2507"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=1),
         train=dataclasses.replace(base.train, agent=RoleConfig(policy_loss="grpo"),
                                   designer=RoleConfig(policy_loss="grpo"), microbatches=8),

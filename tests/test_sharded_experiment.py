@@ -1,8 +1,8 @@
 """The 30B-A3B experiment's sharding, shrunk to a tiny MoE on 8 simulated CPU devices,
 computes what one device computes: forward logits, sampler prefill, and one train step.
 
-The mesh shape, the rule table, the MoE dispatch, remat and the microbatch count all come
-from ``experiments/qwen3_30b_a3b.py`` (the expert axis capped at the tiny model's expert
+The mesh shape, the rule table, the MoE dispatch, remat, layer scan, attention blocks and
+the microbatch count all come from ``experiments/qwen3_30b_a3b.py`` (the expert axis capped at the tiny model's expert
 count), so a change to that experiment's parallelism is exercised here.
 """
 
@@ -17,7 +17,7 @@ from flax import nnx
 
 from spade_jax import sharding
 from spade_jax.experiment import load_experiment
-from spade_jax.models import ModelConfig, ModelOptions, Qwen3
+from spade_jax.models import ModelConfig, Qwen3
 from spade_jax.rl.batch import TrainBatch
 from spade_jax.rl.train_step import init_train_state, make_train_step, shard_batch
 from spade_jax.rollout.sampler import SamplerConfig, sample
@@ -38,8 +38,11 @@ def setup():
     big = load_experiment("qwen3_30b_a3b")
     mesh_config = dataclasses.replace(big.mesh, expert=min(big.mesh.expert, TINY_MOE.num_experts))
     assert mesh_config.expert > 1, "the 30B-A3B experiment should use expert parallelism"
-    options = ModelOptions(dtype="float32", param_dtype="float32",
-                           moe_impl=big.model.moe_impl, remat=big.model.remat)
+    # The experiment's own model options (dispatch, remat, layer scan, attention blocks,
+    # shrunk to the tiny sequence so the blocked path runs), in fp32 for exact comparison.
+    options = dataclasses.replace(
+        big.model.options(), dtype="float32",
+        attention_chunk=min(big.model.attention_chunk, 4) if big.model.attention_chunk else 0)
     train = dataclasses.replace(big.train, compute_dtype="float32", microbatches=2)
     return options, mesh_config, train
 
@@ -73,8 +76,12 @@ def test_expert_parallel_forward_and_sampler_match_one_device(setup):
                     if k[-1] in ("gate_edf", "up_edf", "down_efd")}
     assert all("expert" in s for s in expert_specs), expert_specs
     with sharding.activate(mesh):
-        got = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)(placed, ids)
+        forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
+        got = forward(placed, ids)
+        hlo = forward.lower(placed, ids).compile().as_text()
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5)
+    if options.moe_impl == "expert_parallel":  # tokens really move across the expert axis
+        assert "all-to-all" in hlo
 
     prompts = [list(r) for r in np.random.RandomState(1).randint(1, TINY_MOE.vocab_size, (5, 7))]
     config = SamplerConfig(max_new_tokens=6, temperature=0.0, chunk_steps=0, compact_batch=False)
