@@ -2,6 +2,7 @@
 # Installs everything spade_jax needs on a fresh Debian/Ubuntu machine (or TPU VM).
 #   bash scripts/install.sh          # runtime
 #   bash scripts/install.sh --test   # runtime + test-only references (transformers, CPU torch)
+#                                    # + libtpu, so the TPU AOT-plan tests compile for real
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,5 +18,5 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+[ "${1:-}" = "--test" ] && extra="[test,aot]"
 python -m pip install -q --disable-pip-version-check -e ".${extra}"
