@@ -348,6 +348,23 @@ class Parallelism:
     expert: int
 
 
+def _batch_axes(rules, mesh=None) -> tuple[str, ...]:
+    """Mesh axes the "batch" rule splits rows over (size-1 axes dropped when ``mesh``)."""
+    from spade_jax import sharding
+
+    axes = sharding.logical_to_spec(("batch",), rules, mesh)[0]
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
+def _parallelism(mesh_shape: dict[str, int], chips: int, rules=None) -> Parallelism:
+    """Ways a mesh of ``mesh_shape`` splits rows (by the "batch" rule), parameters and experts."""
+    from spade_jax import sharding
+
+    batch = _batch_axes(rules or sharding.DEFAULT_RULES)
+    return Parallelism(chips=chips, batch=int(np.prod([mesh_shape.get(a, 1) for a in batch])),
+                       fsdp=int(mesh_shape.get("fsdp", 1)), expert=int(mesh_shape.get("expert", 1)))
+
+
 def analytic_cost(program: str, arch, options, par: Parallelism, *, rows: int, length: int,
                   keys: int, microbatches: int = 1, cache_itemsize: int = 2) -> dict[str, float]:
     """FLOPs and bytes of one call, counted from the architecture (whole-slice FLOPs, per-chip
@@ -462,11 +479,9 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
     with sharding.activate(mesh, rules):
         state_sds = _sds(state_abstract, tree_shardings(state_abstract, mesh, rules))
     moments_bytes = _bytes_per_chip(state_sds.opt_state)
-    batch_axes = sharding.logical_to_spec(("batch",), rules, mesh)[0]
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-    data_ways = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    par = Parallelism(chips=len(devices), batch=data_ways, fsdp=int(mesh.shape["fsdp"]),
-                      expert=int(mesh.shape["expert"]))
+    batch_axes = _batch_axes(rules, mesh)
+    par = _parallelism(dict(mesh.shape), len(devices), rules)
+    data_ways = par.batch
     rows = NamedSharding(mesh, PartitionSpec(batch_axes or None))
     rows2 = NamedSharding(mesh, PartitionSpec(batch_axes or None, None))
     active = _matmul_params(arch)
@@ -502,10 +517,10 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         episodes = (experiment.spade.envs_per_round * experiment.spade.n_hint
                     * (experiment.spade.designer_delay + 1))
         b = config.sample_batch or min(episodes, agent.sampler.max_rows or episodes)
-        b = -(-b // data_ways) * data_ways
+        b = _round_up(b, data_ways)
         p = config.prompt_len or _next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
         n = config.new_tokens or agent.sampler.max_new_tokens
-        n = -(-n // agent.sampler.new_tokens_bucket) * agent.sampler.new_tokens_bucket
+        n = _round_up(n, agent.sampler.new_tokens_bucket)
         cache_dtype = jnp.dtype(agent.sampler.cache_dtype or spec.dtype)
         static = sampler_lib._Static(
             greedy=False, top_k=0, use_top_p=agent.sampler.top_p < 1, return_router=False,
@@ -584,11 +599,7 @@ def recost(result: Plan, overrides: tuple[str, ...] = ()) -> Plan:
     experiment = load_experiment(result.experiment, list(overrides))
     spec = experiment.model
     arch = preset(spec.preset) if spec.preset else spec.architecture
-    mesh = result.mesh_shape
-    batch_axes = [a for a in ("data", "fsdp", "expert") if mesh.get(a, 1) > 1]
-    par = Parallelism(chips=result.topology.chips,
-                      batch=int(np.prod([mesh[a] for a in batch_axes])) if batch_axes else 1,
-                      fsdp=mesh.get("fsdp", 1), expert=mesh.get("expert", 1))
+    par = _parallelism(result.mesh_shape, result.topology.chips)
     cache = experiment.agent.sampler.cache_dtype or spec.dtype
     programs = []
     for p in result.programs:
