@@ -697,9 +697,15 @@ def main(argv: list[str]) -> int:
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         return 2
     if FLAGS.render:
-        print(TABLE_HEADER)
+        rows = []
         for path in FLAGS.render:
-            print(table_row(recost(read_plan(path), tuple(FLAGS.set))))
+            try:
+                rows.append(table_row(recost(read_plan(path), tuple(FLAGS.set))))
+            except (OSError, ValueError, KeyError, TypeError) as e:  # missing / not a plan
+                print(f"error: --render: {path} is not a readable --json_out plan: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
+                return 2
+        print("\n".join([TABLE_HEADER, *rows]))
         return 0
     try:
         config = AotConfig(

@@ -55,6 +55,9 @@ class ModelSpec:
     scan_layers: bool = False
     attention_chunk: int = 0
 
+    def __post_init__(self) -> None:
+        self.options()  # a bad dtype / dispatch / remat / attention_chunk fails at load time
+
     def options(self) -> ModelOptions:
         """How the policy runs: compute in ``dtype``, fp32 master parameters."""
         return ModelOptions(dtype=self.dtype, param_dtype="float32", moe_impl=self.moe_impl,

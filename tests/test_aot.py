@@ -199,3 +199,13 @@ def test_analytic_flops_match_xla_where_xla_sees_every_op(remat, chunk, tmp_path
     scanned = train_cost("model.scan_layers=True")
     assert scanned.hardware_flops == looped.hardware_flops
     assert scanned.flops < 0.8 * looped.flops  # XLA: the scanned layer body counted once
+
+
+def test_render_names_a_file_that_is_not_a_plan(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for path in (bad, tmp_path / "missing.json"):
+        out = subprocess.run([sys.executable, "-m", "spade_jax.aot", f"--render={path}"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert out.returncode == 2 and f"{path} is not a readable --json_out plan" in out.stderr
