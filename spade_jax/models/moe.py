@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from spade_jax.models import numerics
 from spade_jax.sharding import active_mesh, logical_to_spec
 
 # A pure function that may edit router logits (fp32, [..., E]) before softmax/top-k.
@@ -37,21 +38,23 @@ def route(
     k: int,
     norm_topk_prob: bool,
     replay_tX: jax.Array | None = None,
+    invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax (fp32) -> top-k -> optional renormalisation, as Hugging Face Qwen-MoE does.
 
     With ``replay_tX`` the selected experts are taken from a recording (router replay)
     instead of top-k; their weights still come from the current probabilities.
+    ``invariant`` sums in a fixed order (``numerics``; batch-invariant models).
     Returns (weights_tX fp32, experts_tX int32).
     """
-    probs_tE = jax.nn.softmax(logits_tE.astype(jnp.float32), axis=-1)
+    probs_tE = numerics.softmax(logits_tE.astype(jnp.float32), axis=-1, invariant=invariant)
     if replay_tX is None:
         weights_tX, experts_tX = jax.lax.top_k(probs_tE, k)
     else:
         experts_tX = replay_tX.astype(jnp.int32)
         weights_tX = jnp.take_along_axis(probs_tE, experts_tX, axis=-1)
     if norm_topk_prob:
-        weights_tX = weights_tX / jnp.sum(weights_tX, axis=-1, keepdims=True)
+        weights_tX = weights_tX / numerics.sum_(weights_tX, -1, keepdims=True, invariant=invariant)
     return weights_tX, experts_tX.astype(jnp.int32)
 
 
@@ -76,6 +79,26 @@ def dispatch_dense(
     )
     y_tED = jnp.einsum("tef,efd->ted", h_tEF, w_down_EFD)
     return jnp.einsum("ted,te->td", y_tED, combine_tE.astype(y_tED.dtype))
+
+
+def dispatch_ordered(
+    x_tD: jax.Array,
+    w_gate_EDF: jax.Array,
+    w_up_EDF: jax.Array,
+    w_down_EFD: jax.Array,
+    weights_tX: jax.Array,
+    experts_tX: jax.Array,
+) -> jax.Array:
+    """``dense`` with every contraction summed in a fixed order (batch-invariant models):
+    a token's output does not depend on the other tokens in the call. The combine sums
+    over experts in index order; unselected experts add an exact zero."""
+    num_tokens, num_experts = x_tD.shape[0], w_gate_EDF.shape[0]
+    ein = functools.partial(numerics.einsum, invariant=True)
+    combine_tE = jnp.zeros((num_tokens, num_experts), jnp.float32)
+    combine_tE = combine_tE.at[jnp.arange(num_tokens)[:, None], experts_tX].add(weights_tX)
+    h_tEF = _swiglu(ein("td,edf->tef", x_tD, w_gate_EDF), ein("td,edf->tef", x_tD, w_up_EDF))
+    y_tED = ein("tef,efd->ted", h_tEF, w_down_EFD)
+    return ein("ted,te->td", y_tED, combine_tE.astype(y_tED.dtype))
 
 
 def dispatch_ragged(

@@ -16,13 +16,14 @@ constrained with :func:`spade_jax.sharding.constrain`. No device logic lives her
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from spade_jax.models import moe
+from spade_jax.models import moe, numerics
 from spade_jax.models.config import ModelConfig
 from spade_jax.sharding import constrain
 
@@ -61,6 +62,15 @@ class ModelOptions:
         "layers") and run them with ``jax.lax.scan``: one compiled layer instead of L, so
         compile time and program size stop growing with depth. Needs every layer of one
         kind (all MoE or all dense).
+      batch_invariant: run every contraction and reduction of the forward pass in one
+        fixed summation order (``spade_jax.models.numerics``), so a token's logits do not
+        depend on how many rows, tokens or cache slots share the call: the sampler's
+        KV-cache decode and the trainer's forward then agree bit for bit, and router replay
+        reproduces the rollout's log-probs exactly. MoE layers run every expert (the
+        "dense" dispatch, whatever ``moe_impl`` says). Slower (1.4-2.3x the dense
+        dispatch's train step on CPU, more where matmuls have matrix units); for exact
+        on-policy runs and for checking them. Exact on XLA:CPU needs FMA off (see
+        ``numerics``).
     """
 
     dtype: str = "float32"
@@ -69,6 +79,7 @@ class ModelOptions:
     remat: bool | str = False
     attention_chunk: int = 0
     scan_layers: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -171,13 +182,17 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple, std: float
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, dtype, invariant: bool = False):
+        self.eps, self.invariant = eps, invariant
         self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.invariant:
+            mean_sq = numerics.square_sum(x32, invariant=True)[..., None] / x32.shape[-1]
+        else:
+            mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = x32 * jax.lax.rsqrt(mean_sq + self.eps)
         # Weight cast to the activation dtype: fp32 master weights must not promote bf16
         # activations back to fp32 (HF stores the weight in the model dtype).
         return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
@@ -191,17 +206,19 @@ def rope_tables(positions_bt: jax.Array, head_dim: int, theta: float) -> tuple[j
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
+def apply_rope(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array,
+               invariant: bool = False) -> jax.Array:
     half = x_btnh.shape[-1] // 2
     rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
     cos, sin = cos_bth[:, :, None, :].astype(x_btnh.dtype), sin_bth[:, :, None, :].astype(x_btnh.dtype)
-    return x_btnh * cos + rotated * sin
+    return numerics.rotate(x_btnh, cos, rotated, sin, invariant=invariant)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, opts: ModelOptions, rngs: nnx.Rngs):
         d, n, k, h, pd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts.storage_dtype
         self.cfg, self.dtype, self.chunk = cfg, opts.compute_dtype, opts.attention_chunk
+        self.invariant = opts.batch_invariant
         self.q_dnh = _init(rngs, (d, n, h), pd, ("embed", "heads", "head_dim"))
         self.k_dkh = _init(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
         self.v_dkh = _init(rngs, (d, k, h), pd, ("embed", "kv_heads", "head_dim"))
@@ -213,8 +230,8 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.o_bias_d = nnx.Param(jnp.zeros((d,), pd), axes=("norm",))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
-            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd)
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, pd, opts.batch_invariant)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, pd, opts.batch_invariant)
 
     def __call__(
         self,
@@ -226,17 +243,21 @@ class Attention(nnx.Module):
         write_index: jax.Array | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         cfg, dt = self.cfg, self.dtype
-        q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
-        k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt))
-        v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt))
+        ein = functools.partial(numerics.einsum, invariant=self.invariant)
+        q_btnh = ein("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
+        k_btkh = ein("btd,dkh->btkh", x_btd, self.k_dkh[...].astype(dt))
+        v_btkh = ein("btd,dkh->btkh", x_btd, self.v_dkh[...].astype(dt))
         if cfg.qkv_bias:
             q_btnh += self.q_bias_nh[...].astype(dt)
             k_btkh += self.k_bias_kh[...].astype(dt)
             v_btkh += self.v_bias_kh[...].astype(dt)
         if cfg.qk_norm:
             q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
-        q_btnh = constrain(apply_rope(q_btnh, cos_bth, sin_bth), ("batch", "seq", "act_heads", None))
-        k_btkh = apply_rope(k_btkh, cos_bth, sin_bth)
+        q_btnh = apply_rope(q_btnh, cos_bth, sin_bth, self.invariant)
+        if self.invariant:  # scale q, not the scores: "score * c - max" would be a fusable FMA
+            q_btnh = q_btnh * jnp.asarray(cfg.head_dim ** -0.5, q_btnh.dtype)
+        q_btnh = constrain(q_btnh, ("batch", "seq", "act_heads", None))
+        k_btkh = apply_rope(k_btkh, cos_bth, sin_bth, self.invariant)
 
         if kv is not None:  # write this step's keys/values into the cache, attend to all slots
             k_cache, v_cache = kv
@@ -249,17 +270,18 @@ class Attention(nnx.Module):
             k_bskh, v_bskh = k_btkh, v_btkh
 
         if self.chunk and q_btnh.shape[1] > self.chunk:
-            out_btnh = _chunked_attention(q_btnh, k_bskh, v_bskh, mask_bts, self.chunk)
+            out_btnh = _chunked_attention(q_btnh, k_bskh, v_bskh, mask_bts, self.chunk,
+                                          self.invariant)
         else:
-            out_btnh = _attention(q_btnh, k_bskh, v_bskh, mask_bts)
-        out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt))
+            out_btnh = _attention(q_btnh, k_bskh, v_bskh, mask_bts, self.invariant)
+        out_btd = ein("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt))
         if cfg.o_bias:
             out_btd += self.o_bias_d[...].astype(dt)
         return out_btd, kv
 
 
 def _attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-               mask_bts: jax.Array) -> jax.Array:
+               mask_bts: jax.Array, invariant: bool = False) -> jax.Array:
     """Softmax attention with grouped kv heads; scores and softmax in fp32."""
     b, t, n, h = q_btnh.shape
     kh = k_bskh.shape[2]
@@ -268,18 +290,23 @@ def _attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     # layouts XLA lowers to plain GEMMs on every backend, backward pass included.
     q_bkqh = q_btnh.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
-    scores_bkqs = jnp.einsum(
-        "bkqh,bksh->bkqs", q_bkqh, k_bksh, preferred_element_type=jnp.float32
-    ) * (h ** -0.5)
+    scores_bkqs = numerics.einsum(
+        "bkqh,bksh->bkqs", q_bkqh, k_bksh, invariant=invariant,
+        preferred_element_type=jnp.float32,
+    )
+    if not invariant:  # invariant mode scaled q by h ** -0.5 already
+        scores_bkqs = scores_bkqs * (h ** -0.5)
     mask_bqs = jnp.tile(mask_bts, (1, n // kh, 1))  # q = (g, t), g-major
     scores_bkqs = jnp.where(mask_bqs[:, None], scores_bkqs, _NEG_INF)
-    probs_bkqs = jax.nn.softmax(scores_bkqs, axis=-1).astype(dt)
-    out_bkqh = jnp.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh)
+    probs_bkqs = numerics.softmax(scores_bkqs, axis=-1, invariant=invariant).astype(dt)
+    # Masked slots have probability exactly 0, so in invariant mode a decode over S cache
+    # slots sums the same nonzero terms, in the same order, as a forward over T tokens.
+    out_bkqh = numerics.einsum("bkqs,bksh->bkqh", probs_bkqs, v_bksh, invariant=invariant)
     return out_bkqh.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def _chunked_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-                       mask_bts: jax.Array, chunk: int) -> jax.Array:
+                       mask_bts: jax.Array, chunk: int, invariant: bool = False) -> jax.Array:
     """:func:`_attention` over blocks of ``chunk`` queries (``lax.map``), each block
     rematerialised so its [chunk, S] scores are never saved for the backward pass.
     Queries are padded up to a whole number of blocks; padded rows are discarded."""
@@ -294,7 +321,7 @@ def _chunked_attention(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     @jax.checkpoint
     def block(args):
         q_blk, mask_blk = args
-        return _attention(q_blk, k_bskh, v_bskh, mask_blk)
+        return _attention(q_blk, k_bskh, v_bskh, mask_blk, invariant)
 
     out_cbtnh = jax.lax.map(block, (q_cbtnh, mask_cbts))
     return out_cbtnh.swapaxes(0, 1).reshape(b, blocks * chunk, n, h)[:, :t]
@@ -305,17 +332,18 @@ class MLP(nnx.Module):
 
     def __init__(self, d: int, f: int, opts: ModelOptions, rngs: nnx.Rngs):
         pd = opts.storage_dtype
-        self.dtype = opts.compute_dtype
+        self.dtype, self.invariant = opts.compute_dtype, opts.batch_invariant
         self.gate_df = _init(rngs, (d, f), pd, ("embed", "mlp"))
         self.up_df = _init(rngs, (d, f), pd, ("embed", "mlp"))
         self.down_fd = _init(rngs, (f, d), pd, ("mlp", "embed"))
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = jnp.einsum("btd,df->btf", x_btd, self.gate_df[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x_btd, self.up_df[...].astype(dt))
+        ein = functools.partial(numerics.einsum, invariant=self.invariant)
+        gate = ein("btd,df->btf", x_btd, self.gate_df[...].astype(dt))
+        up = ein("btd,df->btf", x_btd, self.up_df[...].astype(dt))
         h_btf = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", h_btf, self.down_fd[...].astype(dt))
+        return ein("btf,fd->btd", h_btf, self.down_fd[...].astype(dt))
 
 
 class MoEBlock(nnx.Module):
@@ -340,10 +368,11 @@ class MoEBlock(nnx.Module):
         router_hook: moe.RouterHook | None,
         replay_btX: jax.Array | None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        cfg, dt = self.cfg, self.opts.compute_dtype
+        cfg, dt, invariant = self.cfg, self.opts.compute_dtype, self.opts.batch_invariant
+        ein = functools.partial(numerics.einsum, invariant=invariant)
         b, t, d = x_btd.shape
         # Router in fp32: tiny matmul, and routing decisions are precision-sensitive.
-        logits_btE = jnp.einsum(
+        logits_btE = ein(
             "btd,de->bte", x_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32)
         )
         edited_btE = logits_btE if router_hook is None else router_hook(logits_btE, layer_idx)
@@ -352,8 +381,9 @@ class MoEBlock(nnx.Module):
             cfg.num_experts_per_tok,
             cfg.norm_topk_prob,
             None if replay_btX is None else replay_btX.reshape(b * t, -1),
+            invariant=invariant,
         )
-        dispatch = moe.DISPATCH[self.opts.moe_impl]
+        dispatch = moe.dispatch_ordered if invariant else moe.DISPATCH[self.opts.moe_impl]
         y_td = dispatch(
             x_btd.reshape(b * t, d),
             self.gate_edf[...].astype(dt),
@@ -364,7 +394,7 @@ class MoEBlock(nnx.Module):
         )
         y_btd = y_td.reshape(b, t, d)
         if cfg.shared_expert_intermediate_size:
-            gate_bt1 = jax.nn.sigmoid(jnp.einsum("btd,dx->btx", x_btd, self.shared_gate_d1[...].astype(dt)))
+            gate_bt1 = jax.nn.sigmoid(ein("btd,dx->btx", x_btd, self.shared_gate_d1[...].astype(dt)))
             y_btd = y_btd + gate_bt1 * self.shared_expert(x_btd)
         return y_btd, logits_btE, experts_tX.reshape(b, t, -1)
 
@@ -372,9 +402,11 @@ class MoEBlock(nnx.Module):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, opts: ModelOptions, layer_idx: int, rngs: nnx.Rngs):
         self.layer_idx = layer_idx
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.storage_dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.storage_dtype,
+                                  opts.batch_invariant)
         self.attn = Attention(cfg, opts, rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.storage_dtype)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.storage_dtype,
+                                      opts.batch_invariant)
         if cfg.is_moe_layer(layer_idx):
             self.moe = MoEBlock(cfg, opts, rngs)
         else:
@@ -411,6 +443,8 @@ class Qwen3(nnx.Module):
 
     def __init__(self, config: ModelConfig, options: ModelOptions | None = None, *, rngs: nnx.Rngs):
         options = options or ModelOptions()
+        if options.batch_invariant:
+            numerics.warn_if_inexact()
         self.config, self.options = config, options
         pd = options.storage_dtype
         self.embed_vd = _init(rngs, (config.vocab_size, config.hidden_size), pd, ("vocab", "embed"))
@@ -420,18 +454,19 @@ class Qwen3(nnx.Module):
             self.layers = nnx.List(
                 [DecoderLayer(config, options, i, rngs) for i in range(config.num_layers)]
             )
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd)
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pd,
+                                  options.batch_invariant)
         if not config.tie_word_embeddings:
             self.lm_head_dv = _init(rngs, (config.hidden_size, config.vocab_size), pd, ("embed", "vocab"))
 
     def lm_head(self, hidden_btd: jax.Array) -> jax.Array:
         """Vocabulary projection in fp32 accumulation: [B, T, D] -> [B, T, V]."""
         dt = self.options.compute_dtype
+        ein = functools.partial(numerics.einsum, invariant=self.options.batch_invariant,
+                                preferred_element_type=jnp.float32)
         if self.config.tie_word_embeddings:
-            return jnp.einsum("btd,vd->btv", hidden_btd, self.embed_vd[...].astype(dt),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", hidden_btd, self.lm_head_dv[...].astype(dt),
-                          preferred_element_type=jnp.float32)
+            return ein("btd,vd->btv", hidden_btd, self.embed_vd[...].astype(dt))
+        return ein("btd,dv->btv", hidden_btd, self.lm_head_dv[...].astype(dt))
 
     def __call__(
         self,

@@ -47,7 +47,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spade_jax import sharding
-from spade_jax.models import Qwen3, load_balancing_loss
+from spade_jax.models import Qwen3, load_balancing_loss, numerics
 from spade_jax.rl import registry
 from spade_jax.rl.batch import ROLES, TrainBatch
 from spade_jax.rl.optim import (
@@ -192,36 +192,40 @@ class TrainState:
 
 
 def _logprob_and_entropy(
-    lm_head: Callable[[Array], Array], hidden_btd: Array, targets_bt: Array
+    lm_head: Callable[[Array], Array], hidden_btd: Array, targets_bt: Array,
+    invariant: bool = False,
 ) -> tuple[Array, Array]:
     logits_btv = lm_head(hidden_btd)  # fp32
-    lse_bt = jax.nn.logsumexp(logits_btv, axis=-1)
-    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+    logp_bt, lse_bt = numerics.token_logprobs(logits_btv, targets_bt, invariant=invariant)
     probs_btv = jnp.exp(logits_btv - lse_bt[..., None])
     entropy_bt = lse_bt - jnp.sum(probs_btv * logits_btv, axis=-1)
-    return target_logit_bt - lse_bt, jax.lax.stop_gradient(entropy_bt)
+    return logp_bt, jax.lax.stop_gradient(entropy_bt)
 
 
 def sampled_token_logprobs(
-    lm_head: Callable[[Array], Array], hidden_btd: Array, input_ids_bt: Array, logit_chunk: int = 0
+    lm_head: Callable[[Array], Array], hidden_btd: Array, input_ids_bt: Array,
+    logit_chunk: int = 0, invariant: bool = False,
 ) -> tuple[Array, Array]:
     """``logp[b, t] = log p(input_ids[b, t] | tokens < t)`` and the entropy of that
     prediction, both [B, T] fp32 and 0 at t = 0 (token 0 has no prediction).
 
     With ``logit_chunk > 0`` the vocabulary projection runs over time chunks under
     ``jax.checkpoint``, so only one [B, chunk, V] block of logits is live at a time.
+    ``invariant``: the log-softmax sums in the fixed order the sampler of a batch-invariant
+    model records with (:func:`spade_jax.models.numerics.token_logprobs`).
     """
     b, t = input_ids_bt.shape
     hidden_btd, targets_bt = hidden_btd[:, :-1], input_ids_bt[:, 1:]  # position t-1 predicts t
     if logit_chunk == 0 or t - 1 <= logit_chunk:
-        logp_bt, entropy_bt = _logprob_and_entropy(lm_head, hidden_btd, targets_bt)
+        logp_bt, entropy_bt = _logprob_and_entropy(lm_head, hidden_btd, targets_bt, invariant)
     else:
         chunks = -(-(t - 1) // logit_chunk)
         pad = chunks * logit_chunk - (t - 1)
         hidden_cbkd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
         hidden_cbkd = hidden_cbkd.reshape(b, chunks, logit_chunk, -1).swapaxes(0, 1)
         targets_cbk = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, chunks, -1).swapaxes(0, 1)
-        body = jax.checkpoint(functools.partial(_logprob_and_entropy, lm_head))
+        body = jax.checkpoint(functools.partial(_logprob_and_entropy, lm_head,
+                                                invariant=invariant))
         logp_cbk, entropy_cbk = jax.lax.map(lambda xs: body(*xs), (hidden_cbkd, targets_cbk))
         logp_bt = logp_cbk.swapaxes(0, 1).reshape(b, -1)[:, : t - 1]
         entropy_bt = entropy_cbk.swapaxes(0, 1).reshape(b, -1)[:, : t - 1]
@@ -256,7 +260,8 @@ def policy_logprobs(
             return logits_btv if temperature == 1.0 else logits_btv / temperature
         return logits_btv / temperature[:, None, None]
 
-    logp_bt, entropy_bt = sampled_token_logprobs(lm_head, out.hidden, batch.input_ids, logit_chunk)
+    logp_bt, entropy_bt = sampled_token_logprobs(lm_head, out.hidden, batch.input_ids,
+                                                 logit_chunk, model.options.batch_invariant)
     return logp_bt, entropy_bt, out.router_logits
 
 

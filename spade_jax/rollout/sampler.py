@@ -62,7 +62,8 @@ class SamplerConfig:
       compact_batch: shrink the batch to the next bucket when half the rows have finished.
       max_rows: prompts per prefill/decode batch at most (0 = all at once); more prompts are
         generated in consecutive batches with the same tokens (row i keeps its random
-        stream; log-probs agree to float rounding), bounding the KV cache and prefill activations of a large round.
+        stream; log-probs agree to float rounding, bit for bit with a batch-invariant
+        model), bounding the KV cache and prefill activations of a large round.
     """
 
     max_new_tokens: int
@@ -139,6 +140,7 @@ class _Static:
     cache_len: int
     router_hook: Callable | None
     answer_detector: Any = None
+    batch_invariant: bool = False  # the model's: log-probs summed in the trainer's order
 
 
 class _Scalars(struct.PyTreeNode):
@@ -197,6 +199,7 @@ def _draw(logits_bv, state_like_rows, step, scalars: _Scalars, static: _Static):
     return sampling.sample_tokens(
         logits_bv, keys_b, temperature=scalars.temperature, top_k=static.top_k,
         top_p=scalars.top_p, greedy=static.greedy, use_top_p=static.use_top_p,
+        invariant=static.batch_invariant,
     )
 
 
@@ -426,6 +429,7 @@ def sample(
         use_top_p=config.top_p < 1 and not config.greedy, return_router=config.return_router,
         cache_dtype=cache_dtype, cache_len=prompt_len + new_buffer, router_hook=router_hook,
         answer_detector=answer_detector,
+        batch_invariant=getattr(getattr(model, "options", None), "batch_invariant", False),
     )
     ids_bp = np.zeros((batch, prompt_len), np.int32)
     mask_bp = np.zeros((batch, prompt_len), np.int32)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from spade_jax.models import numerics
+
 _MASKED = -jnp.inf
 
 
@@ -67,11 +69,14 @@ def sample_tokens(
     top_p: float | jax.Array,
     greedy: bool,
     use_top_p: bool,
+    invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row; returns (tokens [B] int32, logprobs [B] fp32).
 
     ``keys_b`` holds one PRNG key per row, so a row's draw does not depend on which other
-    rows share the batch (or on how the batch is sharded).
+    rows share the batch (or on how the batch is sharded). ``invariant``: the log-prob is
+    :func:`numerics.token_logprobs` in its fixed summation order, the one the trainer of a
+    batch-invariant model re-scores with.
     """
     scaled_bv = scaled_logits(logits_bv, temperature)
     if greedy:
@@ -79,6 +84,8 @@ def sample_tokens(
     else:
         masked_bv = filtered_logits(logits_bv, temperature, top_k, top_p, use_top_p)
         tokens_b = jax.vmap(jax.random.categorical)(keys_b, masked_bv).astype(jnp.int32)
+    if invariant:
+        return tokens_b, numerics.token_logprobs(scaled_bv, tokens_b, invariant=True)[0]
     logprobs_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
     logprobs_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
     return tokens_b, logprobs_b
