@@ -42,6 +42,9 @@ class ModelSpec:
       scan_layers: stacked layers run by ``jax.lax.scan`` (compile time independent of
         depth); needs every layer of one kind.
       attention_chunk: queries per attention-softmax block (0 = all at once).
+      batch_invariant: fixed-order numerics (``ModelOptions.batch_invariant``): the
+        sampler's and the trainer's log-probs agree bit for bit. Slower (no GEMMs);
+        ``python -m spade_jax.train`` then also turns FMA off on XLA:CPU (exactness needs it).
     The first of hf_checkpoint, orbax_checkpoint, preset, architecture that is set wins.
     """
 
@@ -54,6 +57,7 @@ class ModelSpec:
     remat: bool | str = False
     scan_layers: bool = False
     attention_chunk: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self.options()  # a bad dtype / dispatch / remat / attention_chunk fails at load time
@@ -62,7 +66,8 @@ class ModelSpec:
         """How the policy runs: compute in ``dtype``, fp32 master parameters."""
         return ModelOptions(dtype=self.dtype, param_dtype="float32", moe_impl=self.moe_impl,
                             remat=self.remat, scan_layers=self.scan_layers,
-                            attention_chunk=self.attention_chunk)
+                            attention_chunk=self.attention_chunk,
+                            batch_invariant=self.batch_invariant)
 
 
 @dataclasses.dataclass(frozen=True)

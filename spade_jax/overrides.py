@@ -35,6 +35,8 @@ def _coerce(path: str, current: Any, value: Any, annotation: Any = None) -> Any:
     if len(union) > 1 and type(value).__name__ in union:
         return value
     if isinstance(current, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
         if not isinstance(value, bool):
             raise OverrideError(f"{path} expects true/false (True/False), got {value!r}")
         return value

@@ -33,10 +33,6 @@ log = logging.getLogger("spade_jax.train")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from spade_jax import distributed
-
-    distributed.maybe_initialize()  # multi-host TPU VM: join the job before JAX runs anything
-    # The sandbox's zygote is a fresh process, but start it before JAX allocates anything.
     from spade_jax.experiment import load_experiment
     from spade_jax.overrides import OverrideError
 
@@ -51,6 +47,13 @@ def main(argv: list[str]) -> int:
     if FLAGS.dry_run:
         print(json.dumps(dataclasses.asdict(config), indent=2, default=str))
         return 0
+    if config.model.batch_invariant:  # XLA reads its flags when the backend starts: now
+        from spade_jax.models import numerics
+
+        numerics.request_exact_cpu_math()
+    from spade_jax import distributed
+
+    distributed.maybe_initialize()  # multi-host TPU VM: join the job before JAX runs anything
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
     workdir = Path(FLAGS.workdir)
