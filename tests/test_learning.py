@@ -128,7 +128,8 @@ def test_router_replay_reproduces_rollout_logprobs(sampler):
     mask = batch.loss_mask > 0
     replayed, hot, logits = map(np.asarray, trainer_logp(params, batch, 0))
     # The KV-cache decode and the one-shot training forward compute the same function with
-    # different matmul shapes, so agreement is to fp32 rounding, not bit-for-bit.
+    # different matmul shapes, so agreement is to fp32 rounding, not bit-for-bit (that needs
+    # ModelOptions(batch_invariant=True): tests/test_exact_replay.py).
     np.testing.assert_allclose(replayed[mask], batch.old_logp[mask], atol=2e-6, rtol=0)
     # temperature: log-probs of softmax(logits / 2), as a sampler at temperature 2 reports.
     scaled = logits[:, :-1].astype(np.float64) / 2.0
