@@ -3,7 +3,11 @@ matmul roofline measured in the same run on the same device.
 
     python benchmarks/train_step.py [--preset bench_moe_17m] [--batch 8] [--seq 256]
                                     [--impls dense,ragged] [--dtype float32] [--json out.json]
+    python benchmarks/train_step.py --impls ragged,invariant --batch 2 --seq 128
     python benchmarks/train_step.py --tiny     # seconds-long smoke run (used by the tests)
+
+``invariant`` is ``ModelOptions(batch_invariant=True)`` (fixed-order numerics, every
+expert run): the price of a bit-exact sampler/trainer match, as a ratio to the others.
 
 Per dispatch it reports:
   tokens/s            batch x seq / median step time (full GRPO step: forward, log-probs,
@@ -87,8 +91,10 @@ def random_batch(cfg: ModelConfig, batch: int, seq: int) -> TrainBatch:
 
 
 def bench_one(cfg: ModelConfig, impl: str, args: argparse.Namespace) -> dict:
-    options = ModelOptions(dtype=args.dtype, param_dtype="float32", moe_impl=impl,
-                           remat=args.remat)
+    invariant = impl == "invariant"
+    options = ModelOptions(dtype=args.dtype, param_dtype="float32",
+                           moe_impl="dense" if invariant else impl, remat=args.remat,
+                           batch_invariant=invariant)
     config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-5), compute_dtype=args.dtype,
                          microbatches=args.microbatches, logit_chunk=args.logit_chunk)
     graphdef, state = init_train_state(Qwen3(cfg, options, rngs=nnx.Rngs(0)), config)
@@ -150,7 +156,7 @@ def main() -> None:
           f"params, {cfg.param_count(active=True) / 1e6:.1f}M active; batch {args.batch} x "
           f"seq {args.seq}, {args.dtype}")
     print(f"matmul roofline ({args.roofline_n}^2 {args.dtype} dot): {roofline / 1e12:.3f} TFLOP/s")
-    header = (f"{'dispatch':>8} {'step ms':>9} {'tokens/s':>10} {'model TFLOP/s':>14} "
+    header = (f"{'dispatch':>9} {'step ms':>9} {'tokens/s':>10} {'model TFLOP/s':>14} "
               f"{'XLA TFLOP/s':>12} {'of roofline':>12}")
     print(header)
     print("-" * len(header))
@@ -159,7 +165,7 @@ def main() -> None:
         row = bench_one(cfg, impl, args)
         row["roofline_fraction"] = row["model_tflops"] * 1e12 / roofline
         results.append(row)
-        print(f"{impl:>8} {row['step_seconds'] * 1e3:9.1f} {row['tokens_per_s']:10.0f} "
+        print(f"{impl:>9} {row['step_seconds'] * 1e3:9.1f} {row['tokens_per_s']:10.0f} "
               f"{row['model_tflops']:14.4f} {row['xla_tflops']:12.4f} "
               f"{row['roofline_fraction']:12.1%}")
     if args.json:
