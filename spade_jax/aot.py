@@ -524,7 +524,8 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         cache_dtype = jnp.dtype(agent.sampler.cache_dtype or spec.dtype)
         static = sampler_lib._Static(
             greedy=False, top_k=0, use_top_p=agent.sampler.top_p < 1, return_router=False,
-            cache_dtype=cache_dtype, cache_len=p + n, router_hook=None)
+            cache_dtype=cache_dtype, cache_len=p + n, router_hook=None,
+            batch_invariant=spec.batch_invariant)
         params_sds = state_sds.params
         scalars = sampler_lib._Scalars(
             temperature=jax.ShapeDtypeStruct((), jnp.float32),
