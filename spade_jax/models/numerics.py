@@ -17,9 +17,11 @@ step of a ``lax.scan``), so
 * exact zero terms anywhere in the sum (masked key slots, padding) change nothing, so a
   decode over a cache of S slots equals a forward over T tokens.
 
-Elementwise ops (exp, rsqrt, silu, RoPE) are already per-element and are left alone; max
-is exact in any order. Gradients use the ordinary XLA ops (custom JVPs whose tangents are
-plain einsums / sums): they must be correct, not batch-invariant.
+Most elementwise ops (rsqrt, division, silu) round the same wherever they run and are left
+alone; ``exp`` and ``log`` are replaced (below); RoPE and RMSNorm are arranged so that no
+add has two product operands; max is exact in any order. Gradients use the ordinary XLA
+ops (custom JVPs whose tangents are plain einsums / sums): they must be correct, not
+batch-invariant.
 
 The fixed order is necessary, not sufficient: the hardware must also round each step the
 same way everywhere. On x86 XLA:CPU, LLVM fuses ``a * b + c`` into an FMA in vectorised
@@ -33,8 +35,9 @@ is usually, not always, exactly 0.
 Cost: a contraction does a matmul's FLOPs as elementwise multiply-adds, without a GEMM
 kernel (``benchmarks/train_step.py`` measures it). It is an exactness mode for checking
 on-policy-ness and for runs that want a zero sampler/trainer gap, not the fast path.
-Exactness holds per device: a contraction split over devices (tensor parallelism) sums
-partial results in the collective's order.
+On 8 simulated devices (data, fsdp, tensor and expert meshes) the forward gives the same
+bits as one device: XLA gathers the operands of these chains rather than splitting their
+sums. A partitioning that did split a sum would add partial sums in the collective's order.
 """
 
 from __future__ import annotations
