@@ -14,8 +14,9 @@ What is measured:
             one-shot forward, looped and scanned layers;
   replay    the production sampler (``rollout.sample``, temperature 0.7, top-p 0.9,
             ragged prompts, routing recorded) against the trainer's ``policy_logprobs``
-            with router replay, and the real train step's logged gap (two roles, two
-            microbatches); the re-scoring with ``batch_invariant=False`` as the control;
+            with router replay (and without: the trainer's own routing), and the real train
+            step's logged gap (two roles, two microbatches); the re-scoring with
+            ``batch_invariant=False`` as the control;
   batching  the sampler in batches of 2 prompts (``max_rows``) against all at once;
   sharded   the forward of an HF-loaded MoE on three 8-device meshes against one device
             (the script adds ``--xla_force_host_platform_device_count=8``).
@@ -23,6 +24,7 @@ What is measured:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -164,14 +166,17 @@ def replay_checks(invariant: bool, train_step: bool = True) -> dict:
     batch = to_batch(model, prompts, result)
     graphdef, params = nnx.split(model)
 
-    @jax.jit
-    def rescore(params, batch):
-        return policy_logprobs(nnx.merge(graphdef, params), batch, router_replay=True,
+    @functools.partial(jax.jit, static_argnums=2)
+    def rescore(params, batch, replay):
+        return policy_logprobs(nnx.merge(graphdef, params), batch, router_replay=replay,
                                temperature=TEMPERATURE)[0]
 
     mask = np.asarray(batch.loss_mask) > 0
-    gap = np.abs(np.asarray(rescore(params, batch))[mask] - np.asarray(batch.old_logp)[mask])
+    gap = np.abs(np.asarray(rescore(params, batch, True))[mask] - np.asarray(batch.old_logp)[mask])
     report = dict(tokens=int(mask.sum()), differing=int((gap > 0).sum()), max_gap=float(gap.max()))
+    # Without replay the trainer routes for itself: from bit-identical router logits.
+    own = np.asarray(rescore(params, batch, False))[mask]
+    report["differing_without_replay"] = int(np.sum(own != np.asarray(batch.old_logp)[mask]))
     if not train_step:
         return report
 

@@ -53,6 +53,8 @@ def test_router_replay_reproduces_sampler_logprobs_exactly(exact_report):
     report = exact_report["replay"]["invariant"]
     assert report["tokens"] >= 90
     assert report["differing"] == 0 and report["max_gap"] == 0.0
+    # On policy, the trainer's own routing is bit-identical too: replay changes nothing.
+    assert report["differing_without_replay"] == 0
     # The real train step (two roles, two microbatches) logs the same zero gap.
     assert report["step_gap_max"] == {"agent": 0.0, "designer": 0.0}
     # Control: default numerics round differently in decode and in the training forward.
