@@ -69,31 +69,16 @@ def dispatch_dense(
     w_down_EFD: jax.Array,
     weights_tX: jax.Array,
     experts_tX: jax.Array,
+    *,
+    invariant: bool = False,
 ) -> jax.Array:
-    """Reference path: all experts on all tokens, weighted by a sparse [T, E] combine."""
-    num_tokens, num_experts = x_tD.shape[0], w_gate_EDF.shape[0]
-    combine_tE = jnp.zeros((num_tokens, num_experts), jnp.float32)
-    combine_tE = combine_tE.at[jnp.arange(num_tokens)[:, None], experts_tX].add(weights_tX)
-    h_tEF = _swiglu(
-        jnp.einsum("td,edf->tef", x_tD, w_gate_EDF), jnp.einsum("td,edf->tef", x_tD, w_up_EDF)
-    )
-    y_tED = jnp.einsum("tef,efd->ted", h_tEF, w_down_EFD)
-    return jnp.einsum("ted,te->td", y_tED, combine_tE.astype(y_tED.dtype))
+    """Reference path: all experts on all tokens, weighted by a sparse [T, E] combine.
 
-
-def dispatch_ordered(
-    x_tD: jax.Array,
-    w_gate_EDF: jax.Array,
-    w_up_EDF: jax.Array,
-    w_down_EFD: jax.Array,
-    weights_tX: jax.Array,
-    experts_tX: jax.Array,
-) -> jax.Array:
-    """``dense`` with every contraction summed in a fixed order (batch-invariant models):
-    a token's output does not depend on the other tokens in the call. The combine sums
-    over experts in index order; unselected experts add an exact zero."""
+    ``invariant`` sums every contraction in a fixed order (batch-invariant models): a
+    token's output does not depend on the other tokens in the call; the combine sums over
+    experts in index order, unselected experts adding an exact zero."""
     num_tokens, num_experts = x_tD.shape[0], w_gate_EDF.shape[0]
-    ein = functools.partial(numerics.einsum, invariant=True)
+    ein = functools.partial(numerics.einsum, invariant=invariant)
     combine_tE = jnp.zeros((num_tokens, num_experts), jnp.float32)
     combine_tE = combine_tE.at[jnp.arange(num_tokens)[:, None], experts_tX].add(weights_tX)
     h_tEF = _swiglu(ein("td,edf->tef", x_tD, w_gate_EDF), ein("td,edf->tef", x_tD, w_up_EDF))

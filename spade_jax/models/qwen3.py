@@ -383,7 +383,8 @@ class MoEBlock(nnx.Module):
             None if replay_btX is None else replay_btX.reshape(b * t, -1),
             invariant=invariant,
         )
-        dispatch = moe.dispatch_ordered if invariant else moe.DISPATCH[self.opts.moe_impl]
+        dispatch = (functools.partial(moe.dispatch_dense, invariant=True) if invariant
+                    else moe.DISPATCH[self.opts.moe_impl])
         y_td = dispatch(
             x_btd.reshape(b * t, d),
             self.gate_edf[...].astype(dt),
