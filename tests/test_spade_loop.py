@@ -439,3 +439,39 @@ def test_one_scripted_round_per_ablation_and_baseline(pool, name):
         assert (trained > 0) == (spade.train_designer and spade.designer_mode == "self")
     else:
         assert len(loop.baseline.fed) == 2
+
+
+class _TextEnv:
+    """A minimal text env: a fixed opening observation."""
+
+    def reset(self, *, seed=None, **kwargs):
+        return "Guess a number.", {}
+
+    def step(self, action):
+        return "", 0.0, True, False, {}
+
+    def close(self):
+        pass
+
+
+def test_one_hint_presentation_for_loop_evaluation_and_hint_filter():
+    """The loop's hint arm, evaluation's hinted episodes and the hint filter show a hint
+    the same way: appended as "\\n\\nHINT: ..." (evaluation and the filter used to put a
+    "Hint: ..." before the observation)."""
+    import gymnasium
+
+    from spade_jax.evaluation.episodes import _open
+    from spade_jax.hint_filter.runner import _hinted_prompt
+    from spade_jax.hint_filter.tasks import FilterTask
+
+    class GymText(gymnasium.Env):
+        def reset(self, *, seed=None, options=None):
+            return "Guess a number.", {}
+
+    want = "Guess a number.\n\nHINT: halve the range"
+    assert HintedEnv(GymText(), "halve the range").reset(seed=1)[0] == want
+    assert _open(_TextEnv, None, "halve the range").reset(seed=1)[0] == want
+    assert _open(_TextEnv, "Task 7.", "halve the range").reset(seed=1)[0] == (
+        "Task 7.\n\nGuess a number.\n\nHINT: halve the range")
+    task = FilterTask(id="t", line=1, hint="halve the range", prompt="Guess a number.")
+    assert _hinted_prompt(task) == want

@@ -29,8 +29,8 @@ from spade_jax.models import Qwen3, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.rl.batch import PackConfig, pack_sequences
 from spade_jax.rl.train_step import TrainState, init_train_state, make_train_step
-from spade_jax.rollout import generate
 from spade_jax.rollout.agent_loop import run_episodes
+from spade_jax.rollout.sampler import SamplerConfig, sample
 from spade_jax.spade import seed_programs
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
 from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
@@ -181,15 +181,21 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     def policy() -> Qwen3:
         return nnx.merge(graphdef, holder["state"].params)
 
-    def generate_fn(prompts, round_index):
-        s = config.designer_sampler
-        out = generate(policy(), prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                       top_k=s.top_k, seed=config.seed * 100_003 + round_index,
-                       cache_dtype=s.cache_dtype, mesh=mesh)
+    samplers = _loop_samplers(config)
+
+    def generate_fn(prompts, *, seed, purpose):
+        # The whole sampler config (buckets, chunking, compaction, max_rows) with the
+        # loop's seed for this call: (experiment seed, round, phase, attempt).
+        out = sample(policy(), prompts, dataclasses.replace(samplers[purpose], seed=seed),
+                     mesh=mesh)
         return out.tokens, out.logprobs
 
-    def episodes_fn(specs):
-        return run_episodes(policy(), tokenizer, specs, config.agent, mesh=mesh)
+    def episodes_fn(specs, *, seed):
+        # STAND-IN until helper "multiproc"'s run_episodes(seed=) lands: the call's base
+        # seed goes in through the agent sampler's seed.
+        agent = dataclasses.replace(
+            config.agent, sampler=dataclasses.replace(config.agent.sampler, seed=seed))
+        return run_episodes(policy(), tokenizer, specs, agent, mesh=mesh)
 
     data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
     pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways)
@@ -204,18 +210,18 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
         programs = (seed_programs.load_program_pool(config.spade.pool_dir) if config.spade.pool_dir
                     else seed_programs.SEED_PROGRAMS)
         fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
-    reward_name = config.spade.designer_reward
-    reward_rule = (make_designer_reward(reward_name, config=config.spade.reward,
-                                        success_threshold=config.spade.success_threshold)
-                   if reward_name == "hint_regret" else make_designer_reward(reward_name))
+    reward_rule = make_designer_reward(config.spade.designer_reward,
+                                       config.spade.designer_reward_config)
     corpus_sampler = build_corpus_sampler(config)
     _check_corpus_agrees(corpus_sampler)
     loop = SpadeLoop(
         config.spade, tokenizer=tokenizer, pool=pool, generate=generate_fn,
         run_episodes=episodes_fn, update=update_fn,
         corpus_sampler=corpus_sampler,
-        memory=EnvironmentMemory(MemoryConfig(seed=config.seed)), reward_rule=reward_rule,
-        fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
+        memory=EnvironmentMemory(MemoryConfig(capacity=config.spade.memory_capacity,
+                                              seed=config.seed)),
+        reward_rule=reward_rule, fixed_pool=fixed_pool, baseline=_baseline(config),
+        seed=config.seed, max_turns=config.agent.max_turns,
     )
 
     ckpt = CheckpointManager(
@@ -275,6 +281,15 @@ def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:
         log.warning("host %d's corpus (fingerprint %s) differs from process 0's (%s); "
                     "process 0's documents are used on every host", jax.process_index(),
                     sampler.fingerprint, primary)
+
+
+def _loop_samplers(config: ExperimentConfig) -> dict[str, SamplerConfig]:
+    """The loop's sampler per purpose: the designer's, and the hint writer's (the designer
+    sampler at the hint temperature and token budget)."""
+    designer = config.designer_sampler
+    return {"design": designer,
+            "hint": dataclasses.replace(designer, temperature=config.spade.hint_temperature,
+                                        max_new_tokens=config.spade.hint_max_tokens)}
 
 
 def _with_sampler_temperatures(config: ExperimentConfig):
