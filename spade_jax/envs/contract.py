@@ -93,3 +93,83 @@ def render_contract(
 
 # The contract with the default sandbox and validation settings (designer prompt, README).
 PROGRAM_CONTRACT: str = render_contract()
+
+
+# ----------------------------------------------------------------------------- reference
+
+# The two program contracts. "paper": `class Environment`, episode return = sum of rewards
+# in [0, 1] (this project's text of the paper). "reference": the published recipe's games
+# (a class named `*Env`, boxed actions, episode score = last reward if terminated, clipped
+# to [-1, 1], else 0). "auto" picks one from the source (see `detect_contract`).
+CONTRACTS: tuple[str, ...] = ("paper", "reference")
+AUTO_CONTRACT = "auto"
+# The recipe's turn budget: the game is built as cls(max_turns=N) and truncated after N.
+REFERENCE_MAX_TURNS = 25
+# The recipe's validator rejects step rewards outside this range; scores are clipped to
+# [-1, 1] afterwards.
+REFERENCE_REWARD_BOUND = 10.0
+
+# Modules a reference program may import on top of `SandboxConfig.allowed_imports`. The
+# zygote imports them (and exercises math_verify once) before it forks workers.
+REFERENCE_IMPORTS: frozenset[str] = frozenset({"numpy", "math_verify"})
+
+# Names the recipe makes available to a game without an import: name -> "module" or
+# "module:attribute". Bound inside the sandbox worker only, from modules the zygote
+# already imported; the static gate sees them as plain names.
+REFERENCE_IMPLICIT_NAMES: dict[str, str] = {
+    **{m: m for m in ("random", "re", "math", "json", "collections", "itertools",
+                      "functools", "string", "copy", "heapq", "operator", "statistics")},
+    "np": "numpy",
+    "numpy": "numpy",
+    **{n: f"collections:{n}" for n in ("deque", "defaultdict", "Counter", "OrderedDict",
+                                        "namedtuple")},
+    **{n: f"itertools:{n}" for n in ("combinations", "permutations", "product", "chain",
+                                      "accumulate")},
+    "reduce": "functools:reduce",
+    "lru_cache": "functools:lru_cache",
+    "deepcopy": "copy:deepcopy",
+    "heappush": "heapq:heappush",
+    "heappop": "heapq:heappop",
+    **{n: f"typing:{n}" for n in ("Tuple", "Dict", "List", "Optional", "Union", "Any", "Set",
+                                   "FrozenSet", "Callable", "Iterable", "Sequence", "Mapping")},
+}  # fmt: skip
+
+# What a reference program may take from math_verify (it wraps sympy, whose parsers
+# evaluate strings: the rest of the package is refused by the static gate).
+MATH_VERIFY_NAMES: frozenset[str] = frozenset(
+    {"parse", "verify", "LatexExtractionConfig", "ExprExtractionConfig", "StringExtractionConfig"}
+)
+
+
+def check_contract_name(contract: str) -> str:
+    """`contract` if it names a contract or "auto"; ValueError naming the choices otherwise."""
+    if contract not in (*CONTRACTS, AUTO_CONTRACT):
+        raise ValueError(
+            f"unknown program contract {contract!r}; expected one of "
+            f"{[*CONTRACTS, AUTO_CONTRACT]}"
+        )
+    return contract
+
+
+def detect_contract(source: str) -> str:
+    """"paper" if the source defines a top-level `class Environment`, else "reference".
+
+    Reads the syntax tree only (nothing runs). Unparsable source counts as "reference";
+    the static gate then reports the syntax error.
+    """
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return "reference"
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Environment":
+            return "paper"
+    return "reference"
+
+
+def resolve_contract(contract: str, source: str) -> str:
+    """The concrete contract for `source`: `contract`, or the detected one for "auto"."""
+    check_contract_name(contract)
+    return detect_contract(source) if contract == AUTO_CONTRACT else contract
