@@ -173,3 +173,78 @@ def resolve_contract(contract: str, source: str) -> str:
     """The concrete contract for `source`: `contract`, or the detected one for "auto"."""
     check_contract_name(contract)
     return detect_contract(source) if contract == AUTO_CONTRACT else contract
+
+
+_REFERENCE_TEMPLATE = """\
+A game is Python source that defines one class whose name ends in `Env`:
+
+    class DescriptiveNameEnv:
+        def __init__(self, max_turns={max_turns}, **kwargs):
+            ...                        # set every attribute here, then self.reset()
+        def reset(self, seed=None) -> tuple[str, dict]:
+            # start a new episode; return (observation, {{}})
+            ...
+        def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+            # return (observation, reward, terminated, truncated, {{}})
+            ...
+
+How it is run:
+- The class is found by name: the first top-level class ending in `Env` that has
+  reset() and step(). Name helper classes differently. It is built as
+  `DescriptiveNameEnv(max_turns={max_turns})`; the episode is cut off after {max_turns} turns.
+- Every action arrives as text of the form \\boxed{{...}}, e.g. "\\boxed{{go north}}" or
+  "\\boxed{{42}}". step() takes the content of the box and interprets it.
+- Only the final reward of an episode counts: the reward of the step that returns
+  terminated=True, clipped to [-1, 1]. Win: reward 1.0 with terminated=True. Loss: reward
+  0.0 (or -1.0) with terminated=True. Running out of turns: truncated=True, counted 0.
+  Rewards of earlier steps are ignored, so keep them 0.0.
+- Available without an import: random, re, math, json, collections, itertools, functools,
+  string, copy, heapq, operator, statistics, np (numpy), deque, defaultdict, Counter,
+  OrderedDict, namedtuple, combinations, permutations, product, chain, accumulate, reduce,
+  lru_cache, deepcopy, heappush, heappop, and the typing names (Tuple, Dict, List,
+  Optional, Union, Any, Set, FrozenSet, Callable, Iterable, Sequence, Mapping).
+  `from math_verify import parse, verify` checks a mathematical answer:
+  verify(parse(expected), parse(given)) is True when they are equal as mathematics.
+  Other importable modules:
+{allowed}.
+
+Rules (a game that breaks one is rejected before any agent plays it):
+- reset(seed) is deterministic: the same seed and the same actions give the same
+  observations and rewards. Seed `random` (or a `random.Random(seed)`) from it; never
+  use the clock or object ids. The first observation is not empty.
+- step() never raises, whatever the text: an action without a box, an empty box, an
+  unknown command or non-ASCII text gets an observation that says what went wrong and
+  what is allowed. Such a turn still counts: check the turn budget on every path and
+  return truncated=True when it is spent.
+- Every path returns (str, float, bool, bool, dict); step rewards lie in [-10, 10];
+  info is a dict of plain values.
+- No files, network, processes, threads, clock or environment variables; no
+  eval/exec/open/__import__; no dunder tricks; no module internals (names starting with
+  `_`); from numpy no file input/output. Each call must finish well within a second and
+  use little memory; observations are at most {max_observation_chars} characters.
+"""
+
+
+def render_reference_contract(
+    max_turns: int = REFERENCE_MAX_TURNS,
+    allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS,
+    max_observation_chars: int = 16384,
+) -> str:
+    """The reference (recipe) contract's text for a given turn budget, in this project's
+    words: what the designer is told and what `validate_program(contract="reference")`
+    checks."""
+    if type(max_turns) is not int or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    allowed = textwrap.fill(
+        ", ".join(sorted(m for m in allowed_imports if m != "__future__")),
+        width=88,
+        initial_indent="    ",
+        subsequent_indent="    ",
+    )
+    return _REFERENCE_TEMPLATE.format(
+        max_turns=max_turns, allowed=allowed, max_observation_chars=max_observation_chars
+    )
+
+
+# The reference contract with the recipe's 25 turns (designer prompt, docs).
+REFERENCE_CONTRACT: str = render_reference_contract()
