@@ -73,10 +73,15 @@ class SandboxConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {value!r}")
-        if self.memory_limit_mb < 128:
+        # A worker inherits the zygote's mappings: ~128 MiB for Python, ~256 MiB once numpy
+        # and math_verify are preloaded (below ~200 MiB a numpy call already crashes).
+        floor = 256 if self.reference_imports else 128
+        if self.memory_limit_mb < floor:
             raise ValueError(
-                f"SandboxConfig.memory_limit_mb={self.memory_limit_mb} is below the ~128 MiB "
-                "a Python worker needs to start"
+                f"SandboxConfig.memory_limit_mb={self.memory_limit_mb} is below the ~{floor} "
+                "MiB a Python worker needs"
+                + (" with reference_imports preloaded (set reference_imports=frozenset() "
+                   "to run paper-contract programs in less)" if self.reference_imports else "")
             )
         if self.max_open_files < 8:
             raise ValueError(
