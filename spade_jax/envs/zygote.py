@@ -23,21 +23,29 @@ import signal
 import socket
 import sys
 
-from spade_jax.envs import worker
+from spade_jax.envs import contract, worker
 
 
-def _preload(modules: list[str]) -> None:
+def _preload(modules: list[str]) -> list[str]:
+    loaded = []
     for name in modules:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if name not in contract.REFERENCE_IMPORTS:
+                raise
+            continue  # optional: reference programs that use it then fail to load
+        loaded.append(name)
     import collections.abc  # noqa: F401 - submodules programs commonly use
     import json.decoder  # noqa: F401
 
-    _warm_up(modules)
+    _warm_up(loaded)
 
     try:  # loads libseccomp now: workers cannot read it once they dropped their uid
         import pyseccomp  # noqa: F401
     except (ImportError, RuntimeError, OSError):
         pass  # the worker reports the seccomp layer missing
+    return loaded
 
 
 def _warm_up(modules: list[str]) -> None:
