@@ -28,10 +28,19 @@ import typing
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from test_rollout_agent_loop import model, tokenizer  # noqa: F401 - shared fixtures
 
 from spade_jax.envs import EnvPool, SandboxConfig, make_env, validate_program
 from spade_jax.envs.contract import detect_contract
-from spade_jax.rollout.agent_loop import ActionParser, AgentLoopConfig, ChatTurns, last_boxed
+from spade_jax.rollout import SamplerConfig
+from spade_jax.rollout.agent_loop import (
+    ActionParser,
+    AgentLoopConfig,
+    ChatTurns,
+    EpisodeSpec,
+    last_boxed,
+    run_episodes,
+)
 from spade_jax.spade.prompts import (
     REFERENCE_AGENT_FIRST_TURN_TEMPLATE,
     REFERENCE_DESIGNER_SYSTEM_PROMPT,
@@ -399,8 +408,10 @@ def test_wrapper_truncates_a_game_that_never_ends(pool):
     env.close()
 
 
-def test_gymnasium_env_checker_passes_on_a_reference_env(pool):
-    env = make_env(BARE_RESET, pool, contract="reference")
+@pytest.mark.parametrize("source", [BARE_RESET, IMPLICIT, SHAPED, ENDLESS],
+                         ids=["bare_reset", "implicit", "shaped", "endless"])
+def test_gymnasium_env_checker_passes_on_reference_envs(source, pool):
+    env = make_env(source, pool, contract="reference", max_turns=5)
     check_env(env, skip_render_check=True)
     env.close()
 
@@ -557,3 +568,30 @@ def test_reference_designer_prompt_states_the_recipe_requirements():
     assert "max_turns=25" in REFERENCE_DESIGNER_SYSTEM_PROMPT
     with pytest.raises(ValueError, match="max_turns"):
         reference_designer_system_prompt(0)
+
+
+def test_run_episodes_plays_a_recipe_game_the_recipe_way(model, tokenizer, pool):  # noqa: F811
+    """The agent loop with the recipe's interface: the first turn framed by the template,
+    boxed parsing by default, and a return equal to the recipe's score (the game pays 0.4
+    per unboxed turn, which must not count)."""
+    config = AgentLoopConfig(
+        max_turns=3, max_turn_tokens=6, action_format="boxed",
+        first_turn_template=REFERENCE_AGENT_FIRST_TURN_TEMPLATE,
+        sampler=SamplerConfig(6, temperature=0.9, seed=2, prompt_bucket_min=128,
+                              compact_batch=False),
+    )  # fmt: skip
+    env = make_env(SHAPED, pool, contract="reference", max_turns=3)
+    (rec,) = run_episodes(model, tokenizer, [EpisodeSpec(env, "shaped", 0)], config)
+    env.close()
+    first = REFERENCE_AGENT_FIRST_TURN_TEMPLATE.replace("{observation}", rec.observations[0])
+    opening = list(tokenizer.apply_chat_template(
+        [{"role": "user", "content": first}], add_generation_prompt=True, enable_thinking=False))
+    assert rec.token_ids[:len(opening)] == opening
+    parse = ActionParser(action_format="boxed")
+    for (start, end), action in zip(rec.turn_spans, rec.actions, strict=True):
+        text = tokenizer.decode(rec.token_ids[start:end], skip_special_tokens=True)
+        assert action == parse(text)[0]
+    assert rec.cost.parse_failures == rec.cost.turns == 3  # a random policy writes no box
+    assert rec.observations[1:] == ["keep going"] * 3
+    assert rec.step_rewards == [0.0, 0.0, 0.0] and rec.return_ == 0.0
+    assert rec.end_reason == "truncated"
