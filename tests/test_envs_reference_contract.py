@@ -23,6 +23,8 @@ import random
 import re
 import statistics
 import string
+import subprocess
+import sys
 import typing
 
 import numpy as np
@@ -457,6 +459,21 @@ def test_recipe_reward_bound_is_enforced(pool):
 def test_broken_recipe_games_are_rejected(source, code, pool):
     report = validate_program(source, pool=pool, contract="reference")
     assert report.code == code, report.reason
+
+
+def test_check_cli_validates_a_recipe_game(tmp_path):
+    path = tmp_path / "game.py"
+    path.write_text(SHAPED)
+    run = subprocess.run(
+        [sys.executable, "-m", "spade_jax.envs.check", str(path), "--contract", "reference",
+         "--max-turns", "4"], capture_output=True, text=True, timeout=300, check=False)
+    payload = json.loads(run.stdout)
+    assert (run.returncode, payload["ok"], payload["code"]) == (0, True, "ok")
+    assert "recipe_checks" in payload["checks_passed"]
+    path.write_text(SHAPED.replace("0.4", "40.0"))
+    run = subprocess.run([sys.executable, "-m", "spade_jax.envs.check", str(path)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert (run.returncode, json.loads(run.stdout)["code"]) == (1, "reward_out_of_range")
 
 
 def test_paper_programs_keep_the_paper_contract(pool):
