@@ -461,6 +461,38 @@ def test_broken_recipe_games_are_rejected(source, code, pool):
     assert report.code == code, report.reason
 
 
+@pytest.mark.parametrize(
+    ("top", "code"),
+    [
+        ("from math_verify import parse, verify", None),
+        ("import numpy as n\nx = n.random.default_rng(0)", None),
+        ("from collections import deque\nfrom typing import *", None),
+        ("from numpy import *", "forbidden_import"),
+        ("from numpy import load", "forbidden_attribute"),
+        ("import numpy as n\nx = n.save", "forbidden_attribute"),
+        ("x = getattr(np, 'fromfile')", "forbidden_attribute"),
+        ("import numpy.lib", "forbidden_attribute"),
+        ("from numpy.lib import format", "forbidden_attribute"),
+        ("x = np.zeros(1).ctypes", "forbidden_attribute"),
+        ("import math_verify.parser", "forbidden_attribute"),
+        ("from math_verify import parser", "forbidden_attribute"),
+        ("x = random._os", "forbidden_attribute"),
+        ("x = statistics.sys", "forbidden_attribute"),
+        ("import os", "forbidden_import"),
+        ("import sympy", "forbidden_import"),
+    ],
+)
+def test_static_gate_rules_for_reference_names(top, code):
+    from spade_jax.envs.static_gate import check_source
+
+    result = check_source(top + "\n" + SHAPED, SandboxConfig(), "reference")
+    assert (result.error.code if result.error else None) == code, result.error
+    if code is None:  # numpy and math_verify are reference-only imports
+        paper = check_source(top + "\n" + SHAPED.replace("ShapedEnv", "Environment"),
+                             SandboxConfig(), "paper")
+        assert (paper.error is None) == ("numpy" not in top and "math_verify" not in top)
+
+
 def test_check_cli_validates_a_recipe_game(tmp_path):
     path = tmp_path / "game.py"
     path.write_text(SHAPED)

@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 RETURN_TOLERANCE = 1e-6
 
 
-
 def reference_step_reward(raw_reward: float, terminated: bool) -> float:
     """What a step reports under the reference contract, so that an episode's rewards sum
     to the recipe's score: the last reward if the episode terminated, clipped to [-1, 1],

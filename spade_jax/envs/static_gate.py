@@ -12,7 +12,12 @@ import ast
 import dataclasses
 
 from spade_jax.envs.config import SandboxConfig
-from spade_jax.envs.contract import MATH_VERIFY_NAMES, REFERENCE_IMPLICIT_NAMES
+from spade_jax.envs.contract import (
+    MATH_VERIFY_NAMES,
+    REFERENCE_IMPLICIT_NAMES,
+    REFERENCE_IMPORTS,
+    resolve_contract,
+)
 from spade_jax.envs.results import SandboxError
 
 FORBIDDEN_NAMES: frozenset[str] = frozenset(
@@ -61,12 +66,12 @@ def check_source(source: str, config: SandboxConfig, contract: str = "paper") ->
 
     `contract` is "paper" (`class Environment`, imports from `config.allowed_imports`) or
     "reference" (a `*Env` class; `config.reference_imports` importable too, within the
-    numpy / math_verify rules below).
+    numpy / math_verify rules below), or "auto" (detected from the source).
     """
-    reference = contract == "reference"
-    allowed = config.allowed_imports | (config.reference_imports if reference else frozenset())
     if not isinstance(source, str):
         raise TypeError(f"program source must be str, got {type(source).__name__}")
+    reference = resolve_contract(contract, source) == "reference"
+    allowed = config.allowed_imports | (config.reference_imports if reference else frozenset())
     size = len(source.encode("utf-8", "surrogatepass"))
     if size > config.max_source_bytes:
         return GateResult(
@@ -134,6 +139,8 @@ def _module_aliases(tree: ast.Module, reference: bool) -> dict[str, str]:
 
 def _module_rule(module: str, name: str) -> SandboxError | None:
     """Is `name`, read from the module `module`, refused?"""
+    if name == "*" and module in REFERENCE_IMPORTS:  # would bind np.load etc. as bare names
+        return SandboxError("forbidden_import", f"from {module} import *")
     if name.startswith("_"):  # module internals: `random._os`, `collections._sys`, ...
         return SandboxError("forbidden_attribute", f"{module}.{name}")
     if module == "numpy" and name in FORBIDDEN_NUMPY_NAMES:
