@@ -47,6 +47,7 @@ from spade_jax.spade.prompts import (
     REFERENCE_AGENT_FIRST_TURN_TEMPLATE,
     REFERENCE_DESIGNER_SYSTEM_PROMPT,
     reference_designer_system_prompt,
+    reference_designer_user_prompt,
 )
 from spade_jax.spade.seed_programs import SEED_PROGRAMS, load_program_pool
 
@@ -617,6 +618,24 @@ def test_reference_designer_prompt_states_the_recipe_requirements():
     assert "max_turns=25" in REFERENCE_DESIGNER_SYSTEM_PROMPT
     with pytest.raises(ValueError, match="max_turns"):
         reference_designer_system_prompt(0)
+
+
+def test_reference_designer_user_prompt():
+    good = [{"program": SHAPED, "win_rate": 0.5, "regret": 0.25}]
+    bad = [{"source": "class XEnv:\n    pass\n" + "#" * 50, "win_rate_no_hint": 1.0,
+            "regret": -0.1}]
+    text = reference_designer_user_prompt("logic", ["A" * 30, "second doc"], good, bad,
+                                          max_doc_chars=10, max_program_chars=40)
+    assert text.startswith("Design one new game that trains the skill 'logic'")
+    assert "[Document 1]\nAAAAAAAAAA\n[... truncated]" in text and "[Document 2]" in text
+    assert "Agent win rate 0.50, regret +0.25" in text
+    assert "Agent win rate 1.00, regret -0.10" in text
+    assert text.index("frontier") < text.index("0.50") < text.index("taught little")
+    assert text.rstrip().endswith("one ```python block.")
+    bare = reference_designer_user_prompt("logic", [], max_doc_chars=10)
+    assert "Document" not in bare and "win rate" not in bare
+    with pytest.raises(ValueError, match="lacks"):
+        reference_designer_user_prompt("logic", [], [{"program": "x"}], max_doc_chars=10)
 
 
 def test_run_episodes_plays_a_recipe_game_the_recipe_way(model, tokenizer, pool):  # noqa: F811
