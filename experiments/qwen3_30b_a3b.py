@@ -23,6 +23,7 @@ from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
 from spade_jax.spade.config import SpadeConfig
+from spade_jax.spade.prompts import REFERENCE_AGENT_FIRST_TURN_TEMPLATE
 
 # The recipe's sampling for the designer, the agent and (hint_temperature) the hint writer.
 RECIPE_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
@@ -40,10 +41,12 @@ def get_config() -> ExperimentConfig:
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=8),
         designer_sampler=SamplerConfig(max_new_tokens=16384, cache_dtype="bfloat16",
                                        **RECIPE_SAMPLING),
-        # No system prompt (the recipe's agent sees only the game's framing and text).
-        # TODO(contract merge): action_format="boxed" and the recipe's first-turn template.
+        # No system prompt: the first user turn frames the game and asks for the answer in
+        # \boxed{} (the last box of a reply is the action).
         agent=AgentLoopConfig(max_turns=25, max_turn_tokens=8192, max_episode_tokens=32768,
                               system_prompt=None, enable_thinking=False,
+                              action_format="boxed",
+                              first_turn_template=REFERENCE_AGENT_FIRST_TURN_TEMPLATE,
                               # 256 rows per batch bounds the KV cache per chip (README
                               # AOT table: re-run `python -m spade_jax.aot` for 32k context).
                               sampler=SamplerConfig(max_new_tokens=8192, cache_dtype="bfloat16",

@@ -17,8 +17,7 @@ exactly what an uninterrupted one draws.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from spade_jax.envs import make_env, validate_program
@@ -34,6 +33,8 @@ from spade_jax.spade.prompts import (
     hint_writer_messages,
     parse_designer_output,
     parse_hint,
+    reference_designer_system_prompt,
+    reference_designer_user_prompt,
 )
 from spade_jax.spade.skills import active_skills, get_skill_set
 from spade_jax.spade.window import (
@@ -75,14 +76,6 @@ class Attempt:
     parsed: DesignerOutput | None = None
 
 
-def program_kwargs(function: Callable, config: SpadeConfig, max_turns: int) -> dict[str, Any]:
-    """The game-contract keywords of ``validate_program`` / ``make_env``.
-    STAND-IN until helper "contract"'s envs land: passed only where accepted."""
-    params = inspect.signature(function).parameters
-    wanted = {"contract": config.contract, "max_turns": max_turns}
-    return {k: v for k, v in wanted.items() if k in params}
-
-
 def slot_skills(config: SpadeConfig, step: int) -> list[str]:
     """Skill of each designer slot of the window starting at ``step``: the window's active
     skills in turn, so games are split evenly over them (recipe: 24 games, 3 skills)."""
@@ -114,14 +107,29 @@ class Designer:
             if reused:  # the sampler draws without replacement; guard the invariant
                 raise RuntimeError(f"corpus documents reused within a run: {reused}")
             self.used_doc_ids.update(d.doc_id for d in slot_docs)
-            user = designer_user_prompt(skill, [d.text for d in slot_docs], slot_examples,
-                                        max_doc_chars=cfg.max_doc_chars)
             ids = self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": DESIGNER_SYSTEM_PROMPTS[cfg.prompt_style]},
-                 {"role": "user", "content": user}],
+                self._messages(skill, [d.text for d in slot_docs], slot_examples),
                 add_generation_prompt=True, enable_thinking=cfg.designer_thinking)
             out.append(SlotPrompt(slot, skill, list(ids), tuple(d.doc_id for d in slot_docs)))
         return out
+
+    def _messages(self, skill: str, documents: list[str],
+                  examples: list[dict[str, Any]]) -> list[dict[str, str]]:
+        """The designer's chat for one slot, in the prompt family of the game contract:
+        the recipe's games (memory examples split into frontier games to build on and
+        others to avoid) or the paper's ``class Environment`` with a hint."""
+        cfg = self.config
+        if cfg.contract == "reference":
+            good = [e for e in examples if e["regime"] == "frontier"]
+            bad = [e for e in examples if e["regime"] != "frontier"]
+            system = reference_designer_system_prompt(self.max_turns)
+            user = reference_designer_user_prompt(skill, documents, good, bad,
+                                                  max_doc_chars=cfg.max_doc_chars)
+        else:
+            system = DESIGNER_SYSTEM_PROMPTS[cfg.prompt_style]
+            user = designer_user_prompt(skill, documents, examples,
+                                        max_doc_chars=cfg.max_doc_chars)
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def _prompt_draws(self, skills: Sequence[str]) -> tuple[list[list[Document]],
                                                              list[list[dict[str, Any]]]]:
@@ -192,7 +200,7 @@ class Designer:
             att.parsed = parsed
         hint = att.parsed.hint if cfg.hint_mode == "designer" else None
         report = validate_program(att.parsed.program, hint=hint, pool=self.pool,
-                                  **program_kwargs(validate_program, cfg, self.max_turns))
+                                  contract=cfg.contract, max_turns=self.max_turns)
         if not report.ok:
             return Verdict(Outcome.INVALID, report.reason.split(":", 1)[0].strip() or "invalid")
         return VALID
@@ -239,8 +247,8 @@ class Designer:
         envs = []
         for _ in range(count):
             try:
-                envs.append(make_env(program, self.pool,
-                                     **program_kwargs(make_env, self.config, self.max_turns)))
+                envs.append(make_env(program, self.pool, contract=self.config.contract,
+                                     max_turns=self.max_turns))
             except Exception as e:  # noqa: BLE001 - untrusted program; record, go on
                 return envs, Verdict(Outcome.LOAD_ERROR, type(e).__name__)
         return envs, VALID
