@@ -246,9 +246,7 @@ class SpadeLoop:
         cfg = self.config
         if not (cfg.use_memory and cfg.memory_train_envs):
             return specs, owners
-        picks = (self.memory.sample_for_training(cfg.memory_train_envs)
-                 if self.memory.records else [])
-        picks = agreement.agree_records(picks)  # a collective: every host calls it
+        picks = self.replay_picks()
         opened = self._open([f"mem_{r.env_id}" for r in picks], [r.program_source for r in picks],
                             [cfg.plays_per_game] * len(picks))
         for index, (record, (envs, _)) in enumerate(zip(picks, opened, strict=True)):
@@ -258,6 +256,14 @@ class SpadeLoop:
                                                           index, j)))
                 owners.append((record, False))
         return specs, owners
+
+    def replay_picks(self) -> list[EnvironmentRecord]:
+        """Memory environments replayed this round; process 0's picks on every host.
+        Called whenever replay is on, even with an empty memory, so every host makes the
+        same collective calls."""
+        picks = (self.memory.sample_for_training(self.config.memory_train_envs)
+                 if self.memory.records else [])
+        return agreement.agree_records(picks)
 
     def _run(self, specs: list[EpisodeSpec], step: int) -> list[EpisodeRecord]:
         """One batch of episodes; process 0's returns on every host."""
