@@ -59,6 +59,7 @@ class ScriptedPolicy:
     def __init__(self, texts, hint=HINT_TEXT):
         self.texts, self.hint = texts, hint
         self.design_calls, self.hint_calls, self.episode_log, self.updates = [], [], [], []
+        self.episode_seeds = []
 
     def generate(self, prompts, *, seed, purpose):
         tok = ByteTokenizer()
@@ -73,6 +74,7 @@ class ScriptedPolicy:
         return tokens, [[-1.0] * len(t) for t in tokens]
 
     def run_episodes(self, specs, *, seed):
+        self.episode_seeds.append(seed)
         records, step_log = [], []
         for spec in specs:
             hinted = isinstance(spec.env, HintedEnv)
@@ -475,3 +477,51 @@ def test_one_hint_presentation_for_loop_evaluation_and_hint_filter():
         "Task 7.\n\nGuess a number.\n\nHINT: halve the range")
     task = FilterTask(id="t", line=1, hint="halve the range", prompt="Guess a number.")
     assert _hinted_prompt(task) == want
+
+
+def test_every_sampler_call_is_seeded_from_seed_round_phase_and_index(pool):
+    """16.3 (loop side): each round's episodes, designer attempts and hint calls draw from
+    their own (experiment seed, round, phase, index) stream, never a repeated one."""
+    from spade_jax.seeding import Phase, derive_seed
+
+    texts = [_text(VALID.source), "no program here"]
+    policy = ScriptedPolicy(texts)
+    config = dataclasses.replace(WINDOW, rounds=3, regeneration_interval=2, designer_delay=1)
+    loop = _loop(pool, policy, config, seed=7)
+    for step in range(3):
+        loop.run_round(step)
+    assert policy.episode_seeds == [derive_seed(7, s, Phase.AGENT) for s in range(3)]
+    design_seeds = [seed for _, seed in policy.design_calls]
+    assert design_seeds[:2] == [derive_seed(7, 0, Phase.DESIGN, 0), derive_seed(7, 0, Phase.DESIGN, 1)]
+    assert derive_seed(7, 2, Phase.DESIGN, 0) in design_seeds[2:]
+    assert [seed for _, seed in policy.hint_calls] == [derive_seed(7, 0, Phase.HINT_WRITE, 0),
+                                                      derive_seed(7, 2, Phase.HINT_WRITE, 0)]
+
+
+def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
+    """16.6: run.py's designer sampling passes max_rows, chunk_steps, compact_batch,
+    buckets and the loop's seed through (it used to build its own arguments)."""
+    from types import SimpleNamespace
+
+    from spade_jax.spade import run
+
+    seen = []
+
+    def fake_sample(model, prompts, config, **kwargs):
+        seen.append(config)
+        return SimpleNamespace(tokens=[[1] for _ in prompts], logprobs=[[0.0] for _ in prompts])
+
+    monkeypatch.setattr(run, "sample", fake_sample)
+    config = load_experiment("tiny", [
+        "designer_sampler.max_rows=3", "designer_sampler.chunk_steps=5",
+        "designer_sampler.compact_batch=False", "designer_sampler.prompt_bucket_min=32",
+        "designer_sampler.new_tokens_bucket=16", "spade.hint_temperature=0.25"])
+    generate, _ = run.loop_sampling(config, lambda: None, tokenizer=None, mesh=None)
+    generate([[1, 2]], seed=1234, purpose="design")
+    generate([[1]], seed=99, purpose="hint")
+    design, hint = seen
+    assert (design.max_rows, design.chunk_steps, design.compact_batch, design.prompt_bucket_min,
+            design.new_tokens_bucket, design.seed) == (3, 5, False, 32, 16, 1234)
+    assert design.temperature == config.designer_sampler.temperature
+    assert (hint.temperature, hint.max_new_tokens, hint.seed, hint.max_rows) == (
+        0.25, config.spade.hint_max_tokens, 99, 3)

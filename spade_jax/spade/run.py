@@ -12,6 +12,7 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,51 @@ def _abstract(blob_like: dict[str, Any]) -> dict[str, Any]:
             for k, v in blob_like.items()}
 
 
+# ---- the loop -----------------------------------------------------------------------------
+def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokenizer: Any,
+                  mesh: Any) -> tuple[Callable, Callable]:
+    """The loop's two sampling callables over the current policy: ``generate(prompts, *,
+    seed, purpose)`` with the whole sampler config of the purpose (buckets, chunking,
+    compaction, ``max_rows``) and the loop's per-call seed, and ``run_episodes(specs, *,
+    seed)``."""
+    samplers = _loop_samplers(config)
+
+    def generate_fn(prompts, *, seed, purpose):
+        out = sample(policy(), prompts, dataclasses.replace(samplers[purpose], seed=seed),
+                     mesh=mesh)
+        return out.tokens, out.logprobs
+
+    def episodes_fn(specs, *, seed):
+        # STAND-IN until helper "multiproc"'s run_episodes(seed=) lands: the call's base
+        # seed goes in through the agent sampler's seed.
+        agent = dataclasses.replace(
+            config.agent, sampler=dataclasses.replace(config.agent.sampler, seed=seed))
+        return run_episodes(policy(), tokenizer, specs, agent, mesh=mesh)
+
+    return generate_fn, episodes_fn
+
+
+def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
+               policy: Callable[[], Qwen3], update: Callable, mesh: Any) -> SpadeLoop:
+    """The SPADE loop of an experiment over the current policy and the train step."""
+    spade = config.spade
+    fixed_pool = []
+    if spade.designer_mode == "fixed_pool":
+        programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
+                    else seed_programs.SEED_PROGRAMS)
+        fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
+    corpus_sampler = build_corpus_sampler(config)
+    _check_corpus_agrees(corpus_sampler)
+    generate_fn, episodes_fn = loop_sampling(config, policy, tokenizer, mesh)
+    return SpadeLoop(
+        spade, tokenizer=tokenizer, pool=pool, generate=generate_fn, run_episodes=episodes_fn,
+        update=update, corpus_sampler=corpus_sampler,
+        memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed)),
+        reward_rule=make_designer_reward(spade.designer_reward, spade.designer_reward_config),
+        fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
+        max_turns=config.agent.max_turns)
+
+
 # ---- the run -----------------------------------------------------------------------------
 def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     workdir = Path(workdir)
@@ -181,22 +227,6 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     def policy() -> Qwen3:
         return nnx.merge(graphdef, holder["state"].params)
 
-    samplers = _loop_samplers(config)
-
-    def generate_fn(prompts, *, seed, purpose):
-        # The whole sampler config (buckets, chunking, compaction, max_rows) with the
-        # loop's seed for this call: (experiment seed, round, phase, attempt).
-        out = sample(policy(), prompts, dataclasses.replace(samplers[purpose], seed=seed),
-                     mesh=mesh)
-        return out.tokens, out.logprobs
-
-    def episodes_fn(specs, *, seed):
-        # STAND-IN until helper "multiproc"'s run_episodes(seed=) lands: the call's base
-        # seed goes in through the agent sampler's seed.
-        agent = dataclasses.replace(
-            config.agent, sampler=dataclasses.replace(config.agent.sampler, seed=seed))
-        return run_episodes(policy(), tokenizer, specs, agent, mesh=mesh)
-
     data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
     pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways)
 
@@ -205,24 +235,8 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
         holder["state"], metrics = step_fn(holder["state"], batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
-    fixed_pool = []
-    if config.spade.designer_mode == "fixed_pool":
-        programs = (seed_programs.load_program_pool(config.spade.pool_dir) if config.spade.pool_dir
-                    else seed_programs.SEED_PROGRAMS)
-        fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
-    reward_rule = make_designer_reward(config.spade.designer_reward,
-                                       config.spade.designer_reward_config)
-    corpus_sampler = build_corpus_sampler(config)
-    _check_corpus_agrees(corpus_sampler)
-    loop = SpadeLoop(
-        config.spade, tokenizer=tokenizer, pool=pool, generate=generate_fn,
-        run_episodes=episodes_fn, update=update_fn,
-        corpus_sampler=corpus_sampler,
-        memory=EnvironmentMemory(MemoryConfig(capacity=config.spade.memory_capacity,
-                                              seed=config.seed)),
-        reward_rule=reward_rule, fixed_pool=fixed_pool, baseline=_baseline(config),
-        seed=config.seed, max_turns=config.agent.max_turns,
-    )
+    loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=policy, update=update_fn,
+                      mesh=mesh)
 
     ckpt = CheckpointManager(
         CheckpointConfig(str((workdir / "checkpoints").absolute()),
