@@ -119,7 +119,10 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = _train(straight, *KILL_RUN)
     assert r.returncode == 0, r.stderr[-3000:]
-    proc = subprocess.Popen(_command(killed, *KILL_RUN), env=_env(), stdout=subprocess.DEVNULL,
+    # The same tokenizer for the second run (a fresh one is trained on the checkout's text,
+    # which may change between the runs).
+    run = [*KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'"]
+    proc = subprocess.Popen(_command(killed, *run), env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 1200
@@ -130,7 +133,7 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         proc.kill()
-    r = _train(killed, *KILL_RUN)
+    r = _train(killed, *run)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from round" in (killed / "train.log").read_text()
     want, got = _last_rows(straight), _last_rows(killed)
