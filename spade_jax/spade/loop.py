@@ -24,6 +24,7 @@ pending designer samples are in ``state_dict()``, and every draw is seeded from
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -44,10 +45,11 @@ from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, Generate
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import agent_first_observation
-from spade_jax.spade.reward import DesignerRewardRule
+from spade_jax.spade.reward import DesignerRewardRule, ScoredEnvironment
 from spade_jax.spade.window import (
     DesignerSample,
     Game,
+    GameStats,
     Pending,
     Window,
     game_stats,
@@ -373,12 +375,15 @@ class SpadeLoop:
         self.windows = {s: w for s, w in self.windows.items() if s in keep}
 
 
+@dataclasses.dataclass(frozen=True)
 class ScoredGame:
     """A game scored at its designer samples' due round: the loop's own statistics and
     the designer reward rule's result."""
 
-    def __init__(self, game: Game, window_start: int, stats: Any, result: Any):
-        self.game, self.window_start, self.stats, self.result = game, window_start, stats, result
+    game: Game
+    window_start: int
+    stats: GameStats
+    result: ScoredEnvironment
 
 
 def grouped_advantages(rewards: Sequence[float], groups: Sequence[Any], estimator: str,
