@@ -12,8 +12,9 @@ from spade_jax.experiment import ExperimentConfig, ablation
 
 def get_config(base: str = "qwen3_30b_a3b") -> ExperimentConfig:
     return ablation(
-        base, "spade_paper_text", spade__regeneration_interval=1, spade__designer_delay=0,
+        base, "spade_paper_text", spade__contract="paper", spade__regeneration_interval=1,
+        spade__designer_delay=0,
         spade__hint_mode="designer", spade__designer_reward="hint_regret",
         spade__invalid_penalty=-1.0, spade__designer_advantage="grpo",
         spade__designer_group_size=4, spade__max_design_attempts=1, spade__plays_per_game=16,
-        spade__hint_plays=16, spade__contract="paper")
+        spade__hint_plays=16)

@@ -525,3 +525,15 @@ def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
     assert design.temperature == config.designer_sampler.temperature
     assert (hint.temperature, hint.max_new_tokens, hint.seed, hint.max_rows) == (
         0.25, config.spade.hint_max_tokens, 99, 3)
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="hint_mode='designer' needs spade.contract='paper'"):
+        SpadeConfig(hint_mode="designer", contract="reference")
+    with pytest.raises(ValueError, match="multiple of spade.designer_group_size"):
+        SpadeConfig(envs_per_round=6, designer_group_size=4)
+    with pytest.raises(ValueError, match="spade.regeneration_interval must be >= 1"):
+        SpadeConfig(regeneration_interval=0)
+    with pytest.raises(ValueError, match="spade.skills must be one of"):
+        SpadeConfig(skills="nine")
+    assert SpadeConfig(designer_delay=0).designer_delay == 0  # 0 = no delay

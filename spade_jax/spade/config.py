@@ -163,6 +163,11 @@ class SpadeConfig:
             raise ValueError(f"spade.baseline must be one of {BASELINES}, got {self.baseline!r}")
         if self.contract not in ("reference", "paper"):
             raise ValueError(f"spade.contract must be 'reference' or 'paper', got {self.contract!r}")
+        if self.hint_mode == "designer" and self.contract == "reference" and \
+                self.designer_mode == "self":
+            raise ValueError("spade.hint_mode='designer' needs spade.contract='paper': the "
+                             "reference contract's designer prompt asks for a game without a "
+                             "hint (use hint_mode='self')")
 
     @property
     def num_slots(self) -> int:
