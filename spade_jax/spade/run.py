@@ -23,7 +23,13 @@ from flax import nnx
 from spade_jax import distributed, sharding
 from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, PreemptionGuard
 from spade_jax.envs import EnvPool
-from spade_jax.experiment import ExperimentConfig, ModelSpec, TokenizerSpec, config_hash
+from spade_jax.experiment import (
+    ExperimentConfig,
+    ModelSpec,
+    TokenizerSpec,
+    config_hash,
+    train_config_for_run,
+)
 from spade_jax.metrics import MetricsWriter, Progress
 from spade_jax.models import Qwen3, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
@@ -97,10 +103,13 @@ def _seed_program_text(directory: Path) -> Path:
 def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     dtype = jnp.dtype(spec.dtype)
     options = spec.options()
-    if spec.hf_checkpoint:
-        model, _ = load_hf(spec.hf_checkpoint, jnp.float32, mesh=mesh, options=options)
-    elif spec.orbax_checkpoint:
-        model, _ = load_orbax(spec.orbax_checkpoint, jnp.float32, mesh=mesh, options=options)
+    if spec.hf_checkpoint or spec.orbax_checkpoint:
+        if spec.hf_checkpoint:
+            model, _ = load_hf(spec.hf_checkpoint, jnp.float32, mesh=mesh, options=options)
+        else:
+            model, _ = load_orbax(spec.orbax_checkpoint, jnp.float32, mesh=mesh, options=options)
+        check_tokenizer_matches(tokenizer, model.config,
+                                spec.hf_checkpoint or spec.orbax_checkpoint)
     else:
         arch = preset(spec.preset) if spec.preset else spec.architecture
         if arch is None:
@@ -112,6 +121,37 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     # the model computes in spec.dtype; master weights stay fp32 in the train state
     model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
     return model
+
+
+# Rows a checkpoint's embedding may have beyond its tokenizer's ids: alignment padding
+# (Qwen3: 151,936 rows for 151,669 ids; Megatron pads to 128 x tensor-parallel ways).
+MAX_EMBEDDING_PADDING = 4096
+
+
+def check_tokenizer_matches(tokenizer, arch, source: str) -> None:
+    """Refuses a pretrained model whose tokenizer is not its own: ids the embedding lacks,
+    special ids the tokenizer lacks, or far more embedding rows than tokens (e.g. the
+    2,000-piece project tokenizer on a Qwen3 checkpoint)."""
+    model_ids = [i for i in (arch.bos_token_id, *_as_tuple(arch.eos_token_id)) if i is not None]
+    problems = []
+    if tokenizer.vocab_size > arch.vocab_size:
+        problems.append(f"the tokenizer has {tokenizer.vocab_size} ids but the embedding only "
+                        f"{arch.vocab_size} rows")
+    elif arch.vocab_size - tokenizer.vocab_size > MAX_EMBEDDING_PADDING:
+        problems.append(f"the embedding has {arch.vocab_size} rows but the tokenizer only "
+                        f"{tokenizer.vocab_size} ids")
+    missing = [i for i in model_ids if i >= tokenizer.vocab_size]
+    if missing:
+        problems.append(f"the model's bos/eos ids {missing} are not in the tokenizer")
+    if problems:
+        raise ValueError(
+            f"tokenizer does not match the checkpoint {source}: {'; '.join(problems)}. Leave "
+            "tokenizer.path empty to use the checkpoint's own tokenizer.json, or point it at "
+            "the tokenizer the model was trained with")
+
+
+def _as_tuple(ids) -> tuple:
+    return ids if isinstance(ids, tuple) else (ids,)
 
 
 def build_pool(config: ExperimentConfig) -> EnvPool:
@@ -283,7 +323,7 @@ def _with_sampler_temperatures(config: ExperimentConfig):
     def temp(sampler):
         return sampler.temperature if sampler.temperature > 0 else 1.0  # greedy: T = 1
 
-    train = config.train
+    train = train_config_for_run(config)  # optimizer.total_steps from the run length
     return dataclasses.replace(
         train,
         agent=dataclasses.replace(train.agent, temperature=temp(config.agent.sampler)),
