@@ -356,6 +356,15 @@ def _with_truncated_importance(
     return advantages_bt * tis.weight, jax.lax.stop_gradient(logp_bt), metrics
 
 
+def _row_temperatures(config: TrainConfig, batch: TrainBatch) -> float | Array:
+    """The temperature each row was sampled at: one float, or [B] when the roles differ."""
+    role_temps = [config.temperature if r.temperature is None else r.temperature
+                  for r in config.roles]
+    if len(set(role_temps)) == 1:  # both roles' own temperature, not TrainConfig's
+        return role_temps[0]
+    return jnp.asarray(role_temps, jnp.float32)[batch.role_id]
+
+
 def microbatch_loss(
     params: nnx.State,
     graphdef: nnx.GraphDef,
@@ -372,12 +381,8 @@ def microbatch_loss(
     loss_share_r = role_share_r if loss_share_r is None else loss_share_r
     compute = COMPUTE_DTYPES[config.compute_dtype]
     model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
-    role_temps = [config.temperature if r.temperature is None else r.temperature
-                  for r in config.roles]
-    temperature = (config.temperature if len(set(role_temps)) == 1
-                   else jnp.asarray(role_temps, jnp.float32)[batch.role_id])
     logp_bt, entropy_bt, router_logits = policy_logprobs(
-        model, batch, config.router_replay, config.logit_chunk, temperature
+        model, batch, config.router_replay, config.logit_chunk, _row_temperatures(config, batch)
     )
     total = jnp.zeros((), jnp.float32)
     weighted: Metrics = {}
