@@ -23,10 +23,12 @@ from spade_jax.models import ModelConfig, ModelOptions, Qwen3, load_balancing_lo
 from spade_jax.rl.batch import PackConfig, TrainBatch, TrainSequence, pack_sequences
 from spade_jax.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
 from spade_jax.rl.train_step import (
+    ReferencePolicy,
     RoleConfig,
     TrainConfig,
     init_train_state,
     make_train_step,
+    needs_reference,
     sampled_token_logprobs,
     shard_batch,
 )
@@ -315,6 +317,29 @@ def test_pooled_aggregation_with_tis_matches_numpy():
         np.minimum(ratio, 1.5).mean(), rel=0.05)
     assert float(metrics["agent/tis/clip_frac"]) > 0
     assert "designer/tis/weight_mean" not in metrics
+
+
+def test_reference_policy_is_the_frozen_initial_policy():
+    """ref_logp = NumPy log-softmax of the initial model, for every row (microbatches
+    re-interleaved), and still after steps that update (and donate) the live parameters."""
+    config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-2), microbatches=2,
+                         agent=RoleConfig(loss_config=dict(kl_coef=0.1)))
+    assert needs_reference(config) and not needs_reference(TrainConfig())
+    model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(3))
+    logits = np.asarray(model(random_batch(5).input_ids).logits, np.float64)
+    graphdef, state = init_train_state(model, config)
+    reference = ReferencePolicy(graphdef, config, state.params)
+    step = make_train_step(graphdef, config)
+    batch = random_batch(5)
+    want = np.take_along_axis(log_softmax_np(logits)[:, :-1], batch.input_ids[:, 1:, None],
+                              -1)[..., 0]
+    want = np.pad(want, ((0, 0), (1, 0))) * batch.loss_mask
+    for _ in range(2):
+        annotated = reference.annotate(batch)
+        np.testing.assert_allclose(np.asarray(annotated.ref_logp), want, rtol=1e-5, atol=1e-5)
+        state, metrics = step(state, annotated)
+        assert int(metrics["skipped"]) == 0 and float(metrics["agent/kl"]) >= 0
+    assert float(metrics["agent/kl"]) > 0  # the policy moved away from the reference
 
 
 def test_nonfinite_batch_is_skipped_then_training_continues(compiled):

@@ -612,6 +612,56 @@ class TrainStep:
             return self.jitted.lower(state, batch)
 
 
+def needs_reference(config: TrainConfig) -> bool:
+    """Whether a role's rule has a KL term to the reference policy (``kl_coef > 0``)."""
+    return any(getattr(role.loss_config, "kl_coef", 0.0) > 0 for role in config.roles)
+
+
+def reference_logprobs(
+    params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig
+) -> Array:
+    """[B, T] log-probs of the batch's tokens under ``params`` (pure; no gradient), computed
+    microbatch by microbatch as the step computes its own, at the rows' temperatures."""
+    compute = COMPUTE_DTYPES[config.compute_dtype]
+    model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
+
+    def one(microbatch: TrainBatch) -> Array:
+        temperature = _row_temperatures(config, microbatch)
+        logp_bt, _, _ = policy_logprobs(model, microbatch, config.router_replay,
+                                        config.logit_chunk, temperature)
+        return logp_bt
+
+    logp_mbt = jax.lax.map(one, _split_microbatches(batch, config.microbatches))
+    return logp_mbt.swapaxes(0, 1).reshape(batch.shape)  # row r*M + m <- [m, r]
+
+
+class ReferencePolicy:
+    """The KL reference: a frozen copy of the initial policy (the recipe's ``--ref-load`` of
+    the starting checkpoint), stored in the compute dtype; ``annotate(batch)`` fills
+    ``batch.ref_logp``. Copied, not aliased: the train step donates the live parameters."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        config: TrainConfig,
+        params: nnx.State,
+        mesh: Mesh | None = None,
+        rules: sharding.Rules = sharding.DEFAULT_RULES,
+    ) -> None:
+        compute = COMPUTE_DTYPES[config.compute_dtype]
+        self.params = jax.tree.map(lambda p: jnp.array(p, dtype=compute, copy=True), params)
+        self.mesh, self.rules = mesh, rules
+        self.jitted = jax.jit(
+            functools.partial(reference_logprobs, graphdef=graphdef, config=config))
+
+    def annotate(self, batch: TrainBatch) -> TrainBatch:
+        context = (sharding.activate(self.mesh, self.rules) if self.mesh
+                   else contextlib.nullcontext())
+        with context:
+            ref_logp = self.jitted(self.params, batch)
+        return batch.replace(ref_logp=ref_logp * jnp.asarray(batch.loss_mask, jnp.float32))
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     config: TrainConfig,

@@ -34,7 +34,13 @@ from spade_jax.metrics import MetricsWriter, Progress
 from spade_jax.models import Qwen3, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.rl.batch import PackConfig, pack_sequences
-from spade_jax.rl.train_step import TrainState, init_train_state, make_train_step
+from spade_jax.rl.train_step import (
+    ReferencePolicy,
+    TrainState,
+    init_train_state,
+    make_train_step,
+    needs_reference,
+)
 from spade_jax.rollout import generate
 from spade_jax.rollout.agent_loop import run_episodes
 from spade_jax.spade import seed_programs
@@ -216,6 +222,9 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     train_config = _with_sampler_temperatures(config)
     graphdef, state = init_train_state(model, train_config, seed=config.seed, mesh=mesh)
     step_fn = make_train_step(graphdef, train_config, mesh)
+    # KL to the initial policy (8B recipe): its log-probs from a frozen copy of it.
+    reference = (ReferencePolicy(graphdef, train_config, state.params, mesh)
+                 if needs_reference(train_config) else None)
     holder = {"state": state}
 
     def policy() -> Qwen3:
@@ -236,6 +245,8 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
 
     def update_fn(seqs):
         batch = pack_sequences(seqs, pack)
+        if reference is not None:
+            batch = reference.annotate(batch)
         holder["state"], metrics = step_fn(holder["state"], batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
