@@ -2,8 +2,8 @@
 
 Each component keeps its own small dataclass (sampler, agent loop, sandbox, trainer,
 SPADE); this module only composes them and finds experiment files by name. Any leaf is
-overridable from the command line: ``--set spade.rounds=5 --set
-train.optimizer.learning_rate=1e-5``.
+overridable from the command line, e.g.
+``--set spade.rounds=5 --set train.optimizer.learning_rate=1e-5``.
 
 Defaults resolved when an experiment is loaded (so ``--dry_run`` prints them):
 ``tokenizer.path`` empty with ``model.hf_checkpoint`` set -> the checkpoint's directory
