@@ -87,7 +87,7 @@ def documented_sets() -> list[tuple[str, str]]:
     package's and experiments' Python sources (docstrings and help texts)."""
     files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "spade_jax").rglob("*.py")), *sorted(EXPERIMENTS_DIR.glob("*.py"))]
-    pattern = re.compile(r"--set[= ]+(?:'([^']*)'|\"([^\"]*)\"|([^\s`]+))")
+    pattern = re.compile(r"--set[=\s]+(?:'([^']*)'|\"([^\"]*)\"|([^\s`]+))")
     found = []
     for path in files:
         for match in pattern.finditer(path.read_text()):
