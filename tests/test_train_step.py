@@ -276,6 +276,7 @@ def np_pooled_tis_loss(logp, batch: TrainBatch, aggregation: str) -> float:
     return sum(np.mean(m) for m in means.values())
 
 
+@pytest.mark.slow
 def test_pooled_aggregation_with_tis_matches_numpy():
     model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(0))
     graphdef, state = init_train_state(model, POOLED_CONFIG)

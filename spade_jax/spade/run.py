@@ -109,13 +109,10 @@ def _seed_program_text(directory: Path) -> Path:
 def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     dtype = jnp.dtype(spec.dtype)
     options = spec.options()
-    if spec.hf_checkpoint or spec.orbax_checkpoint:
-        if spec.hf_checkpoint:
-            model, _ = load_hf(spec.hf_checkpoint, jnp.float32, mesh=mesh, options=options)
-        else:
-            model, _ = load_orbax(spec.orbax_checkpoint, jnp.float32, mesh=mesh, options=options)
-        check_tokenizer_matches(tokenizer, model.config,
-                                spec.hf_checkpoint or spec.orbax_checkpoint)
+    if spec.hf_checkpoint:
+        model, _ = load_hf(spec.hf_checkpoint, jnp.float32, mesh=mesh, options=options)
+    elif spec.orbax_checkpoint:
+        model, _ = load_orbax(spec.orbax_checkpoint, jnp.float32, mesh=mesh, options=options)
     else:
         arch = preset(spec.preset) if spec.preset else spec.architecture
         if arch is None:
@@ -124,6 +121,9 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
             arch = arch.replace(vocab_size=tokenizer.vocab_size)
         arch = arch.replace(eos_token_id=sorted(tokenizer.eos_ids), pad_token_id=tokenizer.pad_id)
         model = Qwen3(arch, options, rngs=nnx.Rngs(seed))
+    if spec.hf_checkpoint or spec.orbax_checkpoint:  # pretrained: its own tokenizer only
+        check_tokenizer_matches(tokenizer, model.config,
+                                spec.hf_checkpoint or spec.orbax_checkpoint)
     # the model computes in spec.dtype; master weights stay fp32 in the train state
     model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
     return model
