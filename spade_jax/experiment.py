@@ -22,7 +22,7 @@ from spade_jax.envs.config import SandboxConfig
 from spade_jax.models.config import ModelConfig
 from spade_jax.models.qwen3 import ModelOptions
 from spade_jax.overrides import apply_overrides
-from spade_jax.rl.train_step import TrainConfig
+from spade_jax.rl.train_step import TrainConfig, needs_reference
 from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
@@ -213,7 +213,14 @@ def with_resolved_defaults(config: ExperimentConfig) -> ExperimentConfig:
 
 def train_config_for_run(config: ExperimentConfig) -> TrainConfig:
     """``config.train`` as the run builds it: ``optimizer.total_steps`` left None becomes
-    the run's number of updates (one per SPADE round, ``spade.rounds``)."""
+    the run's number of updates (one per SPADE round, ``spade.rounds``).
+
+    Refuses a KL term (``kl_coef > 0``) together with a warm start: the KL reference is the
+    policy the run loads (checkpoint or initialisation), which a warm start would leave
+    behind and a resumed run could not rebuild."""
+    if config.warm_start.steps and needs_reference(config.train):
+        raise ValueError("a KL term (loss_config.kl_coef > 0) needs warm_start.steps=0: the "
+                         "reference is the loaded policy, before any warm start")
     optimizer = config.train.optimizer.for_run(config.spade.rounds)
     return dataclasses.replace(config.train, optimizer=optimizer)
 

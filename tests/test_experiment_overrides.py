@@ -157,6 +157,15 @@ def test_total_steps_follows_the_run_length():
         learning_rate_schedule(OptimizerConfig(schedule="cosine"))
 
 
+def test_a_kl_reference_is_refused_with_a_warm_start():
+    kl = ["train.agent.loss_config.kl_coef=0.01"]
+    with pytest.raises(ValueError, match="KL term .* needs warm_start.steps=0"):
+        train_config_for_run(load_experiment("tiny", kl))
+    train = train_config_for_run(load_experiment("tiny", [*kl, "warm_start.steps=0"]))
+    assert train.agent.loss_config.kl_coef == 0.01
+    train_config_for_run(load_experiment("qwen3_8b"))  # no warm start: the checkpoint is it
+
+
 def test_tokenizer_defaults_to_the_checkpoints_own():
     config = load_experiment("qwen3_8b", ["model.hf_checkpoint='/ckpt/Qwen3-8B'"])
     assert config.tokenizer.path == "/ckpt/Qwen3-8B"
