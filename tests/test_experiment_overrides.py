@@ -74,7 +74,7 @@ def test_every_experiment_docstring_command_dry_runs():
         assert result["rc"] == 0, (argv, result["stderr"])
         config = json.loads(result["stdout"])
         experiment = next(a.split("=", 1)[1] for a in argv if a.startswith("--experiment="))
-        assert config["name"].startswith(experiment.partition(":")[0].split("/")[-1][:5])
+        assert config["name"] == experiment.partition(":")[0]
         checkpoint = next((a.split("=", 1)[1] for a in argv if a.startswith("--hf_checkpoint=")),
                           None)
         if checkpoint:  # a real checkpoint trains with its own tokenizer
