@@ -48,8 +48,7 @@ def get_config() -> ExperimentConfig:
             env_threads=2,
         ),
         sandbox=SandboxConfig(call_deadline_s=2.0, spare_workers=2),
-        train=TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1,
-                                                    total_steps=100)),
+        train=TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1)),
         # Two windows of two steps: a regeneration (design, self-written hints, hint
         # plays) then a plain step; designer samples trained one step later with the
         # blend reward (the last step flushes the second window's).

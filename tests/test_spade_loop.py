@@ -81,7 +81,7 @@ class ScriptedPolicy:
             obs, _ = spec.env.reset(seed=spec.seed)
             ret = scripted_return(spec.seed, hinted)
             step_log.append({"env_id": spec.env_id, "hinted": hinted, "return": ret, "obs": obs,
-                             "program": spec.env.unwrapped.source})
+                             "program": getattr(spec.env.unwrapped, "source", None)})
             rec = EpisodeRecord(env_id=spec.env_id, seed=spec.seed, observations=[obs])
             rec.append([1, 2, 3], policy=False)
             rec.append([4, spec.seed % 50 + 5], policy=True, logprobs=[-0.5, -0.7])
@@ -407,20 +407,6 @@ def test_each_ablation_changes_exactly_what_it_names(name, base):
     assert {k: new for k, (_, new) in changed.items()} == want
 
 
-class _ScriptedBaseline:
-    def __init__(self, pool):
-        from spade_jax.envs import make_env
-
-        self.make = lambda: make_env(VALID.source, pool)
-        self.fed = []
-
-    def envs(self, round_index):
-        return [(f"task{i}", self.make()) for i in range(2)]
-
-    def feedback(self, returns_by_env):
-        self.fed.append(returns_by_env)
-
-
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
 def test_one_scripted_round_per_ablation_and_baseline(pool, name):
     """16.8: each ablation's tiny config runs scripted rounds that produce a real batch."""
@@ -430,8 +416,13 @@ def test_one_scripted_round_per_ablation_and_baseline(pool, name):
     loop = _loop(pool, policy, spade, corpus=spade.use_corpus)
     if spade.designer_mode == "fixed_pool":
         loop.fixed_pool = [(p.source, p.hint, p.skill) for p in seed_programs.SEED_PROGRAMS[:3]]
-    if spade.baseline != "none":
-        loop.baseline = _ScriptedBaseline(pool)
+    if spade.baseline != "none":  # the experiment's own baseline (reasoning-gym tasks)
+        from spade_jax.spade.baselines import make_baseline
+
+        loop.baseline = make_baseline(load_experiment(f"{name}:tiny"))
+        fed = []
+        feedback = loop.baseline.feedback
+        loop.baseline.feedback = lambda returns: (fed.append(returns), feedback(returns))
     metrics = [loop.run_round(s) for s in range(2)]
     assert all(m["batch/agent"] > 0 for m in metrics)
     assert all(math.isfinite(m["return_no_hint_mean"]) for m in metrics)
@@ -440,7 +431,8 @@ def test_one_scripted_round_per_ablation_and_baseline(pool, name):
         trained = sum(m["batch/designer"] for m in metrics)
         assert (trained > 0) == (spade.train_designer and spade.designer_mode == "self")
     else:
-        assert len(loop.baseline.fed) == 2
+        assert len(fed) == 2 and all(len(r) == 4 for r in fed)  # 4 tasks a round (tiny)
+        assert all(len(v) == spade.plays_per_game for r in fed for v in r.values())
 
 
 class _TextEnv:

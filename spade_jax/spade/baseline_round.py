@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement
 from spade_jax.spade.step_metrics import PhaseTimer
@@ -22,11 +21,12 @@ def run_baseline_round(loop: Any, step: int) -> dict[str, float]:
         raise ValueError(f"baseline {cfg.baseline!r} needs a FixedEnvBaseline")
     timer = PhaseTimer()
     with timer("rollout"):
-        envs = loop.baseline.envs(step)
-        specs = [EpisodeSpec(env=env, env_id=env_id,
-                             seed=derive_seed(loop.seed, step, Phase.BASELINE, index, play))
-                 for index, (env_id, env) in enumerate(envs) for play in range(cfg.plays_per_game)]
-        records = loop.run_episodes(specs, seed=derive_seed(loop.seed, step, Phase.BASELINE))
+        specs = loop.baseline.episodes(step, cfg.plays_per_game)  # seeded by the baseline
+        try:
+            records = loop.run_episodes(specs, seed=derive_seed(loop.seed, step, Phase.BASELINE))
+        finally:
+            for spec in specs:
+                spec.env.close()
         for rec, ret in zip(records, agreement.agree_returns([float(r.return_) for r in records]),
                             strict=True):
             rec.return_, rec.hinted = ret, False

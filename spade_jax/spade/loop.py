@@ -81,10 +81,10 @@ Update = Callable[[list[TrainSequence]], dict[str, float]]
 
 
 class FixedEnvBaseline(Protocol):
-    """The fixed-environment baselines: which envs to train on this round, and what the
+    """The fixed-environment baselines: this round's episodes (one env each), and what the
     agent's returns on them were (adaptive-difficulty baselines use it)."""
 
-    def envs(self, round_index: int) -> list[tuple[str, gymnasium.Env]]: ...
+    def episodes(self, round_index: int, plays_per_task: int) -> list[EpisodeSpec]: ...
 
     def feedback(self, returns_by_env: dict[str, list[float]]) -> None: ...
 
