@@ -44,6 +44,7 @@ def _rounds(workdir) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3000)  # two CLI runs with the tiny warm start (~10 min on 2 busy cores)
 def test_main_command_runs_reports_and_resumes(tmp_path):
     workdir = tmp_path / "run"
     r = _train(workdir)
@@ -104,6 +105,7 @@ def _last_rows(workdir) -> dict[int, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # three CLI runs (~6 min on 2 busy cores)
 def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
     """The CLI killed with SIGKILL once step 2's checkpoint is committed (mid-window:
     rounds 2-3 are one window), then resumed, logs the same metrics (losses, returns,
