@@ -82,7 +82,8 @@ class SpadeConfig:
       memory_train_envs: memory games replayed for agent training every round.
       learnable_window: rounds in the learnable-share window (the paper: 16).
       eval_every: run the held-out suites every N rounds (0 = never).
-      prompt_style: designer system prompt, "full" or "compact" (CPU-sized policies).
+      prompt_style: designer system prompt of the paper contract, "full" or "compact"
+        (CPU-sized policies); the reference contract has one prompt family (no hint asked).
       designer_thinking: the chat template's thinking switch for designer prompts (the
         recipe: on for Qwen3-8B's designer only; the agent's is ``agent.enable_thinking``).
     """
