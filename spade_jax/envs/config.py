@@ -46,6 +46,14 @@ class SandboxConfig:
     drop_privileges: bool = True
     sandbox_uid: int = 65534
     sandbox_gid: int = 65534
+    # Each worker runs under its own uid and gid, drawn at random from
+    # [worker_uid_base, worker_uid_base + worker_uid_count) among those not in use: the
+    # kernel lets a process signal (kill, async-I/O owner) or inspect (/proc, ptrace) only
+    # processes of its own uid, so co-tenants cannot reach each other, and a random draw
+    # says nothing about the load order. False: every worker runs as sandbox_uid/gid.
+    per_worker_uid: bool = True
+    worker_uid_base: int = 200_000
+    worker_uid_count: int = 100_000
     allow_weak_isolation: bool = False
     allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS
     # Extra modules of the reference (recipe) contract, importable only by programs loaded
@@ -97,6 +105,12 @@ class SandboxConfig:
             )
         if not (0 < self.sandbox_uid < 2**31 and 0 < self.sandbox_gid < 2**31):
             raise ValueError("SandboxConfig.sandbox_uid/gid must be non-root ids")
+        if not (0 < self.worker_uid_base and self.worker_uid_count >= 64
+                and self.worker_uid_base + self.worker_uid_count < 2**31):
+            raise ValueError(
+                "SandboxConfig.worker_uid_base must be > 0 and worker_uid_count >= 64 with "
+                f"base + count < 2**31, got {self.worker_uid_base}, {self.worker_uid_count}"
+            )
         for name in ("allowed_imports", "reference_imports"):
             if not isinstance(getattr(self, name), frozenset):
                 raise TypeError(f"SandboxConfig.{name} must be a frozenset of module names")
@@ -118,4 +132,8 @@ class SandboxConfig:
             "drop_privileges": self.drop_privileges,
             "uid": self.sandbox_uid,
             "gid": self.sandbox_gid,
+            # The zygote replaces uid/gid by a fresh id from this range for each worker.
+            "uid_range": (
+                [self.worker_uid_base, self.worker_uid_count] if self.per_worker_uid else None
+            ),
         }

@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from spade_jax import seeding
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.envs.contract import (
@@ -49,6 +50,19 @@ log = logging.getLogger(__name__)
 
 # Tolerance on the [0, 1] episode-return bound (sums of partial rewards like 0.1 * 10).
 RETURN_TOLERANCE = 1e-6
+
+
+def arm_order(n_hint: int, n_no_hint: int, seed: int) -> list[tuple[str, int]]:
+    """A seeded random interleaving of the copies of one program: ("hint", i) and
+    ("no_hint", j) items, each once, in the order to open (and start) them, so that neither
+    arm is opened first. Pass `seed=derive_seed(experiment_seed, step, Phase.ARM_ORDER,
+    index)`. `EnvPool.open_many` also shuffles which worker each copy gets."""
+    for name, value in (("n_hint", n_hint), ("n_no_hint", n_no_hint)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    items = [("hint", i) for i in range(n_hint)] + [("no_hint", i) for i in range(n_no_hint)]
+    permutation = seeding.rng(seed, seeding.Phase.ARM_ORDER).permutation(len(items))
+    return [items[int(k)] for k in permutation]
 
 
 def reference_step_reward(raw_reward: float, terminated: bool) -> float:
@@ -111,7 +125,7 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
     ns_ok = namespaced and len(separate) == 4 and iso.get("root_read_only") is True
     seccomp_ok = iso.get("seccomp_mode") == 2 and all(
         attacks.get(k) == 1
-        for k in ("fork", "socket", "write_file")  # 1 = EPERM
+        for k in ("fork", "socket", "write_file", "signal_owner", "flock")  # 1 = EPERM
     )
     uid = iso.get("uid")
     layers = (
@@ -278,6 +292,9 @@ class EnvPool:
         self.config = config if config is not None else SandboxConfig()
         self.seed = seed
         self._rng = random.Random(seed)
+        self._order_rng = random.Random(
+            None if seed is None else seeding.derive_seed(seed, seeding.Phase.ARM_ORDER)
+        )
         self._lock = threading.RLock()
         self._spares: collections.deque[supervisor.WorkerProcess] = collections.deque()
         self._namespaced = self.config.use_namespaces and find_bwrap(self.config) is not None
@@ -347,12 +364,18 @@ class EnvPool:
             self._spares.append(self._spawn())
 
     def _take_worker(self) -> supervisor.WorkerProcess | SandboxError:
-        for _ in range(3):
-            worker = self._spares.popleft() if self._spares else self._spawn()
+        """A live worker: a spare if one is alive (a dead spare, e.g. one a co-tenant
+        managed to kill, is dropped and replaced), else a fresh one (three tries)."""
+        failures = 0
+        while failures < 3:
+            fresh = not self._spares
+            worker = self._spawn() if fresh else self._spares.popleft()
             hello = supervisor.await_hello(worker, self.config.load_deadline_s)
-            if not isinstance(hello, SandboxError):
+            if not isinstance(hello, SandboxError) and supervisor.still_alive(worker):
                 return worker
-            log.error("discarding a sandbox worker that failed to start: %s", hello)
+            log.error("discarding a sandbox worker that failed to start or died waiting: %s",
+                      hello if isinstance(hello, SandboxError) else worker.dead)
+            failures += fresh
         return SandboxError("crash", "three workers in a row failed to start")
 
     # -- programs ----------------------------------------------------------------------
@@ -369,8 +392,13 @@ class EnvPool:
         *,
         contract: str = AUTO_CONTRACT,
         max_turns: int = REFERENCE_MAX_TURNS,
+        order_seed: int | None = None,
     ) -> list[EnvHandle]:
         """Loads several programs (or copies of one) concurrently, one worker each.
+
+        Workers are handed to the sources in a random order (seeded by `order_seed`, else
+        by the pool's seed), so a copy's worker, pid and uid say nothing about its position
+        in `sources` (e.g. whether it is a hint-arm copy). Handles come back in input order.
 
         Args:
           sources: program texts.
@@ -385,10 +413,15 @@ class EnvPool:
         if type(max_turns) is not int or max_turns < 1:
             raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
         contracts = [resolve_contract(contract, source) for source in sources]
-        handles: list[EnvHandle] = []
+        handles: list[EnvHandle | None] = [None] * len(sources)
         calls = []
         with self._lock:
-            for source, kind in zip(sources, contracts, strict=True):
+            shuffle = (self._order_rng if order_seed is None
+                       else random.Random(seeding.derive_seed(order_seed, seeding.Phase.ARM_ORDER)))
+            order = list(range(len(sources)))
+            shuffle.shuffle(order)
+            for index in order:
+                source, kind = sources[index], contracts[index]
                 error = None
                 if self._isolation.missing and not self.config.allow_weak_isolation:
                     error = SandboxError(
@@ -405,8 +438,8 @@ class EnvPool:
                         worker = taken
                         load = {"op": "load", "source": source, "contract": kind,
                                 "max_turns": max_turns}  # fmt: skip
-                        calls.append((len(handles), worker, load))
-                handles.append(EnvHandle(self, source, worker, error, kind, max_turns))
+                        calls.append((index, worker, load))
+                handles[index] = EnvHandle(self, source, worker, error, kind, max_turns)
             self._refill()
         replies = supervisor.exchange(
             [(w, load, self.config.load_deadline_s) for _, w, load in calls]
@@ -419,7 +452,7 @@ class EnvPool:
                 worker.kill(error)
                 handles[index].worker = None
                 handles[index].error = error
-        return handles
+        return handles  # type: ignore[return-value]
 
     def reset_many(self, calls: Sequence[tuple[EnvHandle, int | None]]) -> list[ResetResult]:
         results: list[ResetResult | None] = [None] * len(calls)

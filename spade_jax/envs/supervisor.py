@@ -153,6 +153,26 @@ def _receive(worker: WorkerProcess, nonce: str) -> dict | SandboxError | None:
     return reply
 
 
+def still_alive(worker: WorkerProcess) -> bool:
+    """True if an idle worker (hello read, no request in flight) is still there: its end of
+    the channel is open and it sent nothing unasked. A worker killed while it waited as a
+    spare shows end of file here; one that sent unsolicited bytes is killed."""
+    if worker.dead is not None:
+        return False
+    try:
+        data = worker.channel.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError as err:
+        worker.kill(SandboxError("crash", f"worker channel failed: {err}"))
+        return False
+    if not data:
+        worker.kill(SandboxError("crash", "worker died while waiting"))
+    else:
+        worker.kill(SandboxError("protocol_violation", "worker sent data unasked"))
+    return False
+
+
 def await_hello(worker: WorkerProcess, deadline_s: float) -> dict | SandboxError:
     """Reads the worker's first message: what isolation it applied, as the kernel reports."""
     if worker.hello is not None:

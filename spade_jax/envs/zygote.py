@@ -64,7 +64,7 @@ def _warm_up(modules: list[str]) -> None:
         numpy.linalg.solve(numpy.eye(2), numpy.ones(2))
 
 
-def _reap(live: set[int]) -> None:
+def _reap(live: dict[int, int]) -> None:
     while live:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -73,10 +73,24 @@ def _reap(live: set[int]) -> None:
             return
         if pid == 0:
             return
-        live.discard(pid)
+        live.pop(pid, None)
 
 
-def _kill(pid: int, live: set[int]) -> None:
+def _pick_uid(limits: dict, live: dict[int, int]) -> None:
+    """Gives the worker about to be forked its own uid/gid: a random id of the configured
+    range that no live worker has (random, so the id does not reveal the load order)."""
+    if not limits.get("uid_range"):
+        return
+    base, count = (int(x) for x in limits["uid_range"])
+    taken = set(live.values())
+    while True:
+        uid = base + int.from_bytes(os.urandom(4), "little") % count
+        if uid not in taken:
+            limits["uid"] = limits["gid"] = uid
+            return
+
+
+def _kill(pid: int, live: dict[int, int]) -> None:
     if pid not in live:
         return  # already reaped: its pid may have been reused
     for kill in (os.killpg, os.kill):  # the group exists once the worker called setsid()
@@ -90,7 +104,7 @@ def serve(control_fd: int, preload: list[str]) -> None:
     sys.dont_write_bytecode = True
     _preload(preload)
     control = socket.socket(fileno=control_fd)
-    live: set[int] = set()
+    live: dict[int, int] = {}  # worker pid -> its uid
     while True:
         try:
             packet, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
@@ -103,15 +117,17 @@ def serve(control_fd: int, preload: list[str]) -> None:
         op = request.get("op")
         if op == "spawn":
             channel_fd = fds[0]
+            limits = request["limits"]
+            _pick_uid(limits, live)
             pid = os.fork()
             if pid == 0:
                 try:
                     control.close()
-                    worker.serve(channel_fd, request["limits"])
+                    worker.serve(channel_fd, limits)
                 finally:
                     os._exit(1)
             os.close(channel_fd)
-            live.add(pid)
+            live[pid] = int(limits.get("uid", 0))
             control.send(json.dumps({"n": request["n"], "pid": pid}).encode())
         elif op == "kill":
             _kill(int(request["pid"]), live)
