@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from spade_jax.envs import EnvPool, SandboxConfig
-from spade_jax.envs import supervisor
+from spade_jax.envs import EnvPool, SandboxConfig, supervisor
 from spade_jax.envs.pool import arm_order
 from spade_jax.envs.results import SandboxError
 

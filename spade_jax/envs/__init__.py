@@ -21,7 +21,13 @@ from spade_jax.envs.contract import (
     render_contract,
 )
 from spade_jax.envs.gym_env import ProgramLoadError, SandboxedTextEnv, make_env
-from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot, IsolationReport
+from spade_jax.envs.pool import (
+    EnvHandle,
+    EnvPool,
+    EpisodeSnapshot,
+    IsolationReport,
+    arm_order,
+)
 from spade_jax.envs.results import REASON_CODES, ResetResult, SandboxError, StepResult
 from spade_jax.envs.validate import (
     ValidationConfig,
@@ -51,6 +57,7 @@ __all__ = [
     "ValidationConfig",
     "ValidationReport",
     "ValidityTally",
+    "arm_order",
     "detect_contract",
     "make_env",
     "render_contract",
