@@ -148,6 +148,13 @@ class Zygote:
             theirs.close()
         return int(reply["pid"]), ours
 
+    def usage(self, pids: list[int]) -> dict[int, dict | None]:
+        """Per worker pid: {"cpu_s", "max_rss_kb", "rss_anon_kb"} as /proc reports them,
+        read by the zygote (never by the worker's own interpreter); None for a gone pid."""
+        with self._lock:
+            reply = self._request({"op": "usage", "pids": [int(p) for p in pids]})
+        return {int(p): u for p, u in reply["usage"].items()}
+
     def kill(self, pid: int) -> None:
         """SIGKILLs a worker's process group (fire and forget)."""
         with self._lock:

@@ -238,18 +238,17 @@ class EnvHandle:
         )
 
     def usage(self) -> dict[str, float] | SandboxError:
-        """CPU seconds and peak RSS (KiB) of this handle's worker, as it reports them."""
+        """CPU seconds and peak RSS (KiB) of this handle's worker, as the kernel counts
+        them (/proc, read by the zygote): nothing the program can patch or forge."""
         if self.worker is None:
             return self.error or SandboxError("closed")
-        reply = supervisor.exchange(
-            [(self.worker, {"op": "usage"}, self.pool.config.call_deadline_s)]
-        )[0]
-        if isinstance(reply, SandboxError):
-            return reply
-        cpu, rss = reply.get("cpu_s"), reply.get("max_rss_kb")
-        if type(cpu) not in (int, float) or type(rss) not in (int, float):
-            return SandboxError("bad_type", "usage reply")
-        return {"cpu_s": float(cpu), "max_rss_kb": float(rss)}
+        try:
+            usage = self.worker.zygote.usage([self.worker.pid]).get(self.worker.pid)
+        except ZygoteError as err:
+            return SandboxError("crash", f"zygote: {err}")
+        if usage is None:
+            return SandboxError("crash", "worker is gone")
+        return {"cpu_s": float(usage["cpu_s"]), "max_rss_kb": float(usage["max_rss_kb"])}
 
     def close(self) -> None:
         if self.worker is not None:

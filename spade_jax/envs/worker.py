@@ -318,10 +318,6 @@ class _Program:
             "info": _info(info),
         }
 
-    def usage(self, request: dict) -> dict:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {"cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_kb": usage.ru_maxrss}
-
 
 def _implicit_names() -> dict:
     """The recipe's import-free names, bound to the modules the zygote loaded (a module it
@@ -368,7 +364,7 @@ def _build_game(cls: type, max_turns: int):
 
 def _handle(program: _Program, request: dict) -> dict:
     op = request.get("op")
-    if op not in ("load", "reset", "step", "usage"):
+    if op not in ("load", "reset", "step"):
         return {"ok": False, "code": "protocol_violation", "detail": f"unknown op {op!r}"}
     if op in ("reset", "step") and program.env is None:
         return {"ok": False, "code": "episode_over", "detail": "no program loaded"}

@@ -10,6 +10,10 @@ Control channel: an AF_UNIX SOCK_SEQPACKET socket, one JSON object per packet.
   {"op": "spawn", "limits": {...}} + one passed fd  -> forks a worker on that fd, replies
                                                        {"pid": ...}
   {"op": "kill", "pid": P}                          -> SIGKILLs P's process group, no reply
+  {"op": "usage", "pids": [P, ...]}                 -> {"usage": {"P": {"cpu_s", "max_rss_kb",
+                                                        "rss_anon_kb"} or null}}: read from
+                                                       /proc by the zygote, outside the
+                                                       worker's interpreter
   {"op": "ping"}                                    -> {"pong": true, "pid": ...}
 End of file on the control channel (the trainer died or closed) ends the zygote.
 """
@@ -90,6 +94,28 @@ def _pick_uid(limits: dict, live: dict[int, int]) -> None:
             return
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def proc_usage(pid: int) -> dict | None:
+    """CPU seconds (user + system), peak and current anonymous RSS (KiB) of a process, as
+    the kernel counts them in /proc; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    kib = {key: int(status.get(key, "0 kB").split()[0]) for key in ("VmHWM", "RssAnon")}
+    return {
+        "cpu_s": (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS,
+        "max_rss_kb": kib["VmHWM"],
+        "rss_anon_kb": kib["RssAnon"],
+    }
+
+
 def _kill(pid: int, live: dict[int, int]) -> None:
     if pid not in live:
         return  # already reaped: its pid may have been reused
@@ -131,6 +157,10 @@ def serve(control_fd: int, preload: list[str]) -> None:
             control.send(json.dumps({"n": request["n"], "pid": pid}).encode())
         elif op == "kill":
             _kill(int(request["pid"]), live)
+        elif op == "usage":
+            usage = {str(p): proc_usage(int(p)) if int(p) in live else None
+                     for p in request["pids"]}  # fmt: skip
+            control.send(json.dumps({"n": request["n"], "usage": usage}).encode())
         elif op == "ping":
             control.send(json.dumps({"n": request["n"], "pong": True, "pid": os.getpid()}).encode())
         for fd in fds[1:]:
