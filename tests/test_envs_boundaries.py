@@ -8,11 +8,21 @@ overall validation deadline; host files out of sight; a pool-wide memory budget.
 
 from __future__ import annotations
 
+import math
 import textwrap
+import time
 
 import pytest
 
-from spade_jax.envs import EnvPool, SandboxConfig, ValidationConfig, validate_program
+from spade_jax.envs import (
+    EnvPool,
+    EnvProgramError,
+    SandboxConfig,
+    ValidationConfig,
+    make_env,
+    validate_program,
+    validate_programs,
+)
 
 HONEST = """
 import random
@@ -86,3 +96,99 @@ def test_usage_is_the_kernel_count(pool):
     usage = handle.usage()
     assert usage["max_rss_kb"] > 300 * 1024
     handle.close()
+
+
+# ----------------------------------------------------------------------------- rewards
+
+# Honest on small seeds (every seed the old validator used was small), poisonous on others.
+SEED_DEPENDENT = _paper(
+    "self.seed, self.t = seed, 0\nreturn 'go', {}",
+    """\
+    self.t += 1
+    if self.seed is not None and self.seed >= 5000:
+        return 'x', (1e300 if self.t == 1 else -1e300), self.t >= 2, False, {}
+    return 'x', (1.0 if self.t >= 2 else 0.0), self.t >= 2, False, {}""",
+)
+
+
+def test_every_step_reward_is_bounded_at_the_boundary(pool):
+    env = make_env(SEED_DEPENDENT, pool)
+    env.reset(seed=10**6)
+    with pytest.raises(EnvProgramError) as failed:
+        env.step("a")  # +1e300, which -1e300 would have cancelled into a "valid" return
+    assert failed.value.error.code == "reward_out_of_range"
+    env.close()
+    handle = pool.open(SEED_DEPENDENT)
+    handle.reset(10**6)
+    result = handle.step("a")
+    assert (result.reward, result.terminated, result.error.code) == (0.0, True,
+                                                                     "reward_out_of_range")
+    handle.close()
+
+
+@pytest.mark.parametrize("rewards,code", [
+    ((0.9, 0.9), "return_out_of_range"),  # each step fine, the running sum is not
+    ((-1.0, -0.5), "return_out_of_range"),
+    ((1.5,), "reward_out_of_range"),
+    ((float("nan"),), "nonfinite_reward"),
+])
+def test_running_return_stays_in_bounds(pool, rewards, code):
+    source = _paper(
+        "self.t = 0\nreturn 'go', {}",
+        f"self.t += 1\nr = {list(rewards)!r}\n"
+        "return 'x', r[self.t - 1], self.t >= len(r), False, {}",
+    ).replace("nan", "float('nan')")
+    env = make_env(source, pool)
+    env.reset(seed=0)
+    seen = []
+    with pytest.raises(EnvProgramError) as failed:
+        for _ in rewards:
+            seen.append(env.step("a")[1])
+    assert failed.value.error.code == code
+    # What reached the caller before the error is within the contract's bounds.
+    assert all(math.isfinite(r) for r in seen) and -1.0 <= sum(seen) <= 1.0
+    env.close()
+
+
+def test_validation_seeds_are_fresh_per_run(pool):
+    report = validate_program(SEED_DEPENDENT, pool=pool, seed=3)
+    assert report.code == "reward_out_of_range", report.reason
+    assert report.seed == 3
+    drawn = {validate_program(HONEST, pool=pool).seed for _ in range(3)}
+    assert len(drawn) == 3  # seed=None: fresh seeds each time
+    again = [validate_program(HONEST, pool=pool, seed=11) for _ in range(2)]
+    assert again[0].ok and again[0].transcript_hash == again[1].transcript_hash
+
+
+# ----------------------------------------------------------------------------- deadline
+
+SLEEPER = _paper(
+    "self.t = 0\nreturn 'zz', {}",
+    "import time\ntime.sleep(0.8)\nself.t += 1\nreturn 'z', 0.0, self.t >= 60, False, {}",
+)
+
+
+def test_validation_has_an_overall_deadline(pool):
+    config = ValidationConfig(max_total_s=3.0)
+    start = time.monotonic()
+    report = validate_program(SLEEPER, pool=pool, config=config)
+    elapsed = time.monotonic() - start
+    assert report.code == "validation_timeout", report.reason
+    assert elapsed < 3.0 + 4.0  # load (<= its own deadline) + kill + a loaded machine
+
+
+def test_validate_programs_runs_candidates_in_parallel(pool):
+    nap = _paper("import time\ntime.sleep(0.25)\nself.t = 0\nreturn 'go', {}",
+                 "self.t += 1\nreturn 'x', 0.0, True, False, {}")
+    sources = [nap, nap, "class Environment:\n    pass\n", nap]
+    start = time.monotonic()
+    reports = validate_programs(sources, pool=pool, seeds=[1, 2, 3, 4], max_parallel=4)
+    elapsed = time.monotonic() - start
+    assert [r.ok for r in reports] == [True, True, False, True]
+    assert reports[2].code == "missing_contract"
+    assert [r.seed for r in reports] == [1, 2, 3, 4]
+    # One validation resets 9 times (>= 2.25 s asleep); three run back to back would
+    # take >= 6.75 s.
+    single = reports[0].elapsed_s
+    assert single >= 2.0
+    assert elapsed < 2.2 * single, (elapsed, single)

@@ -20,7 +20,12 @@ from spade_jax.envs.contract import (
     detect_contract,
     render_contract,
 )
-from spade_jax.envs.gym_env import ProgramLoadError, SandboxedTextEnv, make_env
+from spade_jax.envs.gym_env import (
+    EnvProgramError,
+    ProgramLoadError,
+    SandboxedTextEnv,
+    make_env,
+)
 from spade_jax.envs.pool import (
     EnvHandle,
     EnvPool,
@@ -35,6 +40,7 @@ from spade_jax.envs.validate import (
     ValidityTally,
     summarize,
     validate_program,
+    validate_programs,
 )
 
 _LAZY = {"RG_SUITES", "make_reasoning_gym_env", "ReasoningGymEnv", "rg_tasks_by_category"}
@@ -47,6 +53,7 @@ __all__ = [
     "IsolationReport",
     "PROGRAM_CONTRACT",
     "REFERENCE_CONTRACT",
+    "EnvProgramError",
     "ProgramLoadError",
     "REASON_CODES",
     "ResetResult",
@@ -63,6 +70,7 @@ __all__ = [
     "render_contract",
     "summarize",
     "validate_program",
+    "validate_programs",
     *sorted(_LAZY),
 ]
 

@@ -50,6 +50,28 @@ log = logging.getLogger(__name__)
 
 # Tolerance on the [0, 1] episode-return bound (sums of partial rewards like 0.1 * 10).
 RETURN_TOLERANCE = 1e-6
+# Paper contract: bound on every step reward and on the running return during an episode.
+PAPER_STEP_REWARD_BOUND = 1.0
+
+
+def _reward_bound_error(
+    reward: float, episode_return: float, reference: bool
+) -> SandboxError | None:
+    """Why a (finite) step reward may not reach the agent, or None. Paper contract: every
+    step reward in [-1, 1] and the running return in [-1, 1] (so +1e300 then -1e300 does
+    not cancel into a valid return); the final return is checked in [0, 1] at episode end.
+    Reference contract: the game's raw step reward in [-10, 10] (the reported reward is
+    clipped to [-1, 1] and only on the terminating step)."""
+    if reference:
+        if abs(reward) <= REFERENCE_REWARD_BOUND:
+            return None
+        return SandboxError("reward_out_of_range", f"step reward {reward!r} outside [-10, 10]")
+    if not abs(reward) <= PAPER_STEP_REWARD_BOUND + RETURN_TOLERANCE:
+        return SandboxError("reward_out_of_range", f"step reward {reward!r} outside [-1, 1]")
+    total = episode_return + reward
+    if not -PAPER_STEP_REWARD_BOUND - RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
+        return SandboxError("return_out_of_range", f"running return {total!r} outside [-1, 1]")
+    return None
 
 
 def arm_order(n_hint: int, n_no_hint: int, seed: int) -> list[tuple[str, int]]:
@@ -217,11 +239,11 @@ class EnvHandle:
         """Hash of (seed, every observation, reward and flag) of the current episode."""
         return self._digest.hexdigest()
 
-    def reset(self, seed: int | None = None) -> ResetResult:
-        return self.pool.reset_many([(self, seed)])[0]
+    def reset(self, seed: int | None = None, *, deadline_s: float | None = None) -> ResetResult:
+        return self.pool.reset_many([(self, seed)], deadline_s=deadline_s)[0]
 
-    def step(self, action: str) -> StepResult:
-        return self.pool.step_many([(self, action)])[0]
+    def step(self, action: str, *, deadline_s: float | None = None) -> StepResult:
+        return self.pool.step_many([(self, action)], deadline_s=deadline_s)[0]
 
     def snapshot(self) -> EpisodeSnapshot:
         if self.seed is None:
@@ -453,7 +475,16 @@ class EnvPool:
                 handles[index].error = error
         return handles  # type: ignore[return-value]
 
-    def reset_many(self, calls: Sequence[tuple[EnvHandle, int | None]]) -> list[ResetResult]:
+    def _call_deadline(self, deadline_s: float | None) -> float:
+        """The per-call deadline, cut to `deadline_s` when a caller has less time left."""
+        if deadline_s is None:
+            return self.config.call_deadline_s
+        return max(0.0, min(self.config.call_deadline_s, deadline_s))
+
+    def reset_many(
+        self, calls: Sequence[tuple[EnvHandle, int | None]], *, deadline_s: float | None = None
+    ) -> list[ResetResult]:
+        """Resets many handles concurrently; `deadline_s` cuts the per-call deadline."""
         results: list[ResetResult | None] = [None] * len(calls)
         live = []
         for index, (handle, seed) in enumerate(calls):
@@ -466,7 +497,7 @@ class EnvPool:
             live.append((index, handle, seed))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "reset", "seed": s}, self.config.call_deadline_s)
+                (h.worker, {"op": "reset", "seed": s}, self._call_deadline(deadline_s))
                 for _, h, s in live
             ]
         )
@@ -483,8 +514,11 @@ class EnvPool:
             results[index] = result
         return results  # type: ignore[return-value]
 
-    def step_many(self, calls: Sequence[tuple[EnvHandle, str]]) -> list[StepResult]:
-        """Steps many handles concurrently (each in its own worker); one result per call."""
+    def step_many(
+        self, calls: Sequence[tuple[EnvHandle, str]], *, deadline_s: float | None = None
+    ) -> list[StepResult]:
+        """Steps many handles concurrently (each in its own worker); one result per call.
+        `deadline_s` cuts the per-call deadline (validation's overall budget)."""
         results: list[StepResult | None] = [None] * len(calls)
         live = []
         for index, (handle, action) in enumerate(calls):
@@ -498,7 +532,7 @@ class EnvPool:
                 live.append((index, handle, action[: self.config.max_action_chars]))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "step", "action": a}, self.config.call_deadline_s)
+                (h.worker, {"op": "step", "action": a}, self._call_deadline(deadline_s))
                 for _, h, a in live
             ]
         )
@@ -513,9 +547,9 @@ class EnvPool:
             handle._fail(result.error)
             return result
         reference = handle.contract == "reference"
-        if reference and not abs(result.reward) <= REFERENCE_REWARD_BOUND:
+        error = _reward_bound_error(result.reward, handle.episode_return, reference)
+        if error is not None:  # the episode ends here, as an env error, with nothing paid
             handle.done = True
-            error = SandboxError("reward_out_of_range", f"step reward {result.reward!r}")
             return dataclasses.replace(result, reward=0.0, terminated=True, error=error)
         handle.actions.append(action)
         budget = self.config.max_episode_steps
