@@ -9,6 +9,7 @@ overall validation deadline; host files out of sight; a pool-wide memory budget.
 from __future__ import annotations
 
 import math
+import os
 import textwrap
 import time
 
@@ -192,3 +193,55 @@ def test_validate_programs_runs_candidates_in_parallel(pool):
     single = reports[0].elapsed_s
     assert single >= 2.0
     assert elapsed < 2.2 * single, (elapsed, single)
+
+
+# ----------------------------------------------------------------------------- host files
+
+READ_FILES = _paper(
+    """\
+    import os
+    for path in @paths@:
+        try:
+            with open(path, 'rb') as f:
+                out = f.read(200).decode('latin-1')
+        except OSError as err:
+            out = type(err).__name__
+        self_listing = []
+        for folder in ('/', '/etc', '/tmp', '/home', '/root', '/work'):
+            try:
+                self_listing.append(','.join(os.listdir(folder)))
+            except OSError as err:
+                self_listing.append(type(err).__name__)
+        sys.stdout.write(out)
+        self.seen = getattr(self, 'seen', []) + [out] + self_listing
+    return ' | '.join(self.seen), {}""",
+)
+
+
+def test_host_files_are_out_of_sight(pool):
+    """A world-readable host file (in /tmp, /etc, the repository, site-packages of a
+    package the sandbox does not need) cannot be read from inside the sandbox."""
+    import tempfile
+
+    fd, secret_path = tempfile.mkstemp(prefix="spade-host-", dir="/tmp")
+    os.write(fd, b"host-secret-7d1e")
+    os.close(fd)
+    os.chmod(secret_path, 0o644)
+    pytest_init = os.path.realpath(pytest.__file__)
+    paths = [secret_path, "/etc/passwd", "/etc/hostname", os.path.realpath(__file__),
+             pytest_init]
+    try:
+        source = READ_FILES.replace("@paths@", repr(paths))
+        handle = pool.open(source)
+        observation = handle.reset(0).observation
+        handle.close()
+    finally:
+        os.unlink(secret_path)
+    assert observation, "the probe ran"
+    assert "host-secret-7d1e" not in observation
+    assert "root:" not in observation
+    with open(__file__, "rb") as f:
+        assert f.read(60).decode("latin-1") not in observation
+    with open(pytest_init, "rb") as f:
+        assert f.read(60).decode("latin-1") not in observation
+    assert "spade-host-" not in observation  # /tmp cannot even be listed

@@ -123,7 +123,7 @@ CASES = [
             setattr(builtins, name, lambda *a, **k: 1.0)
         sys.modules['spade_jax.envs.worker']._number = lambda v: v
         return 'won', 5.0, True, False, {}""", top="import builtins, sys"),
-        "forbidden_import", "return_out_of_range", call="step"),
+        "forbidden_import", "reward_out_of_range", call="step"),
     Case("nan_reward", _program(step="return 'x', float('nan'), True, False, {}"),
          "nonfinite_reward", "nonfinite_reward", call="step"),
     Case("inf_reward", _program(step="return 'x', float('inf'), True, False, {}"),
