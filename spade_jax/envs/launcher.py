@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -75,8 +76,6 @@ def package_paths(modules: tuple[str, ...]) -> tuple[str, ...]:
     read to import them. Standard-library modules have no distribution and add nothing."""
     from importlib import metadata
 
-    from packaging.requirements import Requirement
-
     providers = metadata.packages_distributions()
     todo = [dist for module in modules for dist in providers.get(module, ())]
     seen: set[str] = set()
@@ -96,9 +95,12 @@ def package_paths(modules: tuple[str, ...]) -> tuple[str, ...]:
             if top not in ("..", "__pycache__"):
                 paths.add(os.path.realpath(dist.locate_file(top)))
         for text in dist.requires or ():
-            requirement = Requirement(text)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                todo.append(requirement.name)
+            # "name[extras] (>=1) ; marker": a requirement of an extra is left out; other
+            # markers (python version, platform) are kept, which can only expose more.
+            requirement, _, marker = text.partition(";")
+            name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+            if name and "extra" not in marker:
+                todo.append(name.group(1))
     return tuple(sorted(p for p in paths if os.path.exists(p)))
 
 
