@@ -245,3 +245,44 @@ def test_host_files_are_out_of_sight(pool):
     with open(pytest_init, "rb") as f:
         assert f.read(60).decode("latin-1") not in observation
     assert "spade-host-" not in observation  # /tmp cannot even be listed
+
+
+# ----------------------------------------------------------------------------- pool memory
+
+HOG = """
+class Environment:
+    def reset(self, seed=None):
+        self.hold = b'x' * (300 << 20)  # written, so resident
+        self.t = 0
+        return 'holding', {}
+    def step(self, action):
+        self.t += 1
+        return 'still holding', 0.0, self.t >= 5, False, {}
+"""
+
+
+def test_pool_memory_budget_kills_the_largest_worker_with_a_clear_error():
+    config = SandboxConfig(call_deadline_s=5.0, memory_limit_mb=512, pool_memory_mb=700,
+                           reference_imports=frozenset(), spare_workers=1)
+    with EnvPool(config) as pool:
+        if pool.isolation_report().missing:
+            pytest.skip("sandbox layers missing here")
+        honest = pool.open(HONEST)
+        assert honest.reset(1).ok
+        hogs = pool.open_many([HOG] * 4)
+        pool.reset_many([(h, 0) for h in hogs])
+        time.sleep(1.0)  # the zygote checks every 0.1 s
+        results = pool.step_many([(h, "a") for h in hogs])
+        codes = [r.error.code if r.error else "ok" for r in results]
+        assert 2 <= codes.count("pool_memory_limit") <= 3, codes
+        assert set(codes) <= {"ok", "pool_memory_limit"}, codes
+        failed = next(r.error for r in results if r.error)
+        assert "700 MiB" in failed.detail and "largest" in failed.detail, failed.detail
+        # The small honest worker was not the one sacrificed.
+        assert honest.step("a").ok
+        for handle in (*hogs, honest):
+            handle.close()
+        # With the hogs gone, the pool works as before.
+        again = pool.open(HONEST)
+        assert again.reset(2).ok and again.step("a").ok
+        again.close()

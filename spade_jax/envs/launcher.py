@@ -233,6 +233,14 @@ class Zygote:
             reply = self._request({"op": "usage", "pids": [int(p) for p in pids]})
         return {int(p): u for p, u in reply["usage"].items()}
 
+    def death_reason(self, pid: int) -> str | None:
+        """Why the zygote itself killed worker `pid` (the pool memory budget), or None."""
+        try:
+            with self._lock:
+                return self._request({"op": "why", "pid": int(pid)}).get("reason")
+        except ZygoteError:
+            return None
+
     def kill(self, pid: int) -> None:
         """SIGKILLs a worker's process group (fire and forget)."""
         with self._lock:

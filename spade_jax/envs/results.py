@@ -26,6 +26,8 @@ REASON_CODES: dict[str, str] = {
     "timeout": "a call ran past its wall-clock deadline; the worker was killed",
     "crash": "the worker process died during a call",
     "memory_limit": "the program hit the address-space limit",
+    "pool_memory_limit": "the pool's workers together went over the pool memory budget and "
+    "this worker, the largest, was killed",
     "program_error": "reset() or step() raised an exception",
     "bad_type": "a returned value has the wrong type or shape",
     "nonfinite_reward": "a reward is NaN, infinite or out of float range",

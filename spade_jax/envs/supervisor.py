@@ -48,6 +48,16 @@ class WorkerProcess:
             self.zygote.kill(self.pid)
             self.channel.close()
 
+    def died(self, detail: str) -> SandboxError:
+        """The worker is gone unasked: marks it dead with the reason the zygote gives (it
+        kills the largest worker when the pool goes over its memory budget), else crash."""
+        reason = self.zygote.death_reason(self.pid)
+        if reason is not None:
+            self.kill(SandboxError("pool_memory_limit", reason))
+        else:
+            self.kill(SandboxError("crash", detail))
+        return self.dead  # type: ignore[return-value]
+
     def close(self) -> None:
         """Normal end of life: closing our end makes the worker read EOF and exit; the
         kill is there in case a program is still computing."""
@@ -76,8 +86,7 @@ def exchange(
         except BlockingIOError:
             _send_slow(worker, protocol.encode(request), start + deadline_s)
         except OSError as err:
-            worker.kill(SandboxError("crash", f"worker channel closed: {err}"))
-            results[index] = worker.dead
+            results[index] = worker.died(f"worker channel closed: {err}")
             continue
         if worker.dead is not None:
             results[index] = worker.dead
@@ -123,7 +132,7 @@ def _send_slow(worker: WorkerProcess, data: bytes, deadline: float) -> None:
         except BlockingIOError:
             continue
         except OSError as err:
-            worker.kill(SandboxError("crash", f"worker channel closed: {err}"))
+            worker.died(f"worker channel closed: {err}")
             return
 
 
@@ -136,8 +145,7 @@ def _receive(worker: WorkerProcess, nonce: str) -> dict | SandboxError | None:
         chunk = b""
         del err
     if not chunk:
-        worker.kill(SandboxError("crash", "worker died during the call"))
-        return worker.dead
+        return worker.died("worker died during the call")
     try:
         messages = worker.reader.feed(chunk)
     except protocol.ProtocolError as err:

@@ -14,6 +14,8 @@ Control channel: an AF_UNIX SOCK_SEQPACKET socket, one JSON object per packet.
                                                         "rss_anon_kb"} or null}}: read from
                                                        /proc by the zygote, outside the
                                                        worker's interpreter
+  {"op": "why", "pid": P}                           -> {"reason": why the zygote killed P
+                                                       (pool memory budget) or null}
   {"op": "ping"}                                    -> {"pong": true, "pid": ...}
 End of file on the control channel (the trainer died or closed) ends the zygote.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -126,12 +129,61 @@ def _kill(pid: int, live: dict[int, int]) -> None:
             pass
 
 
+# How often the zygote checks the pool-wide memory budget while workers are alive.
+MEMORY_POLL_S = 0.1
+
+
+class _Workers:
+    """The zygote's live workers, their uids, and why the zygote killed any of them."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}  # worker pid -> its uid
+        self.reasons: dict[int, str] = {}  # pid -> why the zygote killed it (until asked)
+        self.budget_kb = 0  # pool-wide budget of the workers' own memory; 0 = none
+        own = proc_usage(os.getpid()) or {}
+        # Anonymous memory every worker inherits from the zygote (copy-on-write, shared):
+        # not counted against the budget, only what a worker allocated itself.
+        self.baseline_kb = int(own.get("rss_anon_kb", 0))
+
+    def spawned(self, pid: int, uid: int) -> None:
+        self.live[pid] = uid
+        self.reasons.pop(pid, None)  # a reused pid: an old reason is not this worker's
+
+    def enforce_budget(self) -> None:
+        """Kills the worker using the most memory while the workers together use more
+        than the budget, recording why (the supervisor asks when it sees the death)."""
+        if not self.budget_kb:
+            return
+        own = {}
+        for pid in list(self.live):
+            usage = proc_usage(pid)
+            if usage is not None:
+                own[pid] = max(0, usage["rss_anon_kb"] - self.baseline_kb)
+        total = sum(own.values())
+        while own and total > self.budget_kb:
+            pid = max(own, key=own.__getitem__)
+            self.reasons[pid] = (
+                f"the pool's workers used {total >> 10} MiB together, over the pool memory "
+                f"budget of {self.budget_kb >> 10} MiB; this worker, the largest, used "
+                f"{own[pid] >> 10} MiB"
+            )
+            _kill(pid, self.live)
+            total -= own.pop(pid)
+
+
 def serve(control_fd: int, preload: list[str]) -> None:
     sys.dont_write_bytecode = True
     _preload(preload)
     control = socket.socket(fileno=control_fd)
-    live: dict[int, int] = {}  # worker pid -> its uid
+    workers = _Workers()
+    live = workers.live
     while True:
+        if live and workers.budget_kb:
+            ready, _, _ = select.select([control], [], [], MEMORY_POLL_S)
+            if not ready:
+                _reap(live)
+                workers.enforce_budget()
+                continue
         try:
             packet, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
         except InterruptedError:
@@ -140,28 +192,40 @@ def serve(control_fd: int, preload: list[str]) -> None:
             os._exit(0)
         _reap(live)
         request = json.loads(packet)
-        op = request.get("op")
-        if op == "spawn":
-            channel_fd = fds[0]
-            limits = request["limits"]
-            _pick_uid(limits, live)
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    control.close()
-                    worker.serve(channel_fd, limits)
-                finally:
-                    os._exit(1)
-            os.close(channel_fd)
-            live[pid] = int(limits.get("uid", 0))
-            control.send(json.dumps({"n": request["n"], "pid": pid}).encode())
-        elif op == "kill":
-            _kill(int(request["pid"]), live)
-        elif op == "usage":
-            usage = {str(p): proc_usage(int(p)) if int(p) in live else None
-                     for p in request["pids"]}  # fmt: skip
-            control.send(json.dumps({"n": request["n"], "usage": usage}).encode())
-        elif op == "ping":
-            control.send(json.dumps({"n": request["n"], "pong": True, "pid": os.getpid()}).encode())
+        reply = _serve_one(control, request, fds, workers)
+        if reply is not None:
+            control.send(json.dumps({"n": request["n"], **reply}).encode())
         for fd in fds[1:]:
             os.close(fd)
+
+
+def _serve_one(control: socket.socket, request: dict, fds: list[int], workers: _Workers):
+    """Handles one control request; returns the reply's fields, or None for no reply."""
+    op = request.get("op")
+    live = workers.live
+    if op == "spawn":
+        channel_fd = fds[0]
+        limits = request["limits"]
+        workers.budget_kb = int(limits.get("pool_memory_bytes") or 0) >> 10
+        _pick_uid(limits, live)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                control.close()
+                worker.serve(channel_fd, limits)
+            finally:
+                os._exit(1)
+        os.close(channel_fd)
+        workers.spawned(pid, int(limits.get("uid", 0)))
+        return {"pid": pid}
+    if op == "kill":
+        _kill(int(request["pid"]), live)
+        return None
+    if op == "usage":
+        pids = [int(p) for p in request["pids"]]
+        return {"usage": {str(p): proc_usage(p) if p in live else None for p in pids}}
+    if op == "why":
+        return {"reason": workers.reasons.pop(int(request["pid"]), None)}
+    if op == "ping":
+        return {"pong": True, "pid": os.getpid()}
+    return {"error": f"unknown op {op!r}"}
