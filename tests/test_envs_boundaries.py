@@ -286,3 +286,70 @@ def test_pool_memory_budget_kills_the_largest_worker_with_a_clear_error():
         again = pool.open(HONEST)
         assert again.reset(2).ok and again.step("a").ok
         again.close()
+
+
+# ----------------------------------------------------------------------------- smaller ones
+
+def test_reset_failure_raises_instead_of_an_empty_observation(pool):
+    source = _paper("if seed == 1:\n    raise ValueError('no')\nreturn 'fine', {}")
+    env = make_env(source, pool)
+    assert env.reset(seed=0)[0] == "fine"
+    with pytest.raises(EnvProgramError) as failed:
+        env.reset(seed=1)
+    assert failed.value.error.code == "program_error" and "no" in failed.value.error.detail
+    env.close()
+
+
+DEEP_INFO = _paper(
+    """\
+    sys.modules['spade_jax.envs.worker']._info = lambda value: value  # skip the worker's cap
+    deep = 'bottom'
+    for _ in range(300):
+        deep = {'a': deep}
+    wide = {f'k{i}': i for i in range(5000)}
+    return 'x', {'deep': deep, 'wide': wide, 'big': 10 ** 30, 'text': 'y' * 10 ** 5,
+                 'rows': [[1, 2]] * 100}""",
+)
+
+
+def test_nested_info_is_flattened_and_bounded(pool):
+    handle = pool.open(DEEP_INFO)
+    result = handle.reset(0)
+    assert result.ok, result.error
+    info = result.info
+    assert len(info) <= 64
+    for key, value in info.items():
+        assert type(key) is str
+        assert value is None or type(value) in (bool, int, float, str, list), (key, value)
+        if type(value) is list:
+            assert all(type(v) in (bool, int, float, str) or v is None for v in value)
+        if type(value) is str:
+            assert len(value) <= 1000
+    assert type(info["deep.a.a.a"]) is str and info["deep.a.a.a"].startswith('{"a"')
+    assert info["big"] == "<int of 100 bits>"
+    assert len(info["text"]) == 1000
+    assert "wide.k0" in info and info["wide.k0"] == 0
+    handle.close()
+
+
+def test_default_pool_retries_a_zygote_killed_at_start(monkeypatch):
+    from spade_jax.envs import launcher, validate
+
+    original = launcher.Zygote._request
+    killed = []
+
+    def request(self, message, fds=()):
+        if not killed:  # the first zygote dies before it answers its first request
+            killed.append(self._process.pid)
+            os.killpg(self._process.pid, 9)
+            self._process.wait()
+        return original(self, message, fds)
+
+    monkeypatch.setattr(launcher.Zygote, "_request", request)
+    monkeypatch.setattr(validate, "_default_pool", None)
+    try:
+        report = validate_program(HONEST)
+        assert killed and report.ok, report.reason
+    finally:
+        if validate._default_pool is not None:
+            validate._default_pool.close()

@@ -319,8 +319,7 @@ class EnvPool:
         self._lock = threading.RLock()
         self._spares: collections.deque[supervisor.WorkerProcess] = collections.deque()
         self._namespaced = self.config.use_namespaces and find_bwrap(self.config) is not None
-        self._zygote = self._start_zygote()
-        self._isolation = self._probe()
+        self._zygote, self._isolation = self._start_and_probe()
         if self._isolation.missing:
             message = (
                 f"SANDBOX WEAK: layers missing: {', '.join(self._isolation.missing)}. "
@@ -342,6 +341,23 @@ class EnvPool:
         if self.config.use_namespaces and not self._namespaced:
             log.warning("bubblewrap not found: the sandbox runs without namespaces")
         return Zygote(self.config, use_namespaces=self._namespaced)
+
+    def _start_and_probe(self, attempts: int = 3) -> tuple[Zygote, IsolationReport]:
+        """Starts the zygote and measures the layers; a zygote (or probe worker) that dies
+        during start-up, e.g. killed by a loaded host, is replaced (up to `attempts`)."""
+        for attempt in range(1, attempts + 1):
+            zygote = None
+            try:
+                zygote = self._zygote = self._start_zygote()
+                return zygote, self._probe()
+            except ZygoteError as err:
+                if zygote is not None:
+                    zygote.close()
+                if attempt == attempts:
+                    raise
+                log.error("sandbox zygote failed to start (%s); retrying (%d/%d)",
+                          err, attempt, attempts)
+        raise AssertionError("unreachable")
 
     def _probe(self) -> IsolationReport:
         limits = dict(self.config.worker_limits(), probe=True)

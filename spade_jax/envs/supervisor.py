@@ -9,6 +9,9 @@ interpreter, whatever the worker claimed. Any violation, timeout or death become
 
 from __future__ import annotations
 
+import collections
+import itertools
+import json
 import math
 import os
 import select
@@ -232,6 +235,53 @@ def _check_observation(value: Any, config: SandboxConfig) -> SandboxError | None
     return None
 
 
+# What an info dict may carry into the trainer: nested dicts are flattened to dotted keys
+# down to this depth, at most this many keys, text values cut to this length.
+MAX_INFO_DEPTH = 4
+MAX_INFO_KEYS = 64
+MAX_INFO_TEXT = 1000
+MAX_INFO_LIST = 64
+
+
+def bounded_info(info: dict) -> dict[str, Any]:
+    """A flat, bounded copy of a program's info dict (already plain JSON): nested dicts
+    become dotted keys ("a.b.c") down to MAX_INFO_DEPTH (a nested dict contributes at most
+    MAX_INFO_KEYS // 4 keys), deeper values and long or nested
+    lists become JSON text cut to MAX_INFO_TEXT characters, non-finite floats their repr;
+    at most MAX_INFO_KEYS keys. Nothing nested or unbounded reaches the trainer."""
+    out: dict[str, Any] = {}
+    queue = collections.deque([("", info, 0)])  # breadth first: top-level keys come first
+    while queue and len(out) < MAX_INFO_KEYS:
+        prefix, value, depth = queue.popleft()
+        if type(value) is dict and depth < MAX_INFO_DEPTH:
+            fanout = MAX_INFO_KEYS if depth == 0 else MAX_INFO_KEYS // 4  # one wide dict
+            for key, item in itertools.islice(value.items(), fanout):  # cannot take all
+                queue.append((f"{prefix}.{key}" if prefix else str(key), item, depth + 1))
+        else:
+            out[prefix[:MAX_INFO_TEXT] or "_"] = _bounded_value(value)
+    return out
+
+
+def _bounded_value(value: Any) -> Any:
+    kind = type(value)
+    if value is None or kind is bool:
+        return value
+    if kind is int:
+        return value if abs(value) < 2**63 else f"<int of {value.bit_length()} bits>"
+    if kind is float:
+        return value if math.isfinite(value) else repr(value)
+    if kind is str:
+        return value[:MAX_INFO_TEXT]
+    if kind is list and len(value) <= MAX_INFO_LIST and all(
+        item is None or type(item) in (bool, int, float, str) for item in value
+    ):
+        return [_bounded_value(item) for item in value]
+    try:
+        return json.dumps(value)[:MAX_INFO_TEXT]
+    except (RecursionError, ValueError, TypeError):
+        return "<nested too deep>"
+
+
 def check_reset(reply: dict | SandboxError, config: SandboxConfig) -> ResetResult:
     error = _error_of(reply)
     if error is not None:
@@ -240,7 +290,7 @@ def check_reset(reply: dict | SandboxError, config: SandboxConfig) -> ResetResul
     error = _check_observation(observation, config)
     if error is None and type(info) is not dict:
         error = SandboxError("bad_type", f"info is {type(info).__name__}")
-    return failed_reset(error) if error else ResetResult(observation, info)
+    return failed_reset(error) if error else ResetResult(observation, bounded_info(info))
 
 
 def check_step(reply: dict | SandboxError, config: SandboxConfig) -> StepResult:
@@ -266,7 +316,7 @@ def check_step(reply: dict | SandboxError, config: SandboxConfig) -> StepResult:
             error = SandboxError("nonfinite_reward", f"reward {reward!r}")
     if error is not None:
         return failed_step(error)
-    return StepResult(observation, reward, terminated, truncated, info)
+    return StepResult(observation, reward, terminated, truncated, bounded_info(info))
 
 
 def pid_alive(pid: int) -> bool:
