@@ -119,6 +119,20 @@ def proc_usage(pid: int) -> dict | None:
     }
 
 
+_PAGE_KB = os.sysconf("SC_PAGE_SIZE") >> 10
+
+
+def _anon_kb(pid: int) -> int | None:
+    """Anonymous resident memory (KiB) of a process: resident minus file-backed and shared
+    pages, from /proc/<pid>/statm (cheaper than status; read every MEMORY_POLL_S)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE_KB
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _kill(pid: int, live: dict[int, int]) -> None:
     if pid not in live:
         return  # already reaped: its pid may have been reused
@@ -140,10 +154,9 @@ class _Workers:
         self.live: dict[int, int] = {}  # worker pid -> its uid
         self.reasons: dict[int, str] = {}  # pid -> why the zygote killed it (until asked)
         self.budget_kb = 0  # pool-wide budget of the workers' own memory; 0 = none
-        own = proc_usage(os.getpid()) or {}
         # Anonymous memory every worker inherits from the zygote (copy-on-write, shared):
         # not counted against the budget, only what a worker allocated itself.
-        self.baseline_kb = int(own.get("rss_anon_kb", 0))
+        self.baseline_kb = _anon_kb(os.getpid()) or 0
 
     def spawned(self, pid: int, uid: int) -> None:
         self.live[pid] = uid
@@ -156,9 +169,9 @@ class _Workers:
             return
         own = {}
         for pid in list(self.live):
-            usage = proc_usage(pid)
-            if usage is not None:
-                own[pid] = max(0, usage["rss_anon_kb"] - self.baseline_kb)
+            anon = _anon_kb(pid)
+            if anon is not None:
+                own[pid] = max(0, anon - self.baseline_kb)
         total = sum(own.values())
         while own and total > self.budget_kb:
             pid = max(own, key=own.__getitem__)
