@@ -135,6 +135,17 @@ def test_hostile_cotenant_cannot_kill_honest_workers(pool):
         handle.close()
 
 
+def test_a_worker_sees_no_other_process(pool):
+    """Own uid + /proc mounted with hidepid: the only pid a worker finds is its own."""
+    probe = _hostile("import os\nout.append(sorted(int(p) for p in os.listdir('/proc') "
+                     "if p.isdigit()) == [os.getpid()])")
+    handles = pool.open_many([probe] * 3)
+    assert [h.reset(0).observation for h in handles] == ["True"] * 3
+    for handle in handles:
+        handle.close()
+    assert pool.isolation_report().as_dict()["hidden_processes"]["active"]
+
+
 def test_workers_run_under_distinct_uids(pool):
     probe = _hostile("import os\nout.append(os.getuid())")
     handles = pool.open_many([probe] * 4)

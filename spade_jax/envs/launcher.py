@@ -147,8 +147,9 @@ def _bwrap_prefix(bwrap: str, modules: tuple[str, ...]) -> list[str]:
     for key, value in _CLEAN_ENV.items():
         args += ["--setenv", key, value]
     if os.geteuid() == 0:
-        # Kept so the zygote can setuid() workers to the sandbox uid and SIGKILL them.
-        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL"):
+        # Kept so the zygote can setuid() workers to the sandbox uid and SIGKILL them;
+        # CAP_SYS_ADMIN only to remount /proc with hidepid at start, then dropped.
+        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SYS_ADMIN"):
             args += ["--cap-add", cap]
     else:
         args += ["--unshare-user"]

@@ -150,6 +150,8 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
         for k in ("fork", "socket", "write_file", "signal_owner", "flock")  # 1 = EPERM
     )
     uid = iso.get("uid")
+    no_caps = iso.get("cap_eff") is not None and int(str(iso.get("cap_eff")), 16) == 0
+    hides = namespaced and config.drop_privileges and os.geteuid() == 0
     layers = (
         IsolationLayer(
             "static_gate", config.static_gate, "parse, caps, import allow-list", required=False
@@ -160,8 +162,15 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
         IsolationLayer("no_new_privs", iso.get("no_new_privs") is True, "PR_SET_NO_NEW_PRIVS"),
         IsolationLayer(
             "unprivileged_uid",
-            uid not in (None, 0, os.getuid()),
-            f"worker uid {uid}, trainer uid {os.getuid()}",
+            uid not in (None, 0, os.getuid()) and no_caps,
+            f"worker uid {uid} (one per worker: {config.per_worker_uid}), trainer uid "
+            f"{os.getuid()}, effective capabilities {iso.get('cap_eff')}",
+        ),
+        IsolationLayer(
+            "hidden_processes",
+            iso.get("visible_pids") == 1,
+            f"{iso.get('visible_pids')} pids visible in the worker's /proc (hidepid)",
+            required=hides,
         ),
         IsolationLayer(
             "seccomp",

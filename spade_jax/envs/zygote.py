@@ -154,6 +154,7 @@ class _Workers:
         self.live: dict[int, int] = {}  # worker pid -> its uid
         self.reasons: dict[int, str] = {}  # pid -> why the zygote killed it (until asked)
         self.budget_kb = 0  # pool-wide budget of the workers' own memory; 0 = none
+        self.proc_hidden = False  # /proc remounted so workers see only themselves
         # Anonymous memory every worker inherits from the zygote (copy-on-write, shared):
         # not counted against the budget, only what a worker allocated itself.
         self.baseline_kb = _anon_kb(os.getpid()) or 0
@@ -184,11 +185,44 @@ class _Workers:
             total -= own.pop(pid)
 
 
+_CAP_SYS_ADMIN = 21
+
+
+def _hide_processes() -> bool:
+    """Remounts this namespace's /proc with hidepid=2,gid=0, so a worker (its own uid and
+    gid, no groups) sees only itself there while the zygote (gid 0) still sees every
+    worker; then drops CAP_SYS_ADMIN, which only this needed. False if not possible (not
+    root, or bubblewrap did not grant the capability)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_remount, ms_nosuid, ms_nodev, ms_noexec = 32, 2, 4, 8
+    flags = ms_remount | ms_nosuid | ms_nodev | ms_noexec
+    hidden = libc.mount(b"proc", b"/proc", b"proc", flags, b"hidepid=2,gid=0") == 0
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
+
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) == 0:
+        for field in ("effective", "permitted", "inheritable"):
+            setattr(data[0], field, getattr(data[0], field) & ~(1 << _CAP_SYS_ADMIN))
+        libc.capset(ctypes.byref(header), data)
+    libc.prctl(47, 3, _CAP_SYS_ADMIN, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_LOWER
+    libc.prctl(24, _CAP_SYS_ADMIN, 0, 0, 0)  # PR_CAPBSET_DROP
+    return hidden
+
+
 def serve(control_fd: int, preload: list[str]) -> None:
     sys.dont_write_bytecode = True
     _preload(preload)
+    hidden = _hide_processes()
     control = socket.socket(fileno=control_fd)
     workers = _Workers()
+    workers.proc_hidden = hidden
     live = workers.live
     while True:
         if live and workers.budget_kb:
@@ -240,5 +274,5 @@ def _serve_one(control: socket.socket, request: dict, fds: list[int], workers: _
     if op == "why":
         return {"reason": workers.reasons.pop(int(request["pid"]), None)}
     if op == "ping":
-        return {"pong": True, "pid": os.getpid()}
+        return {"pong": True, "pid": os.getpid(), "proc_hidden": workers.proc_hidden}
     return {"error": f"unknown op {op!r}"}
