@@ -115,11 +115,17 @@ def _filesystem_args(modules: tuple[str, ...]) -> list[str]:
     executable = os.path.realpath(sys.executable)
     if not executable.startswith(prefix + os.sep):
         args += ["--ro-bind", executable, executable]
+    if not os.path.abspath(sys.executable).startswith(prefix + os.sep):  # a venv's python
+        args += ["--ro-bind", sys.executable, os.path.abspath(sys.executable)]
+        venv_config = os.path.join(sys.prefix, "pyvenv.cfg")
+        if os.path.exists(venv_config):
+            args += ["--ro-bind", venv_config, venv_config]
     sites = {os.path.realpath(p) for key in ("purelib", "platlib")
              if (p := sysconfig.get_paths().get(key))}  # fmt: skip
-    for site in sorted(sites):
-        if site.startswith(prefix + os.sep) and os.path.isdir(site):
-            args += ["--tmpfs", site]
+    masked = [site for site in sorted(sites)
+              if site.startswith(prefix + os.sep) and os.path.isdir(site)]  # fmt: skip
+    for site in masked:
+        args += ["--tmpfs", site]
     for path in package_paths(modules):
         args += ["--ro-bind", path, path]
     envs = os.path.join(_PACKAGE_ROOT, "envs")
@@ -133,7 +139,7 @@ def _filesystem_args(modules: tuple[str, ...]) -> list[str]:
         elif os.path.isdir(path) and path not in ("/bin", "/sbin"):
             args += ["--ro-bind", path, path]
     args += ["--dev", "/dev", "--proc", "/proc"]
-    args += [item for site in sorted(sites) for item in ("--remount-ro", site)]
+    args += [item for site in masked for item in ("--remount-ro", site)]
     return args + ["--remount-ro", "/"]
 
 
