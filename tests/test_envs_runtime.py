@@ -77,7 +77,8 @@ def test_isolation_layers_are_measured_active(pool):
     if not report.complete:
         pytest.skip(f"layers missing on this machine: {report.missing}")
     layers = report.as_dict()
-    for name in ("rlimits", "no_new_privs", "unprivileged_uid", "seccomp", "namespaces"):
+    for name in ("rlimits", "no_new_privs", "unprivileged_uid", "seccomp", "namespaces",
+                 "hidden_processes"):
         assert layers[name]["active"], layers[name]
     assert "pid" in layers["namespaces"]["detail"] and "net" in layers["namespaces"]["detail"]
 
