@@ -28,6 +28,7 @@ from flax import nnx
 
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.rollout.sampler import SamplerConfig, sample
+from spade_jax.seeding import derive_seed
 
 _PROBE_USER, _PROBE_ASSISTANT = "x", "y"
 
@@ -43,7 +44,8 @@ class AgentLoopConfig:
       system_prompt: optional system turn before the first observation.
       enable_thinking: passed to the chat template's generation prompt.
       sampler: temperature / top-p / top-k / buckets; its max_new_tokens is replaced by the
-        per-turn budget and its seed offset by the round number.
+        per-turn budget, and its seed is the base of the batch's sampler calls when
+        ``run_episodes`` gets no ``seed`` (call i draws with ``derive_seed(base, i)``).
       overlap_env_steps: pipeline two half-batches so env steps overlap generation.
       env_threads: host threads stepping environments.
     """
@@ -172,9 +174,17 @@ def run_episodes(
     parser: Callable[[str], tuple[str, bool]] | None = None,
     router_hook: Callable | None = None,
     mesh: Any = None,
+    seed: int | None = None,
 ) -> list[EpisodeRecord]:
-    """Runs every episode to its end; returns their records in input order."""
+    """Runs every episode to its end; returns their records in input order.
+
+    seed: base of this batch's sampling noise: sampler call i (one per half-batch turn)
+      draws with ``derive_seed(seed, i)``, recorded per turn in ``sampler_seeds``. Pass a
+      different seed per batch, e.g. ``derive_seed(experiment_seed, step, Phase.AGENT, k)``:
+      two batches with one seed draw the same noise. None = ``config.sampler.seed``.
+    """
     config = config or AgentLoopConfig()
+    base_seed = config.sampler.seed if seed is None else seed
     parser = parser or ActionParser()
     turns = ChatTurns(tokenizer, config.system_prompt, config.enable_thinking)
     eps = [_Episode(s, EpisodeRecord(env_id=s.env_id, seed=s.seed)) for s in episodes]
@@ -186,7 +196,7 @@ def run_episodes(
                 ep.record.append(turns.first_prompt(ep.record.observations[0]), policy=False)
         halves = [eps[0::2], eps[1::2]] if config.overlap_env_steps and len(eps) > 1 else [eps]
         pending: dict[int, concurrent.futures.Future] = {}
-        round_ = 0
+        sampler_call = 0
         while any(ep.active for ep in eps) or pending:
             for h, half in enumerate(halves):
                 if h in pending:  # this half's env steps ran while the other half generated
@@ -196,8 +206,8 @@ def run_episodes(
                 if not live:
                     continue
                 _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh,
-                             round_)
-                round_ += 1
+                             derive_seed(base_seed, sampler_call))
+                sampler_call += 1
                 stepping = [ep for ep in live if ep.active]
                 if stepping:
                     pending[h] = pool.submit(lambda eps_=stepping: list(map(_step, eps_)))
@@ -206,8 +216,9 @@ def run_episodes(
     return [ep.record for ep in eps]
 
 
-def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh, round_):
-    """Generates one assistant turn for every live episode (one batched sampler call)."""
+def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh, seed):
+    """Generates one assistant turn for every live episode (one batched sampler call
+    drawing with ``seed``)."""
     for ep in live:
         if len(ep.record.token_ids) >= config.max_episode_tokens:
             ep.active, ep.record.end_reason, ep.record.truncated = False, "max_tokens", True
@@ -216,7 +227,6 @@ def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mes
         return
     budgets = [min(config.max_turn_tokens, config.max_episode_tokens - len(ep.record.token_ids))
                for ep in live]
-    seed = config.sampler.seed + round_
     sampler_config = dataclasses.replace(config.sampler, max_new_tokens=config.max_turn_tokens,
                                          seed=seed)
     result = sample(model, [ep.record.token_ids for ep in live], sampler_config,
