@@ -253,7 +253,7 @@ def run_episodes(
         indexed = list(enumerate(eps))
         halves = ([indexed[0::2], indexed[1::2]] if config.overlap_env_steps and len(eps) > 1
                   else [indexed])
-        pending: dict[int, tuple[list, concurrent.futures.Future]] = {}
+        pending: dict[int, tuple[list, dict[int, concurrent.futures.Future]]] = {}
         sampler_call = 0
         while any(ep.active for ep in eps) or pending:
             for h, half in enumerate(halves):
