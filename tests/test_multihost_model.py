@@ -278,5 +278,19 @@ def test_each_episode_is_stepped_by_its_owner_only(runs):
     assert {name for _, name, _ in d1["env_calls"]} == {"d1"}
 
 
+def test_episode_owner_splits_a_batch_into_contiguous_blocks():
+    from spade_jax.rollout.agent_loop import episode_owner, owns_episode
+
+    # The 30B recipe on v5p-64 (8 hosts): 192 plays a step, 576 at a regeneration step.
+    for episodes, share in ((192, 24), (576, 72)):
+        owners = [episode_owner(i, episodes, 8) for i in range(episodes)]
+        assert owners == sorted(owners) and [owners.count(h) for h in range(8)] == [share] * 8
+    assert [episode_owner(i, 5, 2) for i in range(5)] == [0, 0, 0, 1, 1]
+    assert [episode_owner(i, 3, 8) for i in range(3)] == [0, 2, 5]  # fewer episodes than hosts
+    assert all(owns_episode(i, 7) for i in range(7))  # this pytest process is one host
+    with pytest.raises(ValueError, match="outside a batch of 4"):
+        episode_owner(4, 4, 2)
+
+
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), Path(sys.argv[2]))

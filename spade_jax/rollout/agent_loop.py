@@ -179,6 +179,13 @@ def episode_owner(index: int, count: int, processes: int) -> int:
     return index * processes // count
 
 
+def owns_episode(index: int, count: int) -> bool:
+    """Whether this process steps episode ``index`` of a batch of ``count`` (always, on
+    one host). A caller that opens environments itself can open only these and pass
+    ``env=None`` for the rest: :func:`run_episodes` never touches another host's envs."""
+    return episode_owner(index, count, jax.process_count()) == jax.process_index()
+
+
 class _EnvShard:
     """Which episodes this host steps, and the exchange that gives every host the outcome
     of every episode. One process: all of them, no communication. Several: each episode
@@ -188,12 +195,10 @@ class _EnvShard:
     that host's outcome is everyone's) and build the same records."""
 
     def __init__(self, count: int):
-        self.processes, self.me = jax.process_count(), jax.process_index()
-        self.count = count
+        self.processes, self.count = jax.process_count(), count
 
     def mine(self, indexed: Sequence[tuple[int, _Episode]]) -> list[tuple[int, _Episode]]:
-        return [(i, ep) for i, ep in indexed
-                if episode_owner(i, self.count, self.processes) == self.me]
+        return [(i, ep) for i, ep in indexed if owns_episode(i, self.count)]
 
     def exchange(self, outcomes: dict[int, Outcome]) -> dict[int, Outcome]:
         """Every host's outcomes merged (a collective: every host calls it at the same
