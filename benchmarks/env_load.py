@@ -1,7 +1,7 @@
 """Per-host environment CPU load of a SPADE step: what one host's share of the episodes
 costs in sandbox opens, resets and steps (issue 15 item 3).
 
-    python benchmarks/env_load.py [--hosts 8] [--turns 25] [--episodes 4]
+    python benchmarks/env_load.py [--hosts 8] [--turns 25] [--episodes 4] [--pool_dir DIR]
 
 Each seed program (the project's example environments) is opened in the real sandbox
 (a fresh worker per episode, as the loop does), reset and stepped for up to ``--turns``
@@ -25,7 +25,7 @@ import statistics
 import time
 
 from spade_jax.envs import EnvPool, SandboxConfig
-from spade_jax.spade.seed_programs import SEED_PROGRAMS
+from spade_jax.spade.seed_programs import SEED_PROGRAMS, load_program_pool
 
 RECIPE = {"plays_per_step": 24 * 8, "hint_plays_at_regeneration": 24 * 16}
 
@@ -59,12 +59,16 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=8, help="v5p-64 = 8 hosts")
     parser.add_argument("--turns", type=int, default=25)
     parser.add_argument("--episodes", type=int, default=4, help="episodes per program")
+    parser.add_argument("--pool_dir", default=None,
+                        help="measure these programs (e.g. a recipe games/game_*.py pool) "
+                             "instead of the seed programs")
     args = parser.parse_args()
+    programs = load_program_pool(args.pool_dir) if args.pool_dir else SEED_PROGRAMS
     rng = random.Random(0)
     per_program = {}
     with EnvPool(SandboxConfig(), seed=0) as pool:
-        pool.open(SEED_PROGRAMS[0].source).close()  # warm the zygote
-        for program in SEED_PROGRAMS:
+        pool.open(programs[0].source).close()  # warm the zygote
+        for program in programs:
             runs = [_episode(pool, program.source, args.turns, rng) for _ in range(args.episodes)]
             per_program[program.name] = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
     mean = {k: statistics.mean(p[k] for p in per_program.values()) for k in ("open_s", "reset_s",
