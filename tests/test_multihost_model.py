@@ -4,7 +4,7 @@ Two CPU processes with two devices each form one distributed system over gloo; t
 puts FSDP across all four devices, so parameter shards and batch rows live on both
 processes. Each process runs a tiny random Qwen3-MoE (a transformers checkpoint, loaded
 with ``load_hf``) through the REAL sampler (``generate``, with chunked decoding, batch
-compaction and router recording), the REAL multi-turn ``run_episodes`` on in-process
+compaction, router recording and stop strings), the REAL multi-turn ``run_episodes`` on in-process
 scripted text environments, and the REAL jitted train step on those episodes. A third,
 single process with four devices runs the same script: the reference.
 
@@ -118,6 +118,13 @@ def _worker(checkpoint: Path, out_dir: Path) -> None:
                        "reasons": result.done_reasons,
                        "experts": [e.tolist() for e in result.selected_experts]}
 
+    # Stop strings: the host cuts rows and puts done flags back on the global mesh.
+    result = generate(model, prompts, 12, temperature=1.0, seed=12, mesh=mesh,
+                      stop_tokens=[EOS], stop_strings=list("aeiou123"), tokenizer=tok,
+                      config=SamplerConfig(12, chunk_steps=3, compact_batch=True))
+    out["stop_strings"] = {"tokens": result.tokens, "logprobs": result.logprobs,
+                           "reasons": result.done_reasons}
+
     # 2. multi-turn episodes; each host must step only its share.
     log: list = []
     config = AgentLoopConfig(max_turns=3, max_turn_tokens=6, max_episode_tokens=256,
@@ -228,6 +235,9 @@ def test_two_processes_sample_like_one(runs):
     assert (h0["multi"], h1["multi"], ref["multi"]) == (True, True, False)
     assert h0["generate"] == h1["generate"] and h0["episodes"] == h1["episodes"]
     _assert_like(h0["generate"], ref["generate"])
+    assert h0["stop_strings"] == h1["stop_strings"]
+    _assert_like(h0["stop_strings"], ref["stop_strings"])
+    assert "stop_string" in ref["stop_strings"]["reasons"]
     for got, want in zip(h0["episodes"], ref["episodes"], strict=True):
         _assert_like(got, want)
     # The runs did something: tokens drawn, episodes of 2 and 3 turns, rewards scored.
