@@ -33,7 +33,7 @@ import gymnasium
 import numpy as np
 
 from spade_jax import rl
-from spade_jax.envs import EnvPool
+from spade_jax.envs import EnvPool, arm_order
 from spade_jax.rl.batch import TrainSequence
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EpisodeRecord
@@ -201,9 +201,13 @@ class SpadeLoop:
             if not verdict.ok:
                 game.verdict = verdict
                 continue
-            for j, env in enumerate(envs):
-                hinted = j < n_hint
-                phase, play = (Phase.HINT_ARM, j) if hinted else (Phase.AGENT, j - n_hint)
+            # Copies are assigned to the arms in a seeded interleaving, so neither arm
+            # always gets the first-opened workers.
+            order = arm_order(n_hint, cfg.plays_per_game,
+                              derive_seed(self.seed, step, Phase.ARM_ORDER, index))
+            for env, (arm, play) in zip(envs, order, strict=True):
+                hinted = arm == "hint"
+                phase = Phase.HINT_ARM if hinted else Phase.AGENT
                 specs.append(EpisodeSpec(env=HintedEnv(env, game.hint) if hinted else env,
                                          env_id=game.env_id,
                                          seed=derive_seed(self.seed, step, phase, index, play)))
