@@ -3,7 +3,7 @@
 Kept import-light (numpy and etils only, no jax): the round loop built on these pieces lives
 next to them and imports the model itself.
 
-- where the regret is computed: `reward.py` (`designer_reward`)
+- where the regret is computed: `reward.py` (`blend_reward`; paper text: `designer_reward`)
 - corpus grounding: `corpus.py` (readers, mixture, resumable sampler), `default_corpus.py`
 - environment memory: `memory.py`
 - diversity (Vendi) and the offline program featuriser: `diversity.py`
@@ -42,6 +42,8 @@ from spade_jax.spade.env_stats import (
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord, MemoryConfig
 from spade_jax.spade.reward import (
     DESIGNER_REWARDS,
+    BlendConfig,
+    BlendReward,
     DesignerReward,
     DesignerRewardConfig,
     DesignerRewardRule,
@@ -50,7 +52,10 @@ from spade_jax.spade.reward import (
     HintRegretReward,
     LearningPotential,
     Regime,
+    blend_reward,
+    center_per_skill,
     designer_reward,
+    env_reward_scale,
     make_designer_reward,
     register_designer_reward,
 )
@@ -67,6 +72,8 @@ __all__ = [
     "MAIN_SKILLS",
     "SKILL_SETS",
     "TWO_SKILL_CURRICULUM",
+    "BlendConfig",
+    "BlendReward",
     "Corpus",
     "CorpusExhaustedError",
     "CorpusSampler",
@@ -94,8 +101,11 @@ __all__ = [
     "Regime",
     "Skill",
     "TextShardConfig",
+    "blend_reward",
+    "center_per_skill",
     "default_corpus",
     "designer_reward",
+    "env_reward_scale",
     "formula_reveal",
     "formula_reveal_reason",
     "get_skill_set",
