@@ -328,6 +328,15 @@ def test_probe_passes_the_contract_and_boxes_actions(monkeypatch):
     calls.clear()
     probe_program_levels("src", seed=0, step=0, config=ProbeConfig(episodes=2))
     assert calls[0] == {} and calls[1].actions[0] == "Pick"
+    # ... unless make_env resolved the program to the recipe's contract by itself.
+    calls.clear()
+    _FakeEnv.contract = "reference"
+    try:
+        got = probe_program_levels("src", seed=0, step=0, config=ProbeConfig(episodes=4))
+    finally:
+        del _FakeEnv.contract
+    assert calls[0] == {} and calls[1].actions[0] == "\\boxed{Pick}"
+    assert got.levels == (0.0, 1.0)
 
 
 def test_probe_seeds_from_the_probe_phase(monkeypatch):
@@ -356,3 +365,37 @@ def test_program_levels_metrics_average_the_playable_programs(pool):
                        "program_probe_failures": 1.0}
     empty = program_levels_metrics(results[1:2])
     assert math.isnan(empty["program_reward_levels_mean"])
+
+
+# A recipe-format game: only the terminating reward counts (clipped), so the 0.3 paid on
+# non-terminating turns is not a level; a loss scores -1.
+RECIPE_PRIZE = r'''
+class PrizeEnv:
+    def __init__(self, max_turns=25):
+        self.max_turns = max_turns
+        self.reset()
+    def reset(self, seed=None):
+        self.t = 0
+        return "Name a prize in a box: zero, half, full or lose", {}
+    def step(self, action):
+        self.t += 1
+        m = re.search(r"\\boxed\{([^}]*)\}", action)
+        choice = m.group(1).strip() if m else ""
+        table = {"zero": 0.0, "half": 0.5, "full": 1.0, "lose": -1.0}
+        if choice in table:
+            return "done", table[choice], True, False, {}
+        return "again", 0.3, False, self.t >= self.max_turns, {}
+'''
+
+
+@pytest.mark.parametrize("contract", [None, "reference"])
+def test_probe_of_a_recipe_game_under_the_reference_contract(pool, contract):
+    import inspect
+
+    from spade_jax.envs import make_env
+
+    if "contract" not in inspect.signature(make_env).parameters:
+        pytest.skip("make_env has no reference contract on this branch yet")
+    got = probe_program_levels(RECIPE_PRIZE, seed=0, step=0, pool=pool, contract=contract)
+    assert got.levels == (-1.0, 0.0, 0.5, 1.0) and got.reason is None
+    assert (got.reward_levels, got.strict_partial_levels) == (4.0, 1.0)

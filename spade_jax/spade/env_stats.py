@@ -404,8 +404,9 @@ def probe_program_levels(
       source: the environment program.
       seed, step, index: the draws come from `seeding.rng(seed, step, Phase.PROBE, index)`.
       pool: the sandbox pool (None: the process-wide default pool).
-      contract: passed to make_env when given ("reference": actions are sent as
-        \\boxed{...}, the recipe's format); None keeps make_env's default contract.
+      contract: passed to make_env when given; None keeps make_env's default. Actions
+        are sent as \\boxed{...} (the recipe's format) when the env runs the "reference"
+        contract, asked for or detected.
       config: episodes, turn cap, time budget, action vocabulary.
     """
     config = config or ProbeConfig()
@@ -417,12 +418,15 @@ def probe_program_levels(
     env = None
     try:
         env = _open_env(source, pool, contract)
+        # Box actions when the env runs the recipe's contract, whether asked for or
+        # detected by make_env (its resolved contract is `env.contract`).
+        boxed = getattr(env, "contract", contract) == "reference"
         for episode in range(config.episodes):
             if time.monotonic() > deadline:
                 problems.append("time budget spent")
                 break
             value, first_obs, problem = _play_probe_episode(
-                env, episode, generator, config, contract == "reference", deadline
+                env, episode, generator, config, boxed, deadline
             )
             opening = first_obs if opening is None else opening
             if problem is None and value is not None and math.isfinite(value):
