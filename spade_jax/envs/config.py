@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spade_jax.envs.contract import DEFAULT_ALLOWED_IMPORTS
+from spade_jax.envs.contract import DEFAULT_ALLOWED_IMPORTS, REFERENCE_IMPORTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,12 @@ class SandboxConfig:
     sandbox_gid: int = 65534
     allow_weak_isolation: bool = False
     allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS
+    # Extra modules of the reference (recipe) contract, importable only by programs loaded
+    # under it: numpy and math_verify. The zygote imports them before forking, so every
+    # worker starts with them mapped (about 130 MiB of address space, counted by
+    # RLIMIT_AS); an empty set leaves them out and reference programs that use them fail
+    # to load.
+    reference_imports: frozenset[str] = REFERENCE_IMPORTS
     # Path of the bubblewrap binary; None = look it up on PATH.
     bwrap_path: str | None = None
 
@@ -67,10 +73,15 @@ class SandboxConfig:
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {value!r}")
-        if self.memory_limit_mb < 128:
+        # A worker inherits the zygote's mappings: ~128 MiB for Python, ~256 MiB once numpy
+        # and math_verify are preloaded (below ~200 MiB a numpy call already crashes).
+        floor = 256 if self.reference_imports else 128
+        if self.memory_limit_mb < floor:
             raise ValueError(
-                f"SandboxConfig.memory_limit_mb={self.memory_limit_mb} is below the ~128 MiB "
-                "a Python worker needs to start"
+                f"SandboxConfig.memory_limit_mb={self.memory_limit_mb} is below the ~{floor} "
+                "MiB a Python worker needs"
+                + (" with reference_imports preloaded (set reference_imports=frozenset() "
+                   "to run paper-contract programs in less)" if self.reference_imports else "")
             )
         if self.max_open_files < 8:
             raise ValueError(
@@ -86,8 +97,14 @@ class SandboxConfig:
             )
         if not (0 < self.sandbox_uid < 2**31 and 0 < self.sandbox_gid < 2**31):
             raise ValueError("SandboxConfig.sandbox_uid/gid must be non-root ids")
-        if not isinstance(self.allowed_imports, frozenset):
-            raise TypeError("SandboxConfig.allowed_imports must be a frozenset of module names")
+        for name in ("allowed_imports", "reference_imports"):
+            if not isinstance(getattr(self, name), frozenset):
+                raise TypeError(f"SandboxConfig.{name} must be a frozenset of module names")
+        unknown = self.reference_imports - REFERENCE_IMPORTS
+        if unknown:
+            raise ValueError(
+                f"SandboxConfig.reference_imports: {sorted(unknown)} not in {sorted(REFERENCE_IMPORTS)}"
+            )
 
     def worker_limits(self) -> dict[str, object]:
         """The plain-JSON subset a worker needs (sent to the zygote with each spawn)."""

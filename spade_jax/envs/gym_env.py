@@ -5,6 +5,12 @@ A program may emit any text; characters outside the charset are replaced by "?" 
 observation is always inside the space, and the unaltered text is kept in
 info["raw_observation"] whenever that happened. A sandbox failure during a step ends the
 episode (terminated, reward 0.0) with info["sandbox_error"] = "<code>: <detail>".
+
+Under the reference (recipe) contract the env reports the recipe's score: every step's
+reward is 0 except a terminating step's, which is the game's reward clipped to [-1, 1]
+(the game's own reward is in info["raw_reward"]), and the episode is truncated after
+`max_turns` steps. Summing the step rewards, as the agent loop does, gives the recipe's
+episode reward.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
+from spade_jax.envs.contract import AUTO_CONTRACT, REFERENCE_MAX_TURNS, resolve_contract
 from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot
 from spade_jax.envs.results import StepResult
 from spade_jax.envs.validate import default_pool
@@ -38,9 +45,18 @@ class SandboxedTextEnv(gymnasium.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, source: str, pool: EnvPool | None = None) -> None:
+    def __init__(
+        self,
+        source: str,
+        pool: EnvPool | None = None,
+        *,
+        contract: str = AUTO_CONTRACT,
+        max_turns: int = REFERENCE_MAX_TURNS,
+    ) -> None:
         self.pool = pool if pool is not None else default_pool()
         self.source = source
+        self.contract = resolve_contract(contract, source)
+        self.max_turns = max_turns
         config = self.pool.config
         charset = "".join(sorted(PRINTABLE))
         self.observation_space = spaces.Text(
@@ -52,7 +68,7 @@ class SandboxedTextEnv(gymnasium.Env):
         self._handle = self._open()
 
     def _open(self) -> EnvHandle:
-        handle = self.pool.open(self.source)
+        handle = self.pool.open(self.source, contract=self.contract, max_turns=self.max_turns)
         if not handle.ok:
             raise ProgramLoadError(f"environment program rejected: {handle.error}")
         return handle
@@ -103,6 +119,7 @@ class SandboxedTextEnv(gymnasium.Env):
         """An independent copy of this env at its current state, in its own worker."""
         twin = SandboxedTextEnv.__new__(SandboxedTextEnv)
         twin.pool, twin.source = self.pool, self.source
+        twin.contract, twin.max_turns = self.contract, self.max_turns
         twin.observation_space, twin.action_space = self.observation_space, self.action_space
         handle = self.pool.fork(self.snapshot())
         if not handle.ok:
@@ -115,8 +132,23 @@ class SandboxedTextEnv(gymnasium.Env):
         self._handle.close()
 
 
-def make_env(source: str, pool: EnvPool | None = None) -> SandboxedTextEnv:
-    """The sandboxed gymnasium env of a program (raises ProgramLoadError if it won't load)."""
+def make_env(
+    source: str,
+    pool: EnvPool | None = None,
+    *,
+    contract: str = AUTO_CONTRACT,
+    max_turns: int = REFERENCE_MAX_TURNS,
+) -> SandboxedTextEnv:
+    """The sandboxed gymnasium env of a program (raises ProgramLoadError if it won't load).
+
+    Args:
+      source: the program text.
+      pool: the sandbox pool (default: the process-wide one).
+      contract: "paper" (`class Environment`, return = sum of rewards in [0, 1]),
+        "reference" (the recipe's `*Env` games, scored as the recipe scores them) or
+        "auto" ("paper" if the source defines a top-level `class Environment`).
+      max_turns: the reference contract's turn budget (the recipe's 25).
+    """
     if not isinstance(source, str):
         raise TypeError(f"program source must be str, got {type(source).__name__}")
-    return SandboxedTextEnv(source, pool)
+    return SandboxedTextEnv(source, pool, contract=contract, max_turns=max_turns)

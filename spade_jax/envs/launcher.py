@@ -41,6 +41,11 @@ _CLEAN_ENV = {
     "PATH": "/usr/bin:/bin",
     "PYTHONHASHSEED": "0",  # string hashing identical across zygote restarts: determinism
     "LANG": "C.UTF-8",
+    # numpy's BLAS must not start threads: workers may not clone() (seccomp), and threads
+    # started in the zygote would not survive its forks anyway.
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
 }
 
 
@@ -83,7 +88,7 @@ class Zygote:
         self._counter = 0
         control, remote = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         command = [sys.executable, "-s", "-B", "-c", _BOOT, _PACKAGE_ROOT, str(remote.fileno())]
-        command.append(",".join(sorted(config.allowed_imports)))
+        command.append(",".join(sorted(config.allowed_imports | config.reference_imports)))
         if use_namespaces:
             bwrap = find_bwrap(config)
             if bwrap is None:

@@ -29,6 +29,12 @@ from typing import Any
 
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
+from spade_jax.envs.contract import (
+    AUTO_CONTRACT,
+    REFERENCE_MAX_TURNS,
+    REFERENCE_REWARD_BOUND,
+    resolve_contract,
+)
 from spade_jax.envs.launcher import Zygote, ZygoteError, find_bwrap
 from spade_jax.envs.results import (
     ResetResult,
@@ -43,6 +49,14 @@ log = logging.getLogger(__name__)
 
 # Tolerance on the [0, 1] episode-return bound (sums of partial rewards like 0.1 * 10).
 RETURN_TOLERANCE = 1e-6
+
+
+def reference_step_reward(raw_reward: float, terminated: bool) -> float:
+    """What a step reports under the reference contract, so that an episode's rewards sum
+    to the recipe's score: the last reward if the episode terminated, clipped to [-1, 1],
+    else 0. Only a terminating step carries a reward; intermediate rewards and truncated
+    episodes count 0 (the raw reward stays in info["raw_reward"])."""
+    return max(-1.0, min(1.0, raw_reward)) if terminated else 0.0
 
 
 # ----------------------------------------------------------------------------- isolation
@@ -147,6 +161,8 @@ class EpisodeSnapshot:
     digest: str
     observation: str
     episode_return: float
+    contract: str = "paper"
+    max_turns: int = REFERENCE_MAX_TURNS
 
 
 # ----------------------------------------------------------------------------- handles
@@ -161,9 +177,14 @@ class EnvHandle:
         source: str,
         worker: supervisor.WorkerProcess | None,
         error: SandboxError | None,
+        contract: str = "paper",
+        max_turns: int = REFERENCE_MAX_TURNS,
     ) -> None:
         self.pool = pool
         self.source = source
+        # "paper" or "reference" (resolved; never "auto"), and the reference turn budget.
+        self.contract = contract
+        self.max_turns = max_turns
         self.worker = worker
         self.error = error  # set if the program failed to load or was refused
         self.seed: int | None = None
@@ -198,6 +219,8 @@ class EnvHandle:
             self.transcript_digest,
             self.last_observation,
             self.episode_return,
+            self.contract,
+            self.max_turns,
         )
 
     def usage(self) -> dict[str, float] | SandboxError:
@@ -334,26 +357,45 @@ class EnvPool:
 
     # -- programs ----------------------------------------------------------------------
 
-    def open(self, source: str) -> EnvHandle:
+    def open(
+        self, source: str, *, contract: str = AUTO_CONTRACT, max_turns: int = REFERENCE_MAX_TURNS
+    ) -> EnvHandle:
         """Loads `source` into a fresh worker. Failures are in `handle.error`."""
-        return self.open_many([source])[0]
+        return self.open_many([source], contract=contract, max_turns=max_turns)[0]
 
-    def open_many(self, sources: Sequence[str]) -> list[EnvHandle]:
-        """Loads several programs (or copies of one) concurrently, one worker each."""
+    def open_many(
+        self,
+        sources: Sequence[str],
+        *,
+        contract: str = AUTO_CONTRACT,
+        max_turns: int = REFERENCE_MAX_TURNS,
+    ) -> list[EnvHandle]:
+        """Loads several programs (or copies of one) concurrently, one worker each.
+
+        Args:
+          sources: program texts.
+          contract: "paper", "reference" or "auto" (per source: "paper" if it defines a
+            top-level `class Environment`); see `spade_jax.envs.contract`.
+          max_turns: the reference contract's turn budget: the game is built as
+            `cls(max_turns=max_turns)` and its episode truncated after that many steps.
+        """
         for source in sources:
             if not isinstance(source, str):
                 raise TypeError(f"program source must be str, got {type(source).__name__}")
+        if type(max_turns) is not int or max_turns < 1:
+            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        contracts = [resolve_contract(contract, source) for source in sources]
         handles: list[EnvHandle] = []
         calls = []
         with self._lock:
-            for source in sources:
+            for source, kind in zip(sources, contracts, strict=True):
                 error = None
                 if self._isolation.missing and not self.config.allow_weak_isolation:
                     error = SandboxError(
                         "weak_isolation", f"missing layers: {', '.join(self._isolation.missing)}"
                     )
                 elif self.config.static_gate:
-                    error = check_source(source, self.config).error
+                    error = check_source(source, self.config, kind).error
                 worker = None
                 if error is None:
                     taken = self._take_worker()
@@ -361,11 +403,13 @@ class EnvPool:
                         error = taken
                     else:
                         worker = taken
-                        calls.append((len(handles), worker, source))
-                handles.append(EnvHandle(self, source, worker, error))
+                        load = {"op": "load", "source": source, "contract": kind,
+                                "max_turns": max_turns}  # fmt: skip
+                        calls.append((len(handles), worker, load))
+                handles.append(EnvHandle(self, source, worker, error, kind, max_turns))
             self._refill()
         replies = supervisor.exchange(
-            [(w, {"op": "load", "source": s}, self.config.load_deadline_s) for _, w, s in calls]
+            [(w, load, self.config.load_deadline_s) for _, w, load in calls]
         )
         for (index, worker, _), reply in zip(calls, replies, strict=True):
             error = reply if isinstance(reply, SandboxError) else None
@@ -436,30 +480,46 @@ class EnvPool:
         if not result.ok:
             handle._fail(result.error)
             return result
+        reference = handle.contract == "reference"
+        if reference and not abs(result.reward) <= REFERENCE_REWARD_BOUND:
+            handle.done = True
+            error = SandboxError("reward_out_of_range", f"step reward {result.reward!r}")
+            return dataclasses.replace(result, reward=0.0, terminated=True, error=error)
         handle.actions.append(action)
-        handle.episode_return += result.reward
-        handle.last_observation = result.observation
+        budget = self.config.max_episode_steps
+        if reference:
+            budget = min(budget, handle.max_turns)
         truncated = result.truncated or (
-            not result.terminated and len(handle.actions) >= self.config.max_episode_steps
+            not result.terminated and len(handle.actions) >= budget
         )
         step_record = (result.observation, result.reward, result.terminated, truncated, result.info)
         handle._digest.update(json.dumps(step_record, sort_keys=True).encode())
-        info = result.info
+        reward, info = result.reward, result.info
+        if reference:
+            reward, info = reference_step_reward(result.reward, result.terminated), dict(
+                info, raw_reward=result.reward
+            )
+        handle.episode_return += reward
+        handle.last_observation = result.observation
         if len(action) != len(raw_action):
             info = dict(info, action_truncated=True)
         error = None
         if result.terminated or truncated:
             handle.done = True
             total = handle.episode_return
-            if not -RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
+            if not reference and not -RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
                 error = SandboxError("return_out_of_range", f"episode return {total!r}")
-        return dataclasses.replace(result, truncated=truncated, info=info, error=error)
+        return dataclasses.replace(
+            result, reward=reward, truncated=truncated, info=info, error=error
+        )
 
     def fork(self, snapshot: EpisodeSnapshot) -> EnvHandle:
         """A new handle, in a fresh worker, at the snapshot's state (by verified replay)."""
         if not isinstance(snapshot, EpisodeSnapshot):
             raise TypeError(f"fork() takes an EpisodeSnapshot, got {type(snapshot).__name__}")
-        handle = self.open(snapshot.source)
+        handle = self.open(
+            snapshot.source, contract=snapshot.contract, max_turns=snapshot.max_turns
+        )
         if not handle.ok:
             return handle
         first = handle.reset(snapshot.seed)

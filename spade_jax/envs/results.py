@@ -19,7 +19,8 @@ REASON_CODES: dict[str, str] = {
     "forbidden_import": "imports a module outside the allow-list",
     "forbidden_name": "uses a forbidden builtin (eval, exec, open, __import__, ...)",
     "forbidden_attribute": "touches a forbidden dunder attribute (__subclasses__, __globals__, ...)",
-    "missing_contract": "no `class Environment` with reset() and step()",
+    "missing_contract": "no game class with reset() and step() (`class Environment`, or a "
+    "`*Env` class under the reference contract)",
     "weak_isolation": "a sandbox layer is missing and weak isolation was not allowed",
     "load_failed": "module-level code or Environment() raised",
     "timeout": "a call ran past its wall-clock deadline; the worker was killed",
@@ -32,6 +33,7 @@ REASON_CODES: dict[str, str] = {
     "message_too_large": "a worker message exceeds the byte cap",
     "protocol_violation": "a worker message is malformed or carries the wrong nonce",
     "return_out_of_range": "an episode's return (sum of rewards) lies outside [0, 1]",
+    "reward_out_of_range": "a step reward lies outside [-10, 10] (reference contract)",
     "no_termination": "an episode did not end within the step cap",
     "nondeterministic_reset": "the same seed and actions gave different transcripts",
     "nondeterministic_replay": "replaying a snapshot's actions did not reproduce its transcript",

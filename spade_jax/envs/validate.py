@@ -8,6 +8,14 @@ Checks, in order (the first failure decides the reason code):
   works -> episodes under random and adversarial actions (empty, maximal-length,
   non-ASCII, control characters, garbage) end within the step cap without errors ->
   CPU time and peak memory within budget.
+
+Under the reference (recipe) contract the same checks run with boxed actions mixed in
+(`\\boxed{...}`, as the agent sends them), after the recipe's own validator steps:
+reset(seed=42) with a non-empty observation, the three test actions `\\boxed{1}`,
+`\\boxed{test}`, `\\boxed{42}` with the right types and rewards in [-10, 10], then
+reset(seed=123). Episodes end within `max_turns` by construction (the wrapper truncates
+there), so "no_termination" does not apply; a step reward outside [-10, 10] anywhere is
+"reward_out_of_range".
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from collections.abc import Callable, Iterable
 
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
+from spade_jax.envs.contract import AUTO_CONTRACT, REFERENCE_MAX_TURNS, resolve_contract
 from spade_jax.envs.pool import EnvHandle, EnvPool
 from spade_jax.envs.results import REASON_CODES, SandboxError
 from spade_jax.envs.static_gate import check_source
@@ -43,6 +52,13 @@ _GARBAGE = (
     "\ud800",  # lone surrogate
     "9" * 5000,
 )
+# The recipe validator's test actions, then boxed variants of the script and of garbage.
+_RECIPE_ACTIONS = ("\\boxed{1}", "\\boxed{test}", "\\boxed{42}")
+_BOXED_SCRIPT = _RECIPE_ACTIONS + tuple(f"\\boxed{{{a}}}" for a in _SCRIPT) + _SCRIPT[:6]
+_BOXED_GARBAGE = _GARBAGE + (
+    "\\boxed{}", "\\boxed{", "\\boxed{{}}", "\\boxed{\\boxed{1}}", "}\\boxed}{",
+    "\\boxed{ünïcødé ✓ 🤖}", "\\boxed{" + "9" * 5000 + "}", "\\boxed{\x00\x1b[2J}",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,12 +148,29 @@ def validate_program(
     *,
     pool: EnvPool | None = None,
     config: ValidationConfig | None = None,
+    contract: str = AUTO_CONTRACT,
+    max_turns: int = REFERENCE_MAX_TURNS,
 ) -> ValidationReport:
     """Validates an environment program (and its hint, if given). Never raises on a bad
-    program; raises TypeError only for a non-str source."""
+    program; raises TypeError only for a non-str source, ValueError for an unknown
+    contract.
+
+    Args:
+      source: the program text.
+      hint: the hint shown to the agent, or None (no hint to check).
+      pool: the sandbox pool (default: the process-wide one).
+      config: how hard to push the program.
+      contract: "paper", "reference" or "auto" ("paper" if the source defines a top-level
+        `class Environment`, else "reference"); see `spade_jax.envs.contract`.
+      max_turns: the reference contract's turn budget (the game is built with it).
+    """
     if not isinstance(source, str):
         raise TypeError(f"program source must be str, got {type(source).__name__}")
+    contract = resolve_contract(contract, source)
     config = config if config is not None else ValidationConfig()
+    if contract == "reference":  # the wrapper ends every episode at max_turns
+        config = dataclasses.replace(config, step_cap=max_turns)
+    reference = contract == "reference"
     start = time.monotonic()
     passed: list[str] = []
     digest = None
@@ -146,22 +179,27 @@ def validate_program(
         if hint is not None and (not isinstance(hint, str) or not hint.strip()):
             raise _Failed(SandboxError("bad_hint", "hint is empty"), "hint")
         pool = pool if pool is not None else default_pool()
-        gate = check_source(source, pool.config)
+        gate = check_source(source, pool.config, contract)
         if not gate.ok:
             raise _Failed(gate.error, "static_gate")
         passed.append("static_gate")
-        handles = pool.open_many([source, source])
+        handles = pool.open_many([source, source], contract=contract, max_turns=max_turns)
         for handle in handles:
             if not handle.ok:
                 raise _Failed(handle.error, "load")
         passed.append("load")
         first, fresh = handles
-        script = _cycle(_SCRIPT)
+        if reference:
+            _recipe_checks(first)
+            passed.append("recipe_checks")
+        script = _cycle(_BOXED_SCRIPT if reference else _SCRIPT)
         digest = _episode(pool, first, config.seed, script, config, "scripted_episode")
         passed.append("scripted_episode")
         again = _episode(pool, first, config.seed, script, config, "deterministic_reset")
         other = _episode(pool, fresh, config.seed, script, config, "deterministic_reset")
-        shuffled = _random_actions(random.Random(config.seed), pool.config.max_action_chars)
+        shuffled = _random_actions(
+            random.Random(config.seed), pool.config.max_action_chars, boxed=reference
+        )
         mixed = _episode(pool, first, config.seed + 7, shuffled, config, "deterministic_reset")
         mixed_fresh = _episode(
             pool, fresh, config.seed + 7, shuffled, config, "deterministic_reset"
@@ -178,10 +216,11 @@ def validate_program(
         passed.append("reset_seed_none")
         rng = random.Random(config.seed)
         for episode in range(config.random_episodes):
-            actions = _random_actions(rng, pool.config.max_action_chars)
+            actions = _random_actions(rng, pool.config.max_action_chars, boxed=reference)
             _episode(pool, fresh, config.seed + 1 + episode, actions, config, "random_actions")
         passed.append("random_actions")
-        adversarial = _cycle(_GARBAGE + ("x" * pool.config.max_action_chars,))
+        garbage = _BOXED_GARBAGE if reference else _GARBAGE
+        adversarial = _cycle(garbage + ("x" * pool.config.max_action_chars,))
         _episode(pool, first, config.seed + 100, adversarial, config, "adversarial_actions")
         passed.append("adversarial_actions")
         for handle in handles:
@@ -201,11 +240,35 @@ def _cycle(actions: tuple[str, ...]) -> Callable[[int], str]:
     return lambda t: actions[t % len(actions)]
 
 
-def _random_actions(rng: random.Random, max_chars: int) -> Callable[[int], str]:
+def _random_actions(
+    rng: random.Random, max_chars: int, boxed: bool = False
+) -> Callable[[int], str]:
     chosen = [
         "".join(rng.choice(string.printable) for _ in range(rng.randint(0, 40))) for _ in range(256)
     ]
+    if boxed:  # every other action boxed, as an agent under the recipe's parser sends it
+        chosen = [f"\\boxed{{{a}}}" if i % 2 == 0 else a for i, a in enumerate(chosen)]
     return lambda t: chosen[t % len(chosen)][:max_chars]
+
+
+def _recipe_checks(handle: EnvHandle) -> None:
+    """The recipe validator's steps (types and the reward range are checked by the pool on
+    every step): reset(seed=42) with a non-empty observation, its three test actions until
+    the episode ends, reset(seed=123)."""
+    first = handle.reset(42)
+    if not first.ok:
+        raise _Failed(first.error, "recipe_checks reset(seed=42)")
+    if not first.observation.strip():
+        raise _Failed(SandboxError("bad_type", "reset() gave an empty observation"), "recipe_checks")
+    for action in _RECIPE_ACTIONS:
+        result = handle.step(action)
+        if not result.ok:
+            raise _Failed(result.error, f"recipe_checks step {action!r}")
+        if result.terminated or result.truncated:
+            break
+    again = handle.reset(123)
+    if not again.ok:
+        raise _Failed(again.error, "recipe_checks reset(seed=123)")
 
 
 def _episode(

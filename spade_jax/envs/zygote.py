@@ -23,19 +23,45 @@ import signal
 import socket
 import sys
 
-from spade_jax.envs import worker
+from spade_jax.envs import contract, worker
 
 
-def _preload(modules: list[str]) -> None:
+def _preload(modules: list[str]) -> list[str]:
+    loaded = []
     for name in modules:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if name not in contract.REFERENCE_IMPORTS:
+                raise
+            continue  # optional: reference programs that use it then fail to load
+        loaded.append(name)
     import collections.abc  # noqa: F401 - submodules programs commonly use
     import json.decoder  # noqa: F401
+
+    _warm_up(loaded)
 
     try:  # loads libseccomp now: workers cannot read it once they dropped their uid
         import pyseccomp  # noqa: F401
     except (ImportError, RuntimeError, OSError):
         pass  # the worker reports the seccomp layer missing
+    return loaded
+
+
+def _warm_up(modules: list[str]) -> None:
+    """Runs what loads lazily on first use, so workers (which can no longer read the
+    interpreter's files) find it loaded: math_verify's parsers, numpy's random module."""
+    if "math_verify" in modules:
+        import math_verify
+
+        for text in ("$\\frac{1}{2}$", "0.5", "\\boxed{x^2+1}", "[1, 2]"):
+            math_verify.verify(math_verify.parse(text), math_verify.parse("0.5"))
+    if "numpy" in modules:
+        import numpy
+
+        numpy.random.default_rng(0).random(2)
+        numpy.random.seed(0)
+        numpy.linalg.solve(numpy.eye(2), numpy.ones(2))
 
 
 def _reap(live: set[int]) -> None:

@@ -30,6 +30,8 @@ from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.rollout.sampler import SamplerConfig, sample
 
 _PROBE_USER, _PROBE_ASSISTANT = "x", "y"
+ACTION_FORMATS = ("text", "boxed")
+_BOX = "\\boxed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,12 @@ class AgentLoopConfig:
         per-turn budget and its seed offset by the round number.
       overlap_env_steps: pipeline two half-batches so env steps overlap generation.
       env_threads: host threads stepping environments.
+      action_format: how the default `ActionParser` reads a reply: "text" (the visible
+        reply) or "boxed" (the content of the last ``\\boxed{...}``, sent re-wrapped as
+        ``\\boxed{...}``, as the recipe's games expect).
+      first_turn_template: the first user turn; "{observation}" is replaced by the first
+        observation (hint included), literally, so braces elsewhere need no escaping. Later
+        turns are the bare observation.
     """
 
     max_turns: int = 8
@@ -57,11 +65,19 @@ class AgentLoopConfig:
         default_factory=lambda: SamplerConfig(max_new_tokens=256, temperature=1.0))
     overlap_env_steps: bool = True
     env_threads: int = 8
+    action_format: str = "text"
+    first_turn_template: str = "{observation}"
 
     def __post_init__(self):
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens", "env_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.action_format not in ACTION_FORMATS:
+            raise ValueError(
+                f"action_format must be one of {ACTION_FORMATS}, got {self.action_format!r}"
+            )
+        if "{observation}" not in self.first_turn_template:
+            raise ValueError("first_turn_template must contain the placeholder {observation}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,23 +92,95 @@ class EpisodeSpec:
 @dataclasses.dataclass(frozen=True)
 class ActionParser:
     """Default action parser: the assistant text with ``<think>...</think>`` removed
-    (an unclosed ``<think>`` means no visible answer), optionally the content of the last
-    ``<answer>...</answer>`` block. Returns (action, ok); not ok counts a parse failure and
-    the env is stepped with the visible text anyway, so it can penalise the turn.
+    (an unclosed ``<think>`` means no visible answer), then, by ``action_format``:
+
+    - "text": the visible text, or with ``answer_tag`` the content of the last
+      ``<answer>...</answer>`` block;
+    - "boxed": the content of the last complete ``\\boxed{...}`` of the visible text
+      (braces nest; one redundant pair of outer braces, as in ``\\boxed{{42}}``, is
+      dropped, twice at most), re-wrapped as ``\\boxed{content}``. The recipe takes the
+      first box, which loses when a reply quotes the format before answering.
+
+    Returns (action, ok). Not ok counts a parse failure, and the env is stepped with the
+    visible text anyway (stripped; for "boxed" this is what the recipe sends when a reply
+    has no box or an empty one), so the game can answer with a format reminder.
     """
 
     answer_tag: str | None = None
+    action_format: str = "text"
+
+    def __post_init__(self):
+        if self.action_format not in ACTION_FORMATS:
+            raise ValueError(
+                f"action_format must be one of {ACTION_FORMATS}, got {self.action_format!r}"
+            )
 
     def __call__(self, text: str) -> tuple[str, bool]:
         visible = re.sub(r"<think>.*?</think>", "", text, flags=re.S)
         if "<think>" in visible:
             return "", False
         visible = visible.strip()
+        if self.action_format == "boxed":
+            content = last_boxed(visible)
+            return (f"{_BOX}{{{content}}}", True) if content else (visible, False)
         if self.answer_tag is None:
             return visible, bool(visible)
         tag = re.escape(self.answer_tag)
         found = re.findall(rf"<{tag}>(.*?)</{tag}>", visible, flags=re.S)
         return (found[-1].strip(), True) if found else (visible, False)
+
+
+def last_boxed(text: str) -> str | None:
+    """The stripped content of the last complete ``\\boxed{...}`` in `text`, or None.
+
+    One linear pass with a brace stack: a box nested in a complete box belongs to the
+    outer one's content; an unclosed box is ignored (a complete box inside it still
+    counts). Up to two redundant outer brace pairs of the content are dropped.
+    """
+    stack: list[bool] = []  # one entry per open brace: does it open a box?
+    starts: list[int] = []  # content start of each open brace
+    best: tuple[int, int] | None = None  # (content start, closing brace) of the last box
+    i, n = 0, len(text)
+    while i < n:
+        if text.startswith(_BOX, i):
+            j = i + len(_BOX)
+            while j < n and text[j] in " \t":
+                j += 1
+            if j < n and text[j] == "{":
+                stack.append(True)
+                starts.append(j + 1)
+                i = j + 1
+                continue
+        char = text[i]
+        if char == "{":
+            stack.append(False)
+            starts.append(i + 1)
+        elif char == "}" and stack:
+            is_box, start = stack.pop(), starts.pop()
+            if is_box:  # closes after every earlier box: a later one, or one enclosing them
+                best = (start, i)
+        i += 1
+    if best is None:
+        return None
+    return _unwrap(text[best[0]:best[1]].strip())
+
+
+def _unwrap(content: str) -> str:
+    for _ in range(2):
+        if len(content) < 2 or content[0] != "{" or _closing_brace(content) != len(content) - 1:
+            break  # no outer pair, or "{a}{b}": the first brace closes before the end
+        content = content[1:-1].strip()
+    return content
+
+
+def _closing_brace(text: str) -> int:
+    """Index of the brace that closes the one at text[0] (-1 if it never closes)."""
+    depth = 0
+    for index, char in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth == 0:
+            return index
+    return -1
 
 
 class ChatTurns:
@@ -106,8 +194,10 @@ class ChatTurns:
     for the same turns (up to the policy's own tokens).
     """
 
-    def __init__(self, tokenizer, system_prompt: str | None, enable_thinking: bool):
+    def __init__(self, tokenizer, system_prompt: str | None, enable_thinking: bool,
+                 first_turn_template: str = "{observation}"):
         self.tokenizer, self.enable_thinking = tokenizer, enable_thinking
+        self.first_turn_template = first_turn_template
         self.head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
         self.eos_ids = set(tokenizer.eos_ids)
 
@@ -117,7 +207,8 @@ class ChatTurns:
             enable_thinking=self.enable_thinking))
 
     def first_prompt(self, observation: str) -> list[int]:
-        return self._render([{"role": "user", "content": observation}], True)
+        content = self.first_turn_template.replace("{observation}", observation)
+        return self._render([{"role": "user", "content": content}], True)
 
     def after_policy(self, observation: str, closed: bool) -> list[int]:
         probe = [{"role": "user", "content": _PROBE_USER}]
@@ -175,8 +266,9 @@ def run_episodes(
 ) -> list[EpisodeRecord]:
     """Runs every episode to its end; returns their records in input order."""
     config = config or AgentLoopConfig()
-    parser = parser or ActionParser()
-    turns = ChatTurns(tokenizer, config.system_prompt, config.enable_thinking)
+    parser = parser or ActionParser(action_format=config.action_format)
+    turns = ChatTurns(tokenizer, config.system_prompt, config.enable_thinking,
+                      config.first_turn_template)
     eps = [_Episode(s, EpisodeRecord(env_id=s.env_id, seed=s.seed)) for s in episodes]
     with concurrent.futures.ThreadPoolExecutor(config.env_threads) as pool:
         for ep, error in pool.map(_reset, eps):
