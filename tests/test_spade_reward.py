@@ -611,3 +611,23 @@ def test_every_rule_rejects_non_finite_and_honours_the_protocol():
         clone = make_designer_reward(name)
         clone.load_state_dict(json.loads(json.dumps(rule.state_dict())))
         assert clone.state_dict() == rule.state_dict()
+
+
+EMPTY_OFFSET0_HINT = [1.0, -1.0, 0.5, 1.0]
+EMPTY_OFFSET0_STEPS = [[], [-1.0, 1.0, 0.5], [], [-0.5, 1.0]]
+
+
+@pytest.mark.parametrize(
+    "name, reference",
+    [
+        ("blend", lambda h, s: _ref_blend(h, s, 0.15, 0.4, 0.6, (0.4, 0.6), 0.25, True)[4]),
+        ("solve_rate", lambda h, s: _ref_blend(h, s, 0.15, 0.0, 1.0, (0.4, 0.6), 0.25, True)[3]),
+        ("regret", lambda h, s: max(0.0, _py_mean(h) - _py_mean([r for x in s for r in x]))),
+        ("micro_lp", lambda h, s: _ref_micro_lp(s, "slope", True)),
+        ("learning_potential", lambda h, s: _RefLP(0.85, 0.98).score(s, "a", False)),
+    ],
+)
+def test_each_recipe_rule_on_an_empty_offset0_step_and_negative_returns(name, reference):
+    got = make_designer_reward(name).score(EMPTY_OFFSET0_HINT, EMPTY_OFFSET0_STEPS, skill="a")
+    assert got.total == pytest.approx(reference(EMPTY_OFFSET0_HINT, EMPTY_OFFSET0_STEPS),
+                                      abs=1e-12)
