@@ -25,6 +25,7 @@ from spade_jax.seeding import Phase, derive_seed, rng
 from spade_jax.spade import agreement
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler, Document
+from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import (
     DESIGNER_SYSTEM_PROMPTS,
@@ -251,6 +252,20 @@ class Designer:
             for game, ids in zip(todo, tokens, strict=True):
                 game.hint = parse_hint(self.tokenizer.decode(ids, skip_special_tokens=True))
             todo = [g for g in todo if g.hint is None]
+
+    def probe_levels(self, games: list[Game], step: int) -> None:
+        """The reward levels each program can emit, probed in the sandbox with seeded
+        scripted play ((seed, round, PROBE, game)); ``probe_episodes`` 0 turns it off."""
+        cfg = self.config
+        if not cfg.probe_episodes:
+            return
+        probe = ProbeConfig(episodes=cfg.probe_episodes, max_turns=self.max_turns,
+                            time_budget_s=cfg.probe_time_budget_s)
+        for index, game in enumerate(games):
+            levels = probe_program_levels(game.program, seed=self.seed, step=step, index=index,
+                                          pool=self.pool, contract=cfg.contract, config=probe)
+            game.reward_levels = levels.reward_levels
+            game.strict_partial_levels = levels.strict_partial_levels
 
     def open_envs(self, program: str, count: int) -> tuple[list[Any], Verdict]:
         """``count`` fresh sandboxed copies of a program (a fresh worker per episode),

@@ -39,13 +39,17 @@ from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_stats, step_metrics
-from spade_jax.spade._reward_standins import center_per_skill, env_reward_scale
 from spade_jax.spade.config import SKILL_CENTERED, SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, Generate
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import agent_first_observation
-from spade_jax.spade.reward import DesignerRewardRule, ScoredEnvironment
+from spade_jax.spade.reward import (
+    DesignerRewardRule,
+    ScoredEnvironment,
+    center_per_skill,
+    env_reward_scale,
+)
 from spade_jax.spade.window import (
     DesignerSample,
     Game,
@@ -180,6 +184,7 @@ class SpadeLoop:
             games, samples, attempts = self.designer.design(step)
         if cfg.hint_mode == "self":
             self.designer.write_hints(games, step)
+        self.designer.probe_levels(games, step)
         self.windows[step] = Window(step, games)
         self.pending.append(Pending(step, samples if cfg.train_designer else []))
         return attempts
@@ -359,8 +364,6 @@ class SpadeLoop:
             game, stats = item.game, item.stats
             if game.env_id in self.memory:
                 continue
-            # TODO(reward levels from the program, issue 16.5): probe the program here with
-            # env_stats' probe function once it lands, and store its levels in the record.
             self.memory.add(EnvironmentRecord(
                 env_id=game.env_id, program_source=game.program, hint=game.hint or "",
                 skill=game.skill, round_index=item.window_start,
@@ -371,7 +374,9 @@ class SpadeLoop:
                 win_rate_no_hint=stats.solve_rate,
                 mean_return_hint=float(np.clip(stats.hint_mean, -1, 1)),
                 mean_return_no_hint=float(np.clip(stats.mean_return, -1, 1)),
-                designer_reward=float(item.result.total), corpus_doc_ids=game.doc_ids))
+                designer_reward=float(item.result.total), corpus_doc_ids=game.doc_ids,
+                reward_levels=_count(game.reward_levels),
+                strict_partial_levels=_count(game.strict_partial_levels)))
 
     def _retire_windows(self, step: int) -> None:
         """Drops windows that are neither current nor awaited by pending samples."""
@@ -408,6 +413,11 @@ def grouped_advantages(rewards: Sequence[float], groups: Sequence[Any], estimato
         adv, _ = rule.fn(values, len(values), config)
         out[index] = np.asarray(adv, np.float32)
     return out
+
+
+def _count(value: float) -> int:
+    """A probed level count as the memory stores it (0: not measured)."""
+    return int(value) if np.isfinite(value) else 0
 
 
 def _designer_sequence(sample: DesignerSample, advantage: float) -> TrainSequence:
