@@ -222,11 +222,7 @@ def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokeniz
         return out.tokens, out.logprobs
 
     def episodes_fn(specs, *, seed):
-        # STAND-IN until helper "multiproc"'s run_episodes(seed=) lands: the call's base
-        # seed goes in through the agent sampler's seed.
-        agent = dataclasses.replace(
-            config.agent, sampler=dataclasses.replace(config.agent.sampler, seed=seed))
-        return run_episodes(policy(), tokenizer, specs, agent, mesh=mesh)
+        return run_episodes(policy(), tokenizer, specs, config.agent, mesh=mesh, seed=seed)
 
     return generate_fn, episodes_fn
 
