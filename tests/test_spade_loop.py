@@ -546,3 +546,29 @@ def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="spade.skills must be one of"):
         SpadeConfig(skills="nine")
     assert SpadeConfig(designer_delay=0).designer_delay == 0  # 0 = no delay
+
+
+def test_adaptive_baseline_resumes_with_its_win_rates(pool):
+    """The RLVE baseline's per-task win rates travel in the loop's state: a resumed run
+    draws the same tasks as an uninterrupted one (they were lost on a resume before)."""
+    from spade_jax.spade.baselines import make_baseline
+
+    experiment = load_experiment("baseline_fixed_env_rlve:tiny")
+    spade = dataclasses.replace(experiment.spade, rounds=3, eval_every=0)
+
+    def run(steps, state=None):
+        policy = ScriptedPolicy(ALL_VALID, loss=0.0)
+        loop = _loop(pool, policy, spade, corpus=False)
+        loop.baseline = make_baseline(experiment)
+        if state is not None:
+            loop.load_state_dict(json.loads(json.dumps(state)))
+        for step in steps:
+            loop.run_round(step)
+        return loop, [[e["env_id"] for e in log] for log in policy.episode_log]
+
+    straight, tasks = run(range(3))
+    first, _ = run(range(2))
+    resumed, resumed_tasks = run([2], first.state_dict())
+    assert resumed_tasks == tasks[2:]
+    assert straight.baseline.win_rate != make_baseline(experiment).win_rate  # it adapted
+    assert resumed.baseline.win_rate == straight.baseline.win_rate

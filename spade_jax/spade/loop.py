@@ -92,6 +92,10 @@ class FixedEnvBaseline(Protocol):
 
     def feedback(self, returns_by_env: dict[str, list[float]]) -> None: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 class SpadeLoop:
     """Run state of self-play (windows, pending designer samples, memory, corpus cursor,
@@ -128,6 +132,7 @@ class SpadeLoop:
             "windows": [w.to_json() for w in self.windows.values()],
             "pending": [p.to_json() for p in self.pending],
             "pool_cursor": self.pool_cursor,
+            "baseline": self.baseline.state_dict() if self.baseline else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -140,6 +145,8 @@ class SpadeLoop:
         self.windows = {int(w["start"]): Window.from_json(w) for w in state["windows"]}
         self.pending = [Pending.from_json(p) for p in state["pending"]]
         self.pool_cursor = int(state["pool_cursor"])
+        if self.baseline is not None and state.get("baseline") is not None:
+            self.baseline.load_state_dict(state["baseline"])
 
     # ---- the round -----------------------------------------------------------------------
     def run_round(self, step: int) -> dict[str, float]:
