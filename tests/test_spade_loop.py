@@ -572,3 +572,27 @@ def test_adaptive_baseline_resumes_with_its_win_rates(pool):
     assert resumed_tasks == tasks[2:]
     assert straight.baseline.win_rate != make_baseline(experiment).win_rate  # it adapted
     assert resumed.baseline.win_rate == straight.baseline.win_rate
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_8b", "qwen3_4b"])
+def test_paper_scale_experiments_set_the_recipes_numbers(name):
+    from spade_jax.spade.prompts import REFERENCE_AGENT_FIRST_TURN_TEMPLATE
+
+    config = load_experiment(name)
+    s, agent = config.spade, config.agent
+    assert (s.rounds, s.envs_per_round, s.regeneration_interval, s.plays_per_game,
+            s.hint_plays, s.designer_delay, s.max_design_attempts) == (400, 24, 4, 8, 16, 4, 5)
+    assert s.envs_per_round * s.plays_per_game == 192  # the recipe's global batch
+    assert (s.skills, s.skills_per_window, s.hint_mode, s.hint_temperature,
+            s.hint_max_tokens) == ("main", 3, "self", 0.3, 4096)
+    assert (s.designer_reward, s.designer_advantage, s.invalid_penalty, s.contract,
+            s.memory_capacity, s.agent_advantage_eps) == (
+        "blend", "skill_centered", None, "reference", 200, 1e-8)
+    for sampler in (config.designer_sampler, agent.sampler):
+        assert (sampler.temperature, sampler.top_p, sampler.top_k) == (0.6, 0.95, 20)
+    assert (agent.max_turns, agent.max_turn_tokens, agent.max_episode_tokens) == (25, 8192, 32768)
+    assert (agent.action_format, agent.first_turn_template, agent.system_prompt,
+            agent.enable_thinking) == ("boxed", REFERENCE_AGENT_FIRST_TURN_TEMPLATE, None, False)
+    designer_tokens, thinking = (20_000, True) if name == "qwen3_8b" else (16384, False)
+    assert (config.designer_sampler.max_new_tokens, s.designer_thinking) == (designer_tokens,
+                                                                            thinking)
