@@ -90,6 +90,8 @@ def tokenizer_copy(path: PathLike) -> pathlib.Path:
     if not is_remote(path):
         return pathlib.Path(path)
     source = as_path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"tokenizer path {path} does not exist")
     if source.is_dir():
         return local_copy(source, want=lambda name: not name.endswith(_WEIGHT_SUFFIXES))
     directory = local_copy(source.parent, want=lambda name: name == source.name or (

@@ -164,7 +164,9 @@ def load_program_pool(
     directory with no `*.py` files, and for an empty or non-UTF-8 program or hint file.
     The error names the file.
     """
-    root = pathlib.Path(directory)
+    from etils import epath  # the pool may be local or remote (gs://...)
+
+    root = epath.Path(directory)
     if not root.exists():
         raise FileNotFoundError(f"program pool directory {root} does not exist")
     if not root.is_dir():
