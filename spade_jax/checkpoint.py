@@ -67,6 +67,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from spade_jax import storage
+
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "spade_manifest.json"
@@ -222,7 +224,8 @@ def _step_files(step_dir: epath.Path) -> list[epath.Path]:
 def write_manifest(
     step_dir: epath.PathLike, step: int, checksum: bool, config_hash: str | None
 ) -> None:
-    """Records every file of a finalised step; written last and atomically (tmp + rename)."""
+    """Records every file of a finalised step; written last and atomically (locally tmp +
+    rename; an object-store object only appears once complete)."""
     step_dir = epath.Path(step_dir)
     files = {}
     for path in _step_files(step_dir):
@@ -231,9 +234,7 @@ def write_manifest(
             entry["sha256"] = _file_sha256(path)
         files[str(path.relative_to(step_dir))] = entry
     manifest = {"step": step, "config_hash": config_hash, "written_at": time.time(), "files": files}
-    tmp_path = step_dir / f".{MANIFEST_NAME}.tmp"
-    tmp_path.write_text(json.dumps(manifest, indent=1))
-    tmp_path.rename(step_dir / MANIFEST_NAME)
+    storage.write_bytes_atomic(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
 
 
 def _has_checksums(step_dir: epath.Path) -> bool:

@@ -140,17 +140,6 @@ def build_corpus_sampler(config: ExperimentConfig, seed_offset: int = 0) -> Corp
 
 
 # ---- checkpoint helpers -----------------------------------------------------------------
-MODEL_SPEC_FILE = "model.json"
-
-
-def write_model_spec(workdir: storage.PathLike, model: Qwen3) -> None:
-    """``workdir/model.json``: the policy's architecture (Hugging Face config) and run
-    options, which fix the parameter tree a training checkpoint holds (read by export)."""
-    spec = {"hf_config": model.config.to_hf(),
-            "options": dataclasses.asdict(model.options)}
-    (storage.as_path(workdir) / MODEL_SPEC_FILE).write_text(json.dumps(spec, indent=2))
-
-
 def _saveable(state: TrainState) -> dict[str, Any]:
     """TrainState as a flat dict of arrays (typed PRNG keys as raw key data)."""
     leaves = jax.tree.leaves(state)
@@ -187,6 +176,8 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
     model = build_model(config.model, tokenizer, config.seed, mesh)
     if distributed.is_primary():  # what `python -m spade_jax.export` rebuilds the policy from
+        from spade_jax.export import write_model_spec
+
         write_model_spec(workdir, model)
     log.info("policy: %s, %s parameters", model.config.architecture,
              f"{model.config.param_count():,}")
