@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from gcs_emulator import GcsEmulator, apply_env, restore_env
 from test_train_resume_kill import (
     _assert_bitwise_equal,
     _checkpoint_leaves,
+    _env,
     _finish,
     _load,
     _losses,
@@ -115,7 +115,7 @@ def _kill_after_first_checkpoint(proc: subprocess.Popen, gcs: GcsEmulator, manif
 @pytest.mark.slow  # a few minutes: two short tiny runs and an export
 def test_tiny_run_in_a_bucket_is_killed_resumes_and_exports(tmp_path, gcs):
     gcs.create_bucket("runs")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **gcs.env}
+    env = {**_env(tmp_path / "jax_cache"), **gcs.env}  # the resume reuses the compiles
     workdir = "gs://runs/tiny"
     proc = subprocess.Popen(_train_command(workdir), cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
