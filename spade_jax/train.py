@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
         log.info("done in %.1f min; report: %s", (time.time() - start) / 60,
                  workdir / "report.md")
     finally:
-        if log_file is not None:
+        if log_file is not None:  # uploads a remote train.log a last time
+            logging.getLogger().removeHandler(log_file)
             log_file.close()
     return 0
 
