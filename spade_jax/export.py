@@ -9,10 +9,10 @@ Writes ``config.json`` + safetensors shards (Hub tensor names and layout, the fo
 --checkpoint=DIR`` read) and the run's tokenizer files. ``--workdir`` and ``--out`` may be
 local or ``gs://``.
 
-Streamed: the training checkpoint is read one parameter at a time (one stacked parameter,
-all layers of e.g. the gate projections, with ``scan_layers``), transposed into the Hub
-layout and appended to the current shard; a shard is written once full. The optimizer
-state is never read and no host ever holds the whole model.
+Streamed: the training checkpoint's arrays are read through TensorStore one parameter at
+a time, and one layer at a time for the stacked parameters of ``scan_layers``, transposed
+into the Hub layout and appended to the current shard; a shard is written once full. The
+optimizer state is never read and no host ever holds the whole model.
 
 --step: a step number, ``latest`` (default: the newest intact checkpoint) or ``best`` (the
 step kept for the best held-out score, ``ExperimentConfig.best_checkpoint_metric``).
@@ -125,31 +125,51 @@ def param_keys(config: ModelConfig, options: ModelOptions) -> dict[tuple, str]:
     return {tuple(path): f"{i + 1:05d}" for i, path in enumerate(flat)}
 
 
-def _read_leaf(state_dir, key: str, shape: tuple[int, ...], what: tuple) -> np.ndarray:
-    """One array of a checkpoint's state item, as NumPy on the host (partial restore)."""
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        restored = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
-            {key: 0}, restore_args={key: ocp.RestoreArgs(restore_type=np.ndarray)},
-            partial_restore=True))
-    value = np.asarray(restored[key])
-    if value.shape != tuple(shape):
-        raise ExportError(f"checkpoint array {key} has shape {value.shape} but the model's "
-                          f"{'/'.join(map(str, what))} needs {tuple(shape)}: the checkpoint "
-                          f"does not match {MODEL_SPEC_FILE}")
-    return value
+class CheckpointArrays:
+    """Reads single arrays, or one index of a stacked array, from a run checkpoint's
+    ``state`` item through TensorStore (the store Orbax wrote it with), without restoring
+    the rest: never more than the slice asked for is in host memory."""
+
+    def __init__(self, state_dir: storage.PathLike) -> None:
+        import tensorstore as ts
+
+        self.state_dir = storage.as_path(state_dir)
+        metadata = json.loads((self.state_dir / "_METADATA").read_text())
+        self._use_ocdbt = bool(metadata.get("use_ocdbt", True))
+        self._use_zarr3 = bool(metadata.get("use_zarr3", False))
+        self._context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 0}})
+
+    def open(self, key: str, shape: tuple[int, ...], what: tuple):
+        """The TensorStore of array ``key``, checked to have ``shape``."""
+        import tensorstore as ts
+
+        info = ocp.type_handlers.ParamInfo(
+            name=key, parent_dir=self.state_dir, path=self.state_dir / key,
+            is_ocdbt_checkpoint=self._use_ocdbt, use_zarr3=self._use_zarr3,
+            ts_context=self._context)
+        spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._use_ocdbt)
+        array = ts.open(spec, context=self._context, open=True).result()
+        if tuple(array.shape) != tuple(shape):
+            raise ExportError(f"checkpoint array {key} has shape {tuple(array.shape)} but the "
+                              f"model's {'/'.join(map(str, what))} needs {tuple(shape)}: the "
+                              f"checkpoint does not match {MODEL_SPEC_FILE}")
+        return array
 
 
 def checkpoint_tensors(workdir: storage.PathLike, step: int, config: ModelConfig,
                        options: ModelOptions, dtype: str) -> Iterator[tuple[str, np.ndarray]]:
-    """The step's parameters as (HF name, array in ``dtype``), one parameter read at a time."""
-    state_dir = storage.as_path(workdir) / CHECKPOINTS_DIR / str(step) / _STATE_ITEM
+    """The step's parameters as (HF name, array in ``dtype``), one parameter (one layer of a
+    stacked one) read at a time."""
+    arrays = CheckpointArrays(storage.as_path(workdir) / CHECKPOINTS_DIR / str(step) / _STATE_ITEM)
     keys = param_keys(config, options)
+    target = jnp.dtype(dtype)
     for mapping in param_mappings(config, options.scan_layers):
-        value = _read_leaf(state_dir, keys[mapping.path], mapping.shape, mapping.path)
-        value = value.astype(jnp.dtype(dtype))
-        parts = zip(mapping.layers, value, strict=True) if mapping.layers else [(mapping, value)]
-        for layer_mapping, part in parts:
-            yield from layer_mapping.export(np.asarray(part))
+        array = arrays.open(keys[mapping.path], mapping.shape, mapping.path)
+        if not mapping.layers:
+            yield from mapping.export(np.asarray(array.read().result()).astype(target))
+            continue
+        for index, layer_mapping in enumerate(mapping.layers):  # one layer at a time
+            yield from layer_mapping.export(np.asarray(array[index].read().result()).astype(target))
 
 
 def copy_tokenizer(workdir: storage.PathLike, out: storage.PathLike) -> list[str]:

@@ -45,11 +45,38 @@ def _make_run(workdir, *, scan_layers: bool, step: int = 3):
     return nnx.merge(graphdef, state.params), tokenizer
 
 
+class _RecordingArray:
+    """Wraps a TensorStore array; records the size of every read (streaming check)."""
+
+    def __init__(self, array, reads: list[int]) -> None:
+        self.array, self.reads, self.shape = array, reads, array.shape
+
+    def __getitem__(self, index):
+        return _RecordingArray(self.array[index], self.reads)
+
+    def read(self):
+        self.reads.append(int(np.prod(self.array.shape)))
+        return self.array.read()
+
+
+@pytest.mark.slow  # ~40 s + ~25 s on 2 cores (tokenizer, two models, transformers, sampler)
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_export_round_trip_transformers_load_hf_and_load_policy(tmp_path, scan_layers):
+def test_export_round_trip_transformers_load_hf_and_load_policy(tmp_path, monkeypatch,
+                                                                 scan_layers):
     workdir, out = tmp_path / "run", tmp_path / "hf"
     trained, tokenizer = _make_run(workdir, scan_layers=scan_layers)
+    reads: list[int] = []
+    opened = export.CheckpointArrays.open
+    monkeypatch.setattr(export.CheckpointArrays, "open",
+                        lambda self, *a: _RecordingArray(opened(self, *a), reads))
     assert export.main([f"--workdir={workdir}", f"--out={out}", "--max_shard_gb=0.00005"]) == 0
+    # Streamed: no read is larger than one layer's largest parameter (or the embedding).
+    config = trained.config
+    largest = max(config.vocab_size * config.hidden_size,
+                  config.num_experts * config.hidden_size * config.moe_intermediate_size)
+    assert reads and max(reads) <= largest
+    assert sum(reads) == sum(int(np.prod(v.get_value().shape)) for _, v in
+                             nnx.to_flat_state(nnx.state(trained, nnx.Param)))
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()  # streamed
     assert (out / "spm.model").read_bytes() == (workdir / "tokenizer" / "spm.model").read_bytes()
