@@ -8,7 +8,8 @@
    (shortened with --set), writes every file of the run into the bucket and nothing into a
    local ``gs:`` directory, is SIGKILLed once its first checkpoint is complete in the
    bucket, resumes from the bucket, and the exported policy (gs:// -> gs://) loads through
-   ``load_hf`` from the bucket with the checkpoint's parameters bit for bit.
+   ``load_hf`` from the bucket with the checkpoint's parameters bit for bit (``--step=best``:
+   the step stored with the run's held-out score).
 """
 
 from __future__ import annotations
@@ -82,10 +83,14 @@ def test_kill_9_resume_from_a_bucket_equals_an_uninterrupted_local_run(tmp_path,
     assert want_run_state == got_run_state
 
 
-SHRINK = [  # the smallest tiny run that still has every phase (eval off, warm start short)
+SHRINK = [  # the smallest tiny run that still has every phase (warm start short, one eval)
     "--set", "warm_start.steps=2",
     "--set", "spade.rounds=2",
-    "--set", "spade.eval_every=0",
+    "--set", "spade.eval_every=2",
+    "--set", "eval.suites=('RG-Math',)",
+    "--set", "eval.tasks_per_suite=1",
+    "--set", "eval.problems_per_task=1",
+    "--set", "eval.max_new_tokens=4",
     "--set", "designer_sampler.max_new_tokens=48",
     "--set", "agent.max_turn_tokens=8",
     "--set", "checkpoint_every=1",
@@ -154,7 +159,10 @@ def test_tiny_run_in_a_bucket_is_killed_resumes_and_exports(tmp_path, gcs):
     from spade_jax.models import load_hf
 
     assert manifest_problem(run / "checkpoints" / "2", 2) is None  # every file's SHA-256
-    assert export.main([f"--workdir={workdir}", "--out=gs://runs/exported"]) == 0
+    # Round 1's held-out score is stored with checkpoint 2 (the best-checkpoint ranking).
+    score = json.loads((run / "checkpoints" / "2" / "metrics" / "metrics").read_text())
+    assert score == {"eval/mean/pass@1": rows[1]["eval/mean/pass@1"]}
+    assert export.main([f"--workdir={workdir}", "--step=best", "--out=gs://runs/exported"]) == 0
     config, options = export.read_model_spec(workdir)
     model, _ = load_hf("gs://runs/exported", options=options)
     with CheckpointManager(CheckpointConfig(run / "checkpoints")) as manager:
