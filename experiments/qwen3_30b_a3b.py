@@ -35,10 +35,17 @@ def get_config() -> ExperimentConfig:
                               # stays < 12 GiB per chip on 32 chips (README AOT table).
                               sampler=SamplerConfig(max_new_tokens=1024, temperature=1.0,
                                                     cache_dtype="bfloat16", max_rows=256)),
+        # The recipe's update (slime flags of cmd/games/train_spade_30b.sh): Adam lr 1e-6
+        # constant, weight decay 0.1, betas 0.9/0.98, clip 1.0; PPO clip 0.2/0.28, KL 0,
+        # TIS clamp 2; designer and agent samples in one per-sample mean.
         train=TrainConfig(
-            optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=10, schedule="constant",
-                                      total_steps=400, weight_decay=0.0, clip_norm=1.0),
-            agent=RoleConfig(policy_loss="gspo"), designer=RoleConfig(policy_loss="gspo"),
+            optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=0, schedule="constant",
+                                      weight_decay=0.1, b1=0.9, b2=0.98, clip_norm=1.0),
+            agent=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+                clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
+            designer=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+                clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
+            loss_aggregation="pooled",
             microbatches=16, compute_dtype="bfloat16", router_replay=False,
             logit_chunk=1024,  # [tokens, 151k vocab] logits 1024 positions at a time
         ),

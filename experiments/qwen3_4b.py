@@ -9,7 +9,6 @@ Dense model: parameters and optimizer state sharded FSDP over every chip.
 import dataclasses
 
 from spade_jax.experiment import ExperimentConfig, load_experiment
-from spade_jax.rl.train_step import RoleConfig
 from spade_jax.sharding import MeshConfig
 
 
@@ -20,6 +19,6 @@ def get_config() -> ExperimentConfig:
         name="qwen3_4b",
         model=dataclasses.replace(base.model, preset="qwen3_4b_instruct_2507"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=1),
-        train=dataclasses.replace(base.train, agent=RoleConfig(policy_loss="grpo"),
-                                  designer=RoleConfig(policy_loss="grpo"), microbatches=8),
+        # The recipe's update, as the 30B's (cmd/games/train_spade_4b.sh: same flags).
+        train=dataclasses.replace(base.train, microbatches=8),
     )

@@ -9,7 +9,6 @@ Dense model: parameters and optimizer state sharded FSDP over every chip.
 import dataclasses
 
 from spade_jax.experiment import ExperimentConfig, load_experiment
-from spade_jax.rl.train_step import RoleConfig
 from spade_jax.sharding import MeshConfig
 
 
@@ -20,6 +19,12 @@ def get_config() -> ExperimentConfig:
         name="qwen3_8b",
         model=dataclasses.replace(base.model, preset="qwen3_8b"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=1),
-        train=dataclasses.replace(base.train, agent=RoleConfig(policy_loss="grpo"),
-                                  designer=RoleConfig(policy_loss="grpo"), microbatches=8),
+        # The recipe's update, as the 30B's but KL 0.005 to the initial policy
+        # (cmd/games/train_spade_8b.sh: --kl-loss-coef 0.005, low_var_kl = k3).
+        train=dataclasses.replace(
+            base.train, microbatches=8,
+            agent=dataclasses.replace(base.train.agent, loss_config=dict(
+                clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005)),
+            designer=dataclasses.replace(base.train.designer, loss_config=dict(
+                clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005))),
     )

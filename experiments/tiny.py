@@ -48,8 +48,7 @@ def get_config() -> ExperimentConfig:
             env_threads=2,
         ),
         sandbox=SandboxConfig(call_deadline_s=2.0, spare_workers=2),
-        train=TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1,
-                                                    total_steps=100)),
+        train=TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1)),
         spade=SpadeConfig(
             rounds=4, envs_per_round=4, designer_group_size=2, n_hint=2, designer_delay=1,
             docs_per_prompt=1, max_doc_chars=64, memory_examples=1, memory_train_envs=1,

@@ -444,7 +444,7 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from spade_jax import sharding
-    from spade_jax.experiment import load_experiment
+    from spade_jax.experiment import load_experiment, train_config_for_run
     from spade_jax.models import abstract_model, preset
     from spade_jax.rl.batch import TrainBatch
     from spade_jax.rl.optim import MASTER_DTYPES, make_optimizer
@@ -466,7 +466,7 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
     # The sampler never differentiates, so remat changes nothing in its programs (and
     # nnx.remat around a layer that writes the KV cache does not trace).
     sample_graphdef, _ = nnx.split(abstract_model(arch, dataclasses.replace(options, remat=False)))
-    train = experiment.train
+    train = train_config_for_run(experiment)
     master = MASTER_DTYPES[train.optimizer.master_dtype]
     optimizer = make_optimizer(train.optimizer)
 

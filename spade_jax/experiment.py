@@ -2,7 +2,12 @@
 
 Each component keeps its own small dataclass (sampler, agent loop, sandbox, trainer,
 SPADE); this module only composes them and finds experiment files by name. Any leaf is
-overridable from the command line: ``--set spade.rounds=5 --set train.optimizer.lr=1e-5``.
+overridable from the command line, e.g.
+``--set spade.rounds=5 --set train.optimizer.learning_rate=1e-5``.
+
+Defaults resolved when an experiment is loaded (so ``--dry_run`` prints them):
+``tokenizer.path`` empty with ``model.hf_checkpoint`` set -> the checkpoint's directory
+(its ``tokenizer.json``): a real checkpoint never trains with a stand-in tokenizer.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from spade_jax.envs.config import SandboxConfig
 from spade_jax.models.config import ModelConfig
 from spade_jax.models.qwen3 import ModelOptions
 from spade_jax.overrides import apply_overrides
-from spade_jax.rl.train_step import TrainConfig
+from spade_jax.rl.train_step import TrainConfig, needs_reference
 from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
@@ -73,7 +78,8 @@ class ModelSpec:
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
     """Tokenizer: a directory/file (tokenizer.json or sentencepiece .model), or, when empty,
-    a sentencepiece model of ``vocab_size`` trained on the project's own text."""
+    the HF checkpoint's own tokenizer if ``model.hf_checkpoint`` is set, else a sentencepiece
+    model of ``vocab_size`` trained on the project's own text (random-init tiny runs)."""
 
     path: str = ""
     vocab_size: int = 2000
@@ -126,6 +132,25 @@ class EvalSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class BaselineSpec:
+    """Training tasks of the fixed-environment baselines (``spade.baseline``).
+
+    The baselines train on reasoning-gym tasks, and the held-out evaluation runs
+    reasoning-gym suites (RG-Math, RG-Algo, RG-Cog, RG-Logic), so the two must not share a
+    task. Empty ``train_categories`` and ``train_tasks`` = every reasoning-gym category that
+    no evaluation suite uses (disjoint by construction); a set that overlaps an evaluation
+    suite is refused with the overlapping tasks named (``spade.baselines``).
+
+    Attributes:
+      train_categories: reasoning-gym categories (subpackages: "games", "graphs", ...).
+      train_tasks: individual reasoning-gym task names, added to the categories' tasks.
+    """
+
+    train_categories: tuple[str, ...] = ()
+    train_tasks: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """Everything one run needs."""
 
@@ -143,6 +168,7 @@ class ExperimentConfig:
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     corpus: CorpusSpec = dataclasses.field(default_factory=CorpusSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+    baseline: BaselineSpec = dataclasses.field(default_factory=BaselineSpec)
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     # Kept besides the newest keep_checkpoints: the step with the best value of this logged
@@ -178,14 +204,36 @@ def load_experiment(name: str, overrides: tuple[str, ...] | list[str] = ()) -> E
     config = module.get_config(arg) if arg else module.get_config()
     if not isinstance(config, ExperimentConfig):
         raise TypeError(f"{path}: get_config() returned {type(config).__name__}, not ExperimentConfig")
-    return apply_overrides(config, list(overrides))
+    return with_resolved_defaults(apply_overrides(config, list(overrides)))
+
+
+def with_resolved_defaults(config: ExperimentConfig) -> ExperimentConfig:
+    """Fills the defaults that depend on other fields (module docstring)."""
+    if not config.tokenizer.path and config.model.hf_checkpoint:
+        tokenizer = dataclasses.replace(config.tokenizer, path=config.model.hf_checkpoint)
+        config = dataclasses.replace(config, tokenizer=tokenizer)
+    return config
+
+
+def train_config_for_run(config: ExperimentConfig) -> TrainConfig:
+    """``config.train`` as the run builds it: ``optimizer.total_steps`` left None becomes
+    the run's number of updates (one per SPADE round, ``spade.rounds``).
+
+    Refuses a KL term (``kl_coef > 0``) together with a warm start: the KL reference is the
+    policy the run loads (checkpoint or initialisation), which a warm start would leave
+    behind and a resumed run could not rebuild."""
+    if config.warm_start.steps and needs_reference(config.train):
+        raise ValueError("a KL term (loss_config.kl_coef > 0) needs warm_start.steps=0: the "
+                         "reference is the loaded policy, before any warm start")
+    optimizer = config.train.optimizer.for_run(config.spade.rounds)
+    return dataclasses.replace(config.train, optimizer=optimizer)
 
 
 def ablation(base: str, name: str, **changes: object) -> ExperimentConfig:
     """``base`` experiment with dotted-path ``changes`` (e.g. ``spade__use_memory=False``)."""
     config = load_experiment(base)
     items = [f"{k.replace('__', '.')}={v!r}" for k, v in changes.items()]
-    return dataclasses.replace(apply_overrides(config, items), name=name)
+    return dataclasses.replace(with_resolved_defaults(apply_overrides(config, items)), name=name)
 
 
 def config_hash(config: ExperimentConfig) -> str:

@@ -6,6 +6,11 @@ A key is a dotted path of dataclass fields; the value is parsed as a Python lite
 (numbers, booleans, None, tuples, lists, dicts, quoted strings) and otherwise taken as a
 plain string. The new value must fit the field's current type, so a typo fails loudly
 and names the field instead of silently training with a wrong setting.
+
+A config class may declare ``OVERRIDE_RESETS = {"field": ("dependent", ...)}``: changing
+``field`` resets each dependent field to its default, e.g. ``train.agent.policy_loss=gspo``
+drops the previous rule's ``loss_config`` (its fields mean nothing to the new rule). A later
+override of a dependent field applies on top.
 """
 
 from __future__ import annotations
@@ -72,7 +77,25 @@ def set_path(config: Any, path: str, value: Any) -> Any:
         new = set_path(current, rest, value)
     else:
         new = _coerce(path, current, value, fields[head].type)
+        if new != current:
+            return dataclasses.replace(config, **{head: new, **_reset_dependents(config, head)})
     return dataclasses.replace(config, **{head: new})
+
+
+def _reset_dependents(config: Any, name: str) -> dict[str, Any]:
+    """Defaults of the fields ``type(config).OVERRIDE_RESETS`` ties to field ``name``."""
+    dependents = getattr(type(config), "OVERRIDE_RESETS", {}).get(name, ())
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    out = {}
+    for dependent in dependents:
+        field = fields[dependent]
+        if field.default is not dataclasses.MISSING:
+            out[dependent] = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            out[dependent] = field.default_factory()
+        else:
+            raise TypeError(f"{type(config).__name__}.{dependent} has no default to reset to")
+    return out
 
 
 def apply_overrides(config: Any, overrides: Sequence[str]) -> Any:

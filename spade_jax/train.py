@@ -17,7 +17,9 @@ import dataclasses
 import json
 import logging
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from absl import app, flags
 
@@ -45,6 +47,10 @@ def main(argv: list[str]) -> int:
     except (FileNotFoundError, OverrideError, AttributeError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    problem = _workdir_problem(FLAGS.workdir) if FLAGS.workdir else None
+    if problem:  # checked in --dry_run too: a run would fail there only after startup
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if FLAGS.dry_run:
         print(json.dumps(dataclasses.asdict(config), indent=2, default=str))
         return 0
@@ -60,7 +66,11 @@ def main(argv: list[str]) -> int:
     from spade_jax import storage
 
     workdir = storage.absolute(FLAGS.workdir)  # a gs:// URL stays one (never ./gs:/...)
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: cannot create --workdir {FLAGS.workdir}: {e.strerror}", file=sys.stderr)
+        return 2
     log_file = _setup_logging(workdir)
     from spade_jax.spade.run import run_experiment
 
@@ -74,6 +84,27 @@ def main(argv: list[str]) -> int:
             logging.getLogger().removeHandler(log_file)
             log_file.close()
     return 0
+
+
+def _workdir_problem(workdir: str) -> str | None:
+    """Why a local --workdir cannot hold a run (a file, under a file, not writable), or
+    None. Remote paths (gs://...) are left to the storage layer."""
+    if "://" in workdir:
+        return None
+    path = Path(workdir)
+    if path.exists() and not path.is_dir():
+        return f"--workdir {workdir} is a file, not a directory"
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"--workdir {workdir} lies under {ancestor}, which is a file"
+    try:  # a real write: permission bits say nothing for root or a read-only mount
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as e:
+        return f"--workdir {workdir}: cannot write in {ancestor} ({e.strerror})"
+    return None
 
 
 class _MirroredLogFile(logging.FileHandler):

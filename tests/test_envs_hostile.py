@@ -46,6 +46,13 @@ def _program(reset: str = 'return "ok", {}', step: str = 'return "", 0.0, True, 
     )
 
 
+def _game(reset: str = 'return "ok", {}', step: str = 'return "", 0.0, True, False, {}',
+          top: str = "") -> str:  # fmt: skip
+    """A program in the reference (recipe) contract: a `*Env` class, numpy and the other
+    recipe names bound without an import (the pool detects the contract from the source)."""
+    return _program(reset, step, top).replace("class Environment:", "class HostileEnv:")
+
+
 CASES = [
     Case("fork_bomb", _program("while True:\n    os.fork()", top="import os"),
          "forbidden_import", "program_error", detail_has="PermissionError"),
@@ -116,7 +123,7 @@ CASES = [
             setattr(builtins, name, lambda *a, **k: 1.0)
         sys.modules['spade_jax.envs.worker']._number = lambda v: v
         return 'won', 5.0, True, False, {}""", top="import builtins, sys"),
-        "forbidden_import", "return_out_of_range", call="step"),
+        "forbidden_import", "reward_out_of_range", call="step"),
     Case("nan_reward", _program(step="return 'x', float('nan'), True, False, {}"),
          "nonfinite_reward", "nonfinite_reward", call="step"),
     Case("inf_reward", _program(step="return 'x', float('inf'), True, False, {}"),
@@ -166,7 +173,78 @@ CASES = [
         while True:
             pass""", top="import os"), "forbidden_import", "message_too_large", call="step"),
     Case("sys_exit", _program("raise SystemExit(0)"), "program_error", "program_error"),
+    # Co-tenants and arms (issue 19): a signal owner aimed at the trainer, a lock on a
+    # file every worker can read, a world-readable host file.
+    Case("sigio_owner_kill", _program(
+        """\
+        libc = ctypes.CDLL(None, use_errno=True)
+        r, w = os.pipe()
+        rc = (libc.fcntl(r, 8, @pid@), libc.fcntl(r, 10, 9), libc.fcntl(r, 4, 0o20000))
+        os.write(w, b'x')
+        raise RuntimeError(f'setown={rc[0]} setsig={rc[1]} async={rc[2]}')""",
+        top="import ctypes, os"), "forbidden_import", "program_error",
+        detail_has="setown=-1 setsig=-1 async=-1"),
+    Case("flock_shared_file", _program(
+        """\
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open('/', os.O_RDONLY)
+        raise RuntimeError(f'flock={libc.flock(fd, 6)}')""", top="import ctypes, os"),
+        "forbidden_import", "program_error", detail_has="flock=-1"),
+    Case("read_host_file", _program(
+        "with open('@old_file@') as f:\n    return f.read(), {}"),
+        "forbidden_name", "program_error", detail_has="Error"),
     Case("hard_exit", _program("os._exit(0)", top="import os"), "forbidden_import", "crash"),
+    # The reference contract: escapes through the names it binds without an import.
+    Case("ref_numpy_read_parent_proc", _game(
+        "data = np.fromfile('/proc/@pid@/environ', dtype=np.uint8)\n"
+        "return bytes(data.tolist()).decode('latin-1'), {}"),
+        "forbidden_attribute", "program_error"),
+    Case("ref_numpy_load_pickle", _game("return str(np.load('@old_file@', allow_pickle=True)), {}"),
+         "forbidden_attribute", "program_error"),
+    Case("ref_numpy_tofile", _game("np.arange(4).tofile('@new_file@')\nreturn 'written', {}"),
+         "forbidden_attribute", "program_error", detail_has="PermissionError"),
+    Case("ref_numpy_save", _game("np.save('@new_file@', np.arange(3))\nreturn 'saved', {}"),
+         "forbidden_attribute", "program_error", detail_has="PermissionError"),
+    Case("ref_numpy_ctypes_fork_exec", _game(
+        """\
+        libc = np.zeros(1).ctypes._ctypes.CDLL(None)
+        child = libc.fork()
+        rc = libc.execv(b"/bin/sh", None)
+        raise RuntimeError(f"fork={child} exec={rc}")"""),
+        "forbidden_attribute", "program_error", detail_has="fork=-1 exec=-1"),
+    Case("ref_numpy_ctypeslib", _game("return str(np.ctypeslib.load_library('libc', '/lib')), {}"),
+         "forbidden_attribute", "program_error"),
+    Case("ref_random_os_system", _game(
+        "rc = random._os.system('echo pwned > @new_file@')\nraise RuntimeError(f'system rc={rc}')"),
+        "forbidden_attribute", "program_error", detail_has="system rc="),
+    Case("ref_statistics_sys_fork", _game("statistics.sys.modules['os'].fork()"),
+         "forbidden_attribute", "program_error", detail_has="PermissionError"),
+    Case("ref_typing_sys_kill", _game("typing.sys.modules['os'].kill(@pid@, 9)",
+                                      top="import typing"),
+         "forbidden_attribute", "program_error", detail_has="PermissionError"),
+    Case("ref_math_verify_sympify_eval", _game(
+        "return str(math_verify.parser.sympy.sympify(\"__import__('os').fork()\")), {}",
+        top="import math_verify"), "forbidden_attribute", "program_error",
+        detail_has="PermissionError"),
+    Case("ref_math_verify_import_sympy", _game(
+        "return str(sympy.sympify(\"__import__('os').fork()\")), {}",
+        top="from math_verify.parser import sympy"), "forbidden_attribute", "program_error",
+        detail_has="PermissionError"),
+    Case("ref_numpy_memory_bomb", _game("x = np.ones((1 << 31,))\nreturn 'x', {}"),
+         "memory_limit", "memory_limit"),
+    Case("ref_numpy_memory_growing", _game(
+        "chunks = []\nwhile True:\n    chunks.append(np.ones(10 ** 7))"),
+        "memory_limit", "memory_limit"),
+    Case("ref_numpy_cpu_spin", _game(
+        "a = np.random.rand(300, 300)\nwhile True:\n    a = np.tanh(a @ a)"),
+        "timeout", "timeout"),
+    Case("ref_numpy_nan_reward", _game(step="return 'x', np.float64('nan'), True, False, {}"),
+         "nonfinite_reward", "nonfinite_reward", call="step"),
+    Case("ref_patch_worker_big_reward", _game(
+        step="""\
+        statistics.sys.modules['spade_jax.envs.worker']._number = lambda v: v
+        return 'won', 50.0, True, False, {}"""),
+        "forbidden_attribute", "reward_out_of_range", call="step"),
 ]  # fmt: skip
 
 
@@ -243,10 +321,11 @@ def test_hostile_program_is_contained(case, gate, pools, listener, tmp_path):
 
 
 def test_pool_survives_the_corpus(pools):
-    """After every hostile case, both pools still run a good program."""
-    good = _program(step='return "done", 1.0, True, False, {}')
-    for pool in pools.values():
-        handle = pool.open(good)
-        assert handle.reset(seed=1).observation == "ok"
-        assert handle.step("a").reward == 1.0
-        handle.close()
+    """After every hostile case, both pools still run a good program (of each contract)."""
+    for good in (_program(step='return "done", 1.0, True, False, {}'),
+                 _game(step='return "done", np.float64(3.0), True, False, {}')):  # fmt: skip
+        for pool in pools.values():
+            handle = pool.open(good)
+            assert handle.reset(seed=1).observation == "ok"
+            assert handle.step(r"\boxed{a}").reward == 1.0  # reference: clipped from 3.0
+            handle.close()

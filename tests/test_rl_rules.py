@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from spade_jax import rl
+from spade_jax.rl import terms
 from spade_jax.rl.registry import Registry
 
 jax.config.update("jax_enable_x64", False)
@@ -468,3 +469,102 @@ def test_worked_example_in_docs_registers_and_runs(tmp_path, monkeypatch):
         rl.policy_losses._rules.pop("cispo", None)
         sys.modules.pop("my_rules.cispo", None)
         sys.modules.pop("my_rules", None)
+
+
+# ----------------------------------------------------------------------------------------
+# truncated importance sampling (the recipe's TIS)
+# ----------------------------------------------------------------------------------------
+
+
+def test_truncated_importance_weights_match_numpy():
+    rng = np.random.default_rng(11)
+    trainer = rng.normal(-1.5, 0.5, (B, T)).astype(np.float32)
+    sampler = (trainer + rng.normal(0, 1.0, (B, T))).astype(np.float32)
+    sampler[0, 0] = trainer[0, 0] + 40.0  # ratio e^-40: the lower clamp 0 leaves it alone
+    sampler[0, 1] = trainer[0, 1] - 40.0  # ratio e^40: clamped to C
+    tis = terms.truncated_importance_weights(trainer, sampler, 2.0)
+    ratio = np.exp(trainer.astype(np.float64) - sampler)
+    want = np.minimum(ratio, 2.0)
+    np.testing.assert_allclose(np.asarray(tis.ratio), ratio, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(tis.weight), want, rtol=1e-5, atol=1e-30)
+    np.testing.assert_array_equal(np.asarray(tis.clipped), (ratio > 2.0).astype(np.float32))
+    assert 0 < float(np.mean(np.asarray(tis.clipped))) < 1
+    low = terms.truncated_importance_weights(trainer, sampler, 2.0, clamp_low=0.5)
+    np.testing.assert_allclose(np.asarray(low.weight), np.clip(ratio, 0.5, 2.0), rtol=1e-5)
+    # The weight is data: no gradient through the trainer's log-probs.
+    grad = jax.grad(lambda lp: jnp.sum(
+        terms.truncated_importance_weights(lp, sampler, 2.0).weight))(jnp.asarray(trainer))
+    np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+def np_recipe_tis_loss(logp, trainer_old, rollout, ref, adv, mask, clamp, kl_coef):
+    """slime's PPO loss with --use-tis, by loops: ratio against the trainer's pre-update
+    log-probs, each token's clipped policy term times clip(pi_trainer / pi_rollout, 0, C),
+    k3 KL unweighted, mean over tokens per sample, mean over samples (recipe clip 0.2/0.28)."""
+    seq_means = []
+    for b in range(logp.shape[0]):
+        tokens = []
+        for t in np.flatnonzero(mask[b]):
+            w = min(np.exp(trainer_old[b, t] - rollout[b, t]), clamp)
+            pg, _, _, _ = np_ppo_token(logp[b, t], trainer_old[b, t], adv[b], 0.2, 0.28)
+            tokens.append(w * pg + kl_coef * np_k3(logp[b, t], ref[b, t]))
+        if tokens:
+            seq_means.append(np.mean(tokens))
+    return np.mean(seq_means)
+
+
+def tis_role_loss(policy_loss: str, loss_config: dict, batch: dict, clamp: float):
+    from spade_jax.rl.batch import TrainBatch
+    from spade_jax.rl.train_step import RoleConfig, role_loss
+
+    role = RoleConfig(policy_loss=policy_loss, loss_config=loss_config, tis_clamp=clamp)
+    train_batch = TrainBatch(
+        input_ids=np.zeros((B, T), np.int32), loss_mask=batch["loss_mask"],
+        old_logp=batch["old_logp"], advantages=batch["advantages"],
+        role_id=np.zeros((B,), np.int32), ref_logp=batch["ref_logp"])
+
+    def loss(lp):
+        value, metrics, _ = role_loss(role, 0, train_batch, lp, jnp.zeros((B, T)))
+        return value, metrics
+
+    return jax.value_and_grad(loss, has_aux=True)(jnp.asarray(batch["logp"]))
+
+
+def test_tis_grpo_equals_the_recipes_loss_and_gradient():
+    batch = random_batch(12)
+    batch["old_logp"] = (batch["logp"] + np.random.default_rng(4).normal(0, 0.8, (B, T))
+                         ).astype(np.float32)  # sampler log-probs: some ratios exceed C
+    (loss, metrics), grad = tis_role_loss(
+        "grpo", dict(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.05), batch, 2.0)
+    logp0 = batch["logp"].astype(np.float64)
+
+    def recipe(lp):
+        return np_recipe_tis_loss(lp, logp0, batch["old_logp"], batch["ref_logp"],
+                                  batch["advantages"], batch["loss_mask"], 2.0, 0.05)
+
+    assert float(loss) == pytest.approx(recipe(logp0), rel=1e-5, abs=1e-6)
+    expected = finite_diff_grad(recipe, batch["logp"])
+    assert np.abs(expected).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(grad), expected, atol=2e-5)
+    mask = batch["loss_mask"] > 0
+    ratio = np.exp(batch["logp"].astype(np.float64) - batch["old_logp"])[mask]
+    assert float(metrics["tis/weight_mean"]) == pytest.approx(np.minimum(ratio, 2).mean(), rel=1e-5)
+    assert float(metrics["tis/clip_frac"]) == pytest.approx(np.mean(ratio > 2), rel=1e-6)
+    assert 0 < float(metrics["tis/clip_frac"]) < 1
+    # The rule's own ratio is 1 (against the trainer's log-probs): nothing is PPO-clipped.
+    assert float(metrics["clip_frac"]) == 0.0
+
+
+def test_tis_reaches_gspo_as_a_per_token_weight():
+    """GSPO-token with TIS: each token's gradient is -A_i w_it / (|y_i| N) (docs/trainer.md)."""
+    batch = random_batch(13)
+    batch["old_logp"] = (batch["logp"] + np.random.default_rng(5).normal(0, 0.8, (B, T))
+                         ).astype(np.float32)
+    (_, metrics), grad = tis_role_loss("gspo", {}, batch, 1.5)
+    mask = batch["loss_mask"]
+    w = np.minimum(np.exp(batch["logp"].astype(np.float64) - batch["old_logp"]), 1.5)
+    tokens = mask.sum(1, keepdims=True)
+    scored = np.sum(tokens > 0)
+    expected = -batch["advantages"][:, None] * w * mask / np.maximum(tokens, 1) / scored
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-4, atol=1e-7)
+    assert float(metrics["tis/clip_frac"]) > 0

@@ -23,10 +23,12 @@ from spade_jax.models import ModelConfig, ModelOptions, Qwen3, load_balancing_lo
 from spade_jax.rl.batch import PackConfig, TrainBatch, TrainSequence, pack_sequences
 from spade_jax.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
 from spade_jax.rl.train_step import (
+    ReferencePolicy,
     RoleConfig,
     TrainConfig,
     init_train_state,
     make_train_step,
+    needs_reference,
     sampled_token_logprobs,
     shard_batch,
 )
@@ -242,6 +244,103 @@ def test_step_matches_full_batch_reference(compiled):
         assert float(metrics[f"{name}/logp_gap_max"]) == pytest.approx(gap.max(), rel=1e-5)
         assert float(metrics[f"{name}/tokens"]) == mask.sum()
         assert float(metrics[f"{name}/sequences"]) == np.sum(mask.any(axis=1))
+
+
+RECIPE_LOSS = dict(clip_eps=0.2, clip_eps_high=0.28)
+POOLED_CONFIG = TrainConfig(
+    optimizer=STEP_CONFIG.optimizer, microbatches=2, loss_aggregation="pooled",
+    agent=RoleConfig(policy_loss="grpo", loss_config=RECIPE_LOSS, tis_clamp=1.5),
+    designer=RoleConfig(policy_loss="grpo", loss_config=RECIPE_LOSS, weight=0.5),
+)
+
+
+def np_pooled_tis_loss(logp, batch: TrainBatch, aggregation: str) -> float:
+    """POOLED_CONFIG's loss by loops in float64: per-token clipped term (agent: ratio 1 against
+    the trainer's own log-probs, times min(pi_trainer / pi_sampler, 1.5)), mean over each
+    sequence's tokens, then one mean over all sequences (pooled) or a mean per role."""
+    means = {0: [], 1: []}
+    for b in range(logp.shape[0]):
+        role = int(batch.role_id[b])
+        tokens = []
+        for t in np.flatnonzero(np.asarray(batch.loss_mask)[b]):
+            a, old = float(batch.advantages[b]), float(batch.old_logp[b, t])
+            if role == 0:
+                w, r = min(np.exp(logp[b, t] - old), 1.5), 1.0
+            else:
+                w, r = 1.0, np.exp(logp[b, t] - old)
+            tokens.append(w * max(-a * r, -a * min(max(r, 0.8), 1.28)))
+        if tokens:
+            means[role].append((1.0 if role == 0 else 0.5) * np.mean(tokens))
+    if aggregation == "pooled":
+        return sum(map(sum, means.values())) / sum(map(len, means.values()))
+    return sum(np.mean(m) for m in means.values())
+
+
+@pytest.mark.slow
+def test_pooled_aggregation_with_tis_matches_numpy():
+    model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(0))
+    graphdef, state = init_train_state(model, POOLED_CONFIG)
+    params0 = jax.tree.map(np.asarray, state.params)
+    batch = random_batch(4)
+    logits = np.asarray(model(batch.input_ids).logits, np.float64)
+    logp = np.take_along_axis(log_softmax_np(logits)[:, :-1], batch.input_ids[:, 1:, None],
+                              -1)[..., 0]
+    logp = np.pad(logp, ((0, 0), (1, 0)))
+    want = np_pooled_tis_loss(logp, batch, "pooled")
+    assert abs(want - np_pooled_tis_loss(logp, batch, "per_role")) > 1e-3  # they differ
+
+    def jax_reference(params):  # the same formula, differentiable, for the gradient
+        out = nnx.merge(graphdef, params)(batch.input_ids).logits
+        lp = jnp.take_along_axis(jax.nn.log_softmax(out[:, :-1], -1),
+                                 batch.input_ids[:, 1:, None], -1)[..., 0]
+        lp = jnp.pad(lp, ((0, 0), (1, 0)))
+        agent = np.asarray(batch.role_id)[:, None] == 0
+        sg = jax.lax.stop_gradient(lp)
+        w = jnp.where(agent, jnp.minimum(jnp.exp(sg - batch.old_logp), 1.5), 1.0)
+        r = jnp.exp(lp - jnp.where(agent, sg, batch.old_logp))
+        a = batch.advantages[:, None]
+        token = w * jnp.maximum(-a * r, -a * jnp.clip(r, 0.8, 1.28))
+        mask = np.asarray(batch.loss_mask)
+        seq = jnp.sum(token * mask, 1) / np.maximum(mask.sum(1), 1)
+        weight = np.where(np.asarray(batch.role_id) == 0, 1.0, 0.5) * (mask.sum(1) > 0)
+        return jnp.sum(weight * seq) / np.sum(mask.sum(1) > 0)
+
+    grads = jax.grad(jax_reference)(state.params)
+    new_state, metrics = make_train_step(graphdef, POOLED_CONFIG)(state, batch)
+    assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    expected = numpy_adamw_first_step(params0, grads, POOLED_CONFIG.optimizer)
+    for got, ref in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-6)
+    agent_mask = (np.asarray(batch.loss_mask) > 0) & (np.asarray(batch.role_id) == 0)[:, None]
+    ratio = np.exp(logp - np.asarray(batch.old_logp, np.float64))[agent_mask]
+    # Rule metrics are weighted per microbatch by its share of the role's sequences.
+    assert float(metrics["agent/tis/weight_mean"]) == pytest.approx(
+        np.minimum(ratio, 1.5).mean(), rel=0.05)
+    assert float(metrics["agent/tis/clip_frac"]) > 0
+    assert "designer/tis/weight_mean" not in metrics
+
+
+def test_reference_policy_is_the_frozen_initial_policy():
+    """ref_logp = NumPy log-softmax of the initial model, for every row (microbatches
+    re-interleaved), and still after steps that update (and donate) the live parameters."""
+    config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-2), microbatches=2,
+                         agent=RoleConfig(loss_config=dict(kl_coef=0.1)))
+    assert needs_reference(config) and not needs_reference(TrainConfig())
+    model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(3))
+    logits = np.asarray(model(random_batch(5).input_ids).logits, np.float64)
+    graphdef, state = init_train_state(model, config)
+    reference = ReferencePolicy(graphdef, config, state.params)
+    step = make_train_step(graphdef, config)
+    batch = random_batch(5)
+    want = np.take_along_axis(log_softmax_np(logits)[:, :-1], batch.input_ids[:, 1:, None],
+                              -1)[..., 0]
+    want = np.pad(want, ((0, 0), (1, 0))) * batch.loss_mask
+    for _ in range(2):
+        annotated = reference.annotate(batch)
+        np.testing.assert_allclose(np.asarray(annotated.ref_logp), want, rtol=1e-5, atol=1e-5)
+        state, metrics = step(state, annotated)
+        assert int(metrics["skipped"]) == 0 and float(metrics["agent/kl"]) >= 0
+    assert float(metrics["agent/kl"]) > 0  # the policy moved away from the reference
 
 
 def test_nonfinite_batch_is_skipped_then_training_continues(compiled):

@@ -3,15 +3,36 @@
     from spade_jax.envs import validate_program, make_env
     report = validate_program(source, hint="...")   # report.ok, report.reason
     env = make_env(source)                          # gymnasium.Env, sandboxed
+    env = make_env(game, contract="reference", max_turns=25)   # a recipe-format game
+
+Contracts: "paper" (`class Environment`, `PROGRAM_CONTRACT`), "reference" (the published
+recipe's `*Env` games, `REFERENCE_CONTRACT`) or "auto" (the default: detected).
 
 The reasoning-gym environments (`make_reasoning_gym_env`, `RG_SUITES`) are imported on
 first access: reasoning_gym takes seconds to import.
 """
 
 from spade_jax.envs.config import SandboxConfig
-from spade_jax.envs.contract import DEFAULT_ALLOWED_IMPORTS, PROGRAM_CONTRACT, render_contract
-from spade_jax.envs.gym_env import ProgramLoadError, SandboxedTextEnv, make_env
-from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot, IsolationReport
+from spade_jax.envs.contract import (
+    DEFAULT_ALLOWED_IMPORTS,
+    PROGRAM_CONTRACT,
+    REFERENCE_CONTRACT,
+    detect_contract,
+    render_contract,
+)
+from spade_jax.envs.gym_env import (
+    EnvProgramError,
+    ProgramLoadError,
+    SandboxedTextEnv,
+    make_env,
+)
+from spade_jax.envs.pool import (
+    EnvHandle,
+    EnvPool,
+    EpisodeSnapshot,
+    IsolationReport,
+    arm_order,
+)
 from spade_jax.envs.results import REASON_CODES, ResetResult, SandboxError, StepResult
 from spade_jax.envs.validate import (
     ValidationConfig,
@@ -19,6 +40,7 @@ from spade_jax.envs.validate import (
     ValidityTally,
     summarize,
     validate_program,
+    validate_programs,
 )
 
 _LAZY = {"RG_SUITES", "make_reasoning_gym_env", "ReasoningGymEnv", "rg_tasks_by_category"}
@@ -30,6 +52,8 @@ __all__ = [
     "EpisodeSnapshot",
     "IsolationReport",
     "PROGRAM_CONTRACT",
+    "REFERENCE_CONTRACT",
+    "EnvProgramError",
     "ProgramLoadError",
     "REASON_CODES",
     "ResetResult",
@@ -40,10 +64,13 @@ __all__ = [
     "ValidationConfig",
     "ValidationReport",
     "ValidityTally",
+    "arm_order",
+    "detect_contract",
     "make_env",
     "render_contract",
     "summarize",
     "validate_program",
+    "validate_programs",
     *sorted(_LAZY),
 ]
 

@@ -2,6 +2,7 @@
 
     python -m spade_jax.envs.check PROGRAM.py [--hint TEXT | --hint-file FILE]
                                    [--allow-weak-isolation] [--deadline SECONDS]
+                                   [--contract auto|paper|reference] [--max-turns N]
 
 Exit status: 0 if the program is valid, 1 if it is not, 2 on a usage error.
 """
@@ -13,6 +14,7 @@ import json
 import sys
 
 from spade_jax.envs.config import SandboxConfig
+from spade_jax.envs.contract import AUTO_CONTRACT, CONTRACTS, REFERENCE_MAX_TURNS
 from spade_jax.envs.pool import EnvPool
 from spade_jax.envs.validate import validate_program
 
@@ -25,6 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     hints.add_argument("--hint-file", help="file holding the designer's hint")
     parser.add_argument("--allow-weak-isolation", action="store_true")
     parser.add_argument("--deadline", type=float, default=5.0, help="seconds per call")
+    parser.add_argument(
+        "--contract", choices=[AUTO_CONTRACT, *CONTRACTS], default=AUTO_CONTRACT,
+        help="program contract (auto: paper if it defines class Environment)",
+    )
+    parser.add_argument(
+        "--max-turns", type=int, default=REFERENCE_MAX_TURNS,
+        help="turn budget of the reference contract",
+    )
     args = parser.parse_args(argv)
     try:
         with open(args.program, encoding="utf-8") as f:
@@ -36,11 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, UnicodeDecodeError) as err:
         print(f"error: cannot read input: {err}", file=sys.stderr)
         return 2
-    config = SandboxConfig(
-        call_deadline_s=args.deadline, allow_weak_isolation=args.allow_weak_isolation
-    )
+    try:
+        config = SandboxConfig(
+            call_deadline_s=args.deadline, allow_weak_isolation=args.allow_weak_isolation
+        )
+    except ValueError as err:
+        print(f"error: --deadline: {err}", file=sys.stderr)
+        return 2
+    if args.max_turns < 1:
+        print(f"error: --max-turns must be >= 1, got {args.max_turns}", file=sys.stderr)
+        return 2
     with EnvPool(config) as pool:
-        report = validate_program(source, hint, pool=pool)
+        report = validate_program(
+            source, hint, pool=pool, contract=args.contract, max_turns=args.max_turns
+        )
         payload = json.loads(report.to_json())
         payload["program"] = args.program
         payload["isolation"] = pool.isolation_report().as_dict()

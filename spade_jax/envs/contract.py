@@ -56,8 +56,9 @@ An environment program is Python source that defines `class Environment`:
 Rules (a program that breaks one is rejected before any agent sees it):
 - Observations and actions are text (`str`). Rewards are plain `float` (or `int`);
   terminated/truncated are `bool`; info is a `dict` of plain values.
-- The return of an episode (the sum of its rewards) lies in [0, 1]. Partial rewards are
-  allowed and encouraged: e.g. 0.25 for each of four sub-goals.
+- The return of an episode (the sum of its rewards) lies in [0, 1]; every step reward,
+  and the running sum, lies in [-1, 1]. Partial rewards are allowed and encouraged: e.g.
+  0.25 for each of four sub-goals.
 - reset(seed) is deterministic: the same seed and the same actions give the same
   observations and rewards. Use `random.Random(seed)`, never the global `random` state,
   the clock or object ids.
@@ -93,3 +94,158 @@ def render_contract(
 
 # The contract with the default sandbox and validation settings (designer prompt, README).
 PROGRAM_CONTRACT: str = render_contract()
+
+
+# ----------------------------------------------------------------------------- reference
+
+# The two program contracts. "paper": `class Environment`, episode return = sum of rewards
+# in [0, 1] (this project's text of the paper). "reference": the published recipe's games
+# (a class named `*Env`, boxed actions, episode score = last reward if terminated, clipped
+# to [-1, 1], else 0). "auto" picks one from the source (see `detect_contract`).
+CONTRACTS: tuple[str, ...] = ("paper", "reference")
+AUTO_CONTRACT = "auto"
+# The recipe's turn budget: the game is built as cls(max_turns=N) and truncated after N.
+REFERENCE_MAX_TURNS = 25
+# The recipe's validator rejects step rewards outside this range; scores are clipped to
+# [-1, 1] afterwards.
+REFERENCE_REWARD_BOUND = 10.0
+
+# Modules a reference program may import on top of `SandboxConfig.allowed_imports`. The
+# zygote imports them (and exercises math_verify once) before it forks workers.
+REFERENCE_IMPORTS: frozenset[str] = frozenset({"numpy", "math_verify"})
+
+# Names the recipe makes available to a game without an import: name -> "module" or
+# "module:attribute". Bound inside the sandbox worker only, from modules the zygote
+# already imported; the static gate sees them as plain names.
+REFERENCE_IMPLICIT_NAMES: dict[str, str] = {
+    **{m: m for m in ("random", "re", "math", "json", "collections", "itertools",
+                      "functools", "string", "copy", "heapq", "operator", "statistics")},
+    "np": "numpy",
+    "numpy": "numpy",
+    **{n: f"collections:{n}" for n in ("deque", "defaultdict", "Counter", "OrderedDict",
+                                        "namedtuple")},
+    **{n: f"itertools:{n}" for n in ("combinations", "permutations", "product", "chain",
+                                      "accumulate")},
+    "reduce": "functools:reduce",
+    "lru_cache": "functools:lru_cache",
+    "deepcopy": "copy:deepcopy",
+    "heappush": "heapq:heappush",
+    "heappop": "heapq:heappop",
+    **{n: f"typing:{n}" for n in ("Tuple", "Dict", "List", "Optional", "Union", "Any", "Set",
+                                   "FrozenSet", "Callable", "Iterable", "Sequence", "Mapping")},
+}  # fmt: skip
+
+# What a reference program may take from math_verify (it wraps sympy, whose parsers
+# evaluate strings: the rest of the package is refused by the static gate).
+MATH_VERIFY_NAMES: frozenset[str] = frozenset(
+    {"parse", "verify", "LatexExtractionConfig", "ExprExtractionConfig", "StringExtractionConfig"}
+)
+
+
+def check_contract_name(contract: str) -> str:
+    """`contract` if it names a contract or "auto"; ValueError naming the choices otherwise."""
+    if contract not in (*CONTRACTS, AUTO_CONTRACT):
+        raise ValueError(
+            f"unknown program contract {contract!r}; expected one of "
+            f"{[*CONTRACTS, AUTO_CONTRACT]}"
+        )
+    return contract
+
+
+def detect_contract(source: str) -> str:
+    """"paper" if the source defines a top-level `class Environment`, else "reference".
+
+    Reads the syntax tree only (nothing runs). Unparsable source counts as "reference";
+    the static gate then reports the syntax error.
+    """
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return "reference"
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Environment":
+            return "paper"
+    return "reference"
+
+
+def resolve_contract(contract: str, source: str) -> str:
+    """The concrete contract for `source`: `contract`, or the detected one for "auto"."""
+    check_contract_name(contract)
+    return detect_contract(source) if contract == AUTO_CONTRACT else contract
+
+
+_REFERENCE_TEMPLATE = """\
+A game is Python source that defines one class whose name ends in `Env`:
+
+    class DescriptiveNameEnv:
+        def __init__(self, max_turns={max_turns}, **kwargs):
+            ...                        # set every attribute here, then self.reset()
+        def reset(self, seed=None) -> tuple[str, dict]:
+            # start a new episode; return (observation, {{}})
+            ...
+        def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+            # return (observation, reward, terminated, truncated, {{}})
+            ...
+
+How it is run:
+- The class is found by name: the first top-level class ending in `Env` that has
+  reset() and step(). Name helper classes differently. It is built as
+  `DescriptiveNameEnv(max_turns={max_turns})`; the episode is cut off after {max_turns} turns.
+- Every action arrives as text of the form \\boxed{{...}}, e.g. "\\boxed{{go north}}" or
+  "\\boxed{{42}}". step() takes the content of the box and interprets it.
+- Only the final reward of an episode counts: the reward of the step that returns
+  terminated=True, clipped to [-1, 1]. Win: reward 1.0 with terminated=True. Loss: reward
+  0.0 (or -1.0) with terminated=True. Running out of turns: truncated=True, counted 0.
+  Rewards of earlier steps are ignored, so keep them 0.0.
+- Available without an import: random, re, math, json, collections, itertools, functools,
+  string, copy, heapq, operator, statistics, np (numpy), deque, defaultdict, Counter,
+  OrderedDict, namedtuple, combinations, permutations, product, chain, accumulate, reduce,
+  lru_cache, deepcopy, heappush, heappop, and the typing names (Tuple, Dict, List,
+  Optional, Union, Any, Set, FrozenSet, Callable, Iterable, Sequence, Mapping).
+  `from math_verify import parse, verify` checks a mathematical answer:
+  verify(parse(expected), parse(given)) is True when they are equal as mathematics.
+  Other importable modules:
+{allowed}.
+
+Rules (a game that breaks one is rejected before any agent plays it):
+- reset(seed) is deterministic: the same seed and the same actions give the same
+  observations and rewards. Seed `random` (or a `random.Random(seed)`) from it; never
+  use the clock or object ids. The first observation is not empty.
+- step() never raises, whatever the text: an action without a box, an empty box, an
+  unknown command or non-ASCII text gets an observation that says what went wrong and
+  what is allowed. Such a turn still counts: check the turn budget on every path and
+  return truncated=True when it is spent.
+- Every path returns (str, float, bool, bool, dict); step rewards lie in [-10, 10];
+  info is a dict of plain values.
+- No files, network, processes, threads, clock or environment variables; no
+  eval/exec/open/__import__; no dunder tricks; no module internals (names starting with
+  `_`); from numpy no file input/output. Each call must finish well within a second and
+  use little memory; observations are at most {max_observation_chars} characters.
+"""
+
+
+def render_reference_contract(
+    max_turns: int = REFERENCE_MAX_TURNS,
+    allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS,
+    max_observation_chars: int = 16384,
+) -> str:
+    """The reference (recipe) contract's text for a given turn budget, in this project's
+    words: what the designer is told and what `validate_program(contract="reference")`
+    checks."""
+    if type(max_turns) is not int or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    allowed = textwrap.fill(
+        ", ".join(sorted(m for m in allowed_imports if m != "__future__")),
+        width=88,
+        initial_indent="    ",
+        subsequent_indent="    ",
+    )
+    return _REFERENCE_TEMPLATE.format(
+        max_turns=max_turns, allowed=allowed, max_observation_chars=max_observation_chars
+    )
+
+
+# The reference contract with the recipe's 25 turns (designer prompt, docs).
+REFERENCE_CONTRACT: str = render_reference_contract()

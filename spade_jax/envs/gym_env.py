@@ -3,8 +3,17 @@
 Observations and actions are `gymnasium.spaces.Text` over the printable ASCII charset.
 A program may emit any text; characters outside the charset are replaced by "?" so the
 observation is always inside the space, and the unaltered text is kept in
-info["raw_observation"] whenever that happened. A sandbox failure during a step ends the
-episode (terminated, reward 0.0) with info["sandbox_error"] = "<code>: <detail>".
+info["raw_observation"] whenever that happened. A sandbox failure in reset() or step()
+(a crash, a timeout, a wrong type, a reward outside the contract's bounds, ...) raises
+`EnvProgramError` carrying the `SandboxError`: the episode ends as an env error (the agent
+loop records "env_error"), so no partial or out-of-range return reaches the trainer as if
+the episode had ended normally.
+
+Under the reference (recipe) contract the env reports the recipe's score: every step's
+reward is 0 except a terminating step's, which is the game's reward clipped to [-1, 1]
+(the game's own reward is in info["raw_reward"]), and the episode is truncated after
+`max_turns` steps. Summing the step rewards, as the agent loop does, gives the recipe's
+episode reward.
 """
 
 from __future__ import annotations
@@ -15,8 +24,9 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
+from spade_jax.envs.contract import AUTO_CONTRACT, REFERENCE_MAX_TURNS, resolve_contract
 from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot
-from spade_jax.envs.results import StepResult
+from spade_jax.envs.results import SandboxError, StepResult
 from spade_jax.envs.validate import default_pool
 
 PRINTABLE = frozenset(string.printable)
@@ -33,14 +43,32 @@ class ProgramLoadError(RuntimeError):
     """make_env() was given a program that the sandbox refused or could not load."""
 
 
+class EnvProgramError(RuntimeError):
+    """reset() or step() of a sandboxed program failed; `error` says why (its `code` is a
+    key of REASON_CODES). The episode is over; reset() again starts a new one."""
+
+    def __init__(self, error: SandboxError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class SandboxedTextEnv(gymnasium.Env):
     """One environment program in its own sandbox worker, as a gymnasium text env."""
 
     metadata = {"render_modes": []}
 
-    def __init__(self, source: str, pool: EnvPool | None = None) -> None:
+    def __init__(
+        self,
+        source: str,
+        pool: EnvPool | None = None,
+        *,
+        contract: str = AUTO_CONTRACT,
+        max_turns: int = REFERENCE_MAX_TURNS,
+    ) -> None:
         self.pool = pool if pool is not None else default_pool()
         self.source = source
+        self.contract = resolve_contract(contract, source)
+        self.max_turns = max_turns
         config = self.pool.config
         charset = "".join(sorted(PRINTABLE))
         self.observation_space = spaces.Text(
@@ -52,7 +80,7 @@ class SandboxedTextEnv(gymnasium.Env):
         self._handle = self._open()
 
     def _open(self) -> EnvHandle:
-        handle = self.pool.open(self.source)
+        handle = self.pool.open(self.source, contract=self.contract, max_turns=self.max_turns)
         if not handle.ok:
             raise ProgramLoadError(f"environment program rejected: {handle.error}")
         return handle
@@ -70,7 +98,7 @@ class SandboxedTextEnv(gymnasium.Env):
         program_seed = seed if seed is not None else int(self.np_random.integers(0, 2**31))
         result = self._handle.reset(program_seed)
         if not result.ok:
-            return "", {"sandbox_error": str(result.error)}
+            raise EnvProgramError(result.error)
         return _sanitize(result.observation, result.info)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -78,10 +106,9 @@ class SandboxedTextEnv(gymnasium.Env):
 
     @staticmethod
     def _unpack(result: StepResult) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        info = dict(result.info)
         if result.error is not None:
-            info["sandbox_error"] = str(result.error)
-        observation, info = _sanitize(result.observation, info)
+            raise EnvProgramError(result.error)
+        observation, info = _sanitize(result.observation, dict(result.info))
         return observation, result.reward, result.terminated, result.truncated, info
 
     # -- counterfactual branches --------------------------------------------------------
@@ -103,6 +130,7 @@ class SandboxedTextEnv(gymnasium.Env):
         """An independent copy of this env at its current state, in its own worker."""
         twin = SandboxedTextEnv.__new__(SandboxedTextEnv)
         twin.pool, twin.source = self.pool, self.source
+        twin.contract, twin.max_turns = self.contract, self.max_turns
         twin.observation_space, twin.action_space = self.observation_space, self.action_space
         handle = self.pool.fork(self.snapshot())
         if not handle.ok:
@@ -115,8 +143,23 @@ class SandboxedTextEnv(gymnasium.Env):
         self._handle.close()
 
 
-def make_env(source: str, pool: EnvPool | None = None) -> SandboxedTextEnv:
-    """The sandboxed gymnasium env of a program (raises ProgramLoadError if it won't load)."""
+def make_env(
+    source: str,
+    pool: EnvPool | None = None,
+    *,
+    contract: str = AUTO_CONTRACT,
+    max_turns: int = REFERENCE_MAX_TURNS,
+) -> SandboxedTextEnv:
+    """The sandboxed gymnasium env of a program (raises ProgramLoadError if it won't load).
+
+    Args:
+      source: the program text.
+      pool: the sandbox pool (default: the process-wide one).
+      contract: "paper" (`class Environment`, return = sum of rewards in [0, 1]),
+        "reference" (the recipe's `*Env` games, scored as the recipe scores them) or
+        "auto" ("paper" if the source defines a top-level `class Environment`).
+      max_turns: the reference contract's turn budget (the recipe's 25).
+    """
     if not isinstance(source, str):
         raise TypeError(f"program source must be str, got {type(source).__name__}")
-    return SandboxedTextEnv(source, pool)
+    return SandboxedTextEnv(source, pool, contract=contract, max_turns=max_turns)

@@ -27,8 +27,15 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from spade_jax import seeding
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
+from spade_jax.envs.contract import (
+    AUTO_CONTRACT,
+    REFERENCE_MAX_TURNS,
+    REFERENCE_REWARD_BOUND,
+    resolve_contract,
+)
 from spade_jax.envs.launcher import Zygote, ZygoteError, find_bwrap
 from spade_jax.envs.results import (
     ResetResult,
@@ -43,6 +50,49 @@ log = logging.getLogger(__name__)
 
 # Tolerance on the [0, 1] episode-return bound (sums of partial rewards like 0.1 * 10).
 RETURN_TOLERANCE = 1e-6
+# Paper contract: bound on every step reward and on the running return during an episode.
+PAPER_STEP_REWARD_BOUND = 1.0
+
+
+def _reward_bound_error(
+    reward: float, episode_return: float, reference: bool
+) -> SandboxError | None:
+    """Why a (finite) step reward may not reach the agent, or None. Paper contract: every
+    step reward in [-1, 1] and the running return in [-1, 1] (so +1e300 then -1e300 does
+    not cancel into a valid return); the final return is checked in [0, 1] at episode end.
+    Reference contract: the game's raw step reward in [-10, 10] (the reported reward is
+    clipped to [-1, 1] and only on the terminating step)."""
+    if reference:
+        if abs(reward) <= REFERENCE_REWARD_BOUND:
+            return None
+        return SandboxError("reward_out_of_range", f"step reward {reward!r} outside [-10, 10]")
+    if not abs(reward) <= PAPER_STEP_REWARD_BOUND + RETURN_TOLERANCE:
+        return SandboxError("reward_out_of_range", f"step reward {reward!r} outside [-1, 1]")
+    total = episode_return + reward
+    if not -PAPER_STEP_REWARD_BOUND - RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
+        return SandboxError("return_out_of_range", f"running return {total!r} outside [-1, 1]")
+    return None
+
+
+def arm_order(n_hint: int, n_no_hint: int, seed: int) -> list[tuple[str, int]]:
+    """A seeded random interleaving of the copies of one program: ("hint", i) and
+    ("no_hint", j) items, each once, in the order to open (and start) them, so that neither
+    arm is opened first. Pass `seed=derive_seed(experiment_seed, step, Phase.ARM_ORDER,
+    index)`. `EnvPool.open_many` also shuffles which worker each copy gets."""
+    for name, value in (("n_hint", n_hint), ("n_no_hint", n_no_hint)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    items = [("hint", i) for i in range(n_hint)] + [("no_hint", i) for i in range(n_no_hint)]
+    permutation = seeding.rng(seed, seeding.Phase.ARM_ORDER).permutation(len(items))
+    return [items[int(k)] for k in permutation]
+
+
+def reference_step_reward(raw_reward: float, terminated: bool) -> float:
+    """What a step reports under the reference contract, so that an episode's rewards sum
+    to the recipe's score: the last reward if the episode terminated, clipped to [-1, 1],
+    else 0. Only a terminating step carries a reward; intermediate rewards and truncated
+    episodes count 0 (the raw reward stays in info["raw_reward"])."""
+    return max(-1.0, min(1.0, raw_reward)) if terminated else 0.0
 
 
 # ----------------------------------------------------------------------------- isolation
@@ -97,9 +147,11 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
     ns_ok = namespaced and len(separate) == 4 and iso.get("root_read_only") is True
     seccomp_ok = iso.get("seccomp_mode") == 2 and all(
         attacks.get(k) == 1
-        for k in ("fork", "socket", "write_file")  # 1 = EPERM
+        for k in ("fork", "socket", "write_file", "signal_owner", "flock")  # 1 = EPERM
     )
     uid = iso.get("uid")
+    no_caps = iso.get("cap_eff") is not None and int(str(iso.get("cap_eff")), 16) == 0
+    hides = namespaced and config.drop_privileges and os.geteuid() == 0
     layers = (
         IsolationLayer(
             "static_gate", config.static_gate, "parse, caps, import allow-list", required=False
@@ -110,8 +162,15 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
         IsolationLayer("no_new_privs", iso.get("no_new_privs") is True, "PR_SET_NO_NEW_PRIVS"),
         IsolationLayer(
             "unprivileged_uid",
-            uid not in (None, 0, os.getuid()),
-            f"worker uid {uid}, trainer uid {os.getuid()}",
+            uid not in (None, 0, os.getuid()) and no_caps,
+            f"worker uid {uid} (one per worker: {config.per_worker_uid}), trainer uid "
+            f"{os.getuid()}, effective capabilities {iso.get('cap_eff')}",
+        ),
+        IsolationLayer(
+            "hidden_processes",
+            iso.get("visible_pids") == 1,
+            f"{iso.get('visible_pids')} pids visible in the worker's /proc (hidepid)",
+            required=hides,
         ),
         IsolationLayer(
             "seccomp",
@@ -147,6 +206,8 @@ class EpisodeSnapshot:
     digest: str
     observation: str
     episode_return: float
+    contract: str = "paper"
+    max_turns: int = REFERENCE_MAX_TURNS
 
 
 # ----------------------------------------------------------------------------- handles
@@ -161,9 +222,14 @@ class EnvHandle:
         source: str,
         worker: supervisor.WorkerProcess | None,
         error: SandboxError | None,
+        contract: str = "paper",
+        max_turns: int = REFERENCE_MAX_TURNS,
     ) -> None:
         self.pool = pool
         self.source = source
+        # "paper" or "reference" (resolved; never "auto"), and the reference turn budget.
+        self.contract = contract
+        self.max_turns = max_turns
         self.worker = worker
         self.error = error  # set if the program failed to load or was refused
         self.seed: int | None = None
@@ -182,11 +248,11 @@ class EnvHandle:
         """Hash of (seed, every observation, reward and flag) of the current episode."""
         return self._digest.hexdigest()
 
-    def reset(self, seed: int | None = None) -> ResetResult:
-        return self.pool.reset_many([(self, seed)])[0]
+    def reset(self, seed: int | None = None, *, deadline_s: float | None = None) -> ResetResult:
+        return self.pool.reset_many([(self, seed)], deadline_s=deadline_s)[0]
 
-    def step(self, action: str) -> StepResult:
-        return self.pool.step_many([(self, action)])[0]
+    def step(self, action: str, *, deadline_s: float | None = None) -> StepResult:
+        return self.pool.step_many([(self, action)], deadline_s=deadline_s)[0]
 
     def snapshot(self) -> EpisodeSnapshot:
         if self.seed is None:
@@ -198,21 +264,22 @@ class EnvHandle:
             self.transcript_digest,
             self.last_observation,
             self.episode_return,
+            self.contract,
+            self.max_turns,
         )
 
     def usage(self) -> dict[str, float] | SandboxError:
-        """CPU seconds and peak RSS (KiB) of this handle's worker, as it reports them."""
+        """CPU seconds and peak RSS (KiB) of this handle's worker, as the kernel counts
+        them (/proc, read by the zygote): nothing the program can patch or forge."""
         if self.worker is None:
             return self.error or SandboxError("closed")
-        reply = supervisor.exchange(
-            [(self.worker, {"op": "usage"}, self.pool.config.call_deadline_s)]
-        )[0]
-        if isinstance(reply, SandboxError):
-            return reply
-        cpu, rss = reply.get("cpu_s"), reply.get("max_rss_kb")
-        if type(cpu) not in (int, float) or type(rss) not in (int, float):
-            return SandboxError("bad_type", "usage reply")
-        return {"cpu_s": float(cpu), "max_rss_kb": float(rss)}
+        try:
+            usage = self.worker.zygote.usage([self.worker.pid]).get(self.worker.pid)
+        except ZygoteError as err:
+            return SandboxError("crash", f"zygote: {err}")
+        if usage is None:
+            return SandboxError("crash", "worker is gone")
+        return {"cpu_s": float(usage["cpu_s"]), "max_rss_kb": float(usage["max_rss_kb"])}
 
     def close(self) -> None:
         if self.worker is not None:
@@ -255,11 +322,13 @@ class EnvPool:
         self.config = config if config is not None else SandboxConfig()
         self.seed = seed
         self._rng = random.Random(seed)
+        self._order_rng = random.Random(
+            None if seed is None else seeding.derive_seed(seed, seeding.Phase.ARM_ORDER)
+        )
         self._lock = threading.RLock()
         self._spares: collections.deque[supervisor.WorkerProcess] = collections.deque()
         self._namespaced = self.config.use_namespaces and find_bwrap(self.config) is not None
-        self._zygote = self._start_zygote()
-        self._isolation = self._probe()
+        self._zygote, self._isolation = self._start_and_probe()
         if self._isolation.missing:
             message = (
                 f"SANDBOX WEAK: layers missing: {', '.join(self._isolation.missing)}. "
@@ -281,6 +350,23 @@ class EnvPool:
         if self.config.use_namespaces and not self._namespaced:
             log.warning("bubblewrap not found: the sandbox runs without namespaces")
         return Zygote(self.config, use_namespaces=self._namespaced)
+
+    def _start_and_probe(self, attempts: int = 3) -> tuple[Zygote, IsolationReport]:
+        """Starts the zygote and measures the layers; a zygote (or probe worker) that dies
+        during start-up, e.g. killed by a loaded host, is replaced (up to `attempts`)."""
+        for attempt in range(1, attempts + 1):
+            zygote = None
+            try:
+                zygote = self._zygote = self._start_zygote()
+                return zygote, self._probe()
+            except ZygoteError as err:
+                if zygote is not None:
+                    zygote.close()
+                if attempt == attempts:
+                    raise
+                log.error("sandbox zygote failed to start (%s); retrying (%d/%d)",
+                          err, attempt, attempts)
+        raise AssertionError("unreachable")
 
     def _probe(self) -> IsolationReport:
         limits = dict(self.config.worker_limits(), probe=True)
@@ -324,36 +410,71 @@ class EnvPool:
             self._spares.append(self._spawn())
 
     def _take_worker(self) -> supervisor.WorkerProcess | SandboxError:
-        for _ in range(3):
-            worker = self._spares.popleft() if self._spares else self._spawn()
+        """A live worker: a spare if one is alive (a dead spare, e.g. one a co-tenant
+        managed to kill, is dropped and replaced), else a fresh one (three tries)."""
+        failures = 0
+        while failures < 3:
+            fresh = not self._spares
+            worker = self._spawn() if fresh else self._spares.popleft()
             hello = supervisor.await_hello(worker, self.config.load_deadline_s)
-            if not isinstance(hello, SandboxError):
+            if not isinstance(hello, SandboxError) and supervisor.still_alive(worker):
                 return worker
-            log.error("discarding a sandbox worker that failed to start: %s", hello)
+            log.error("discarding a sandbox worker that failed to start or died waiting: %s",
+                      hello if isinstance(hello, SandboxError) else worker.dead)
+            failures += fresh
         return SandboxError("crash", "three workers in a row failed to start")
 
     # -- programs ----------------------------------------------------------------------
 
-    def open(self, source: str) -> EnvHandle:
+    def open(
+        self, source: str, *, contract: str = AUTO_CONTRACT, max_turns: int = REFERENCE_MAX_TURNS
+    ) -> EnvHandle:
         """Loads `source` into a fresh worker. Failures are in `handle.error`."""
-        return self.open_many([source])[0]
+        return self.open_many([source], contract=contract, max_turns=max_turns)[0]
 
-    def open_many(self, sources: Sequence[str]) -> list[EnvHandle]:
-        """Loads several programs (or copies of one) concurrently, one worker each."""
+    def open_many(
+        self,
+        sources: Sequence[str],
+        *,
+        contract: str = AUTO_CONTRACT,
+        max_turns: int = REFERENCE_MAX_TURNS,
+        order_seed: int | None = None,
+    ) -> list[EnvHandle]:
+        """Loads several programs (or copies of one) concurrently, one worker each.
+
+        Workers are handed to the sources in a random order (seeded by `order_seed`, else
+        by the pool's seed), so a copy's worker, pid and uid say nothing about its position
+        in `sources` (e.g. whether it is a hint-arm copy). Handles come back in input order.
+
+        Args:
+          sources: program texts.
+          contract: "paper", "reference" or "auto" (per source: "paper" if it defines a
+            top-level `class Environment`); see `spade_jax.envs.contract`.
+          max_turns: the reference contract's turn budget: the game is built as
+            `cls(max_turns=max_turns)` and its episode truncated after that many steps.
+        """
         for source in sources:
             if not isinstance(source, str):
                 raise TypeError(f"program source must be str, got {type(source).__name__}")
-        handles: list[EnvHandle] = []
+        if type(max_turns) is not int or max_turns < 1:
+            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+        contracts = [resolve_contract(contract, source) for source in sources]
+        handles: list[EnvHandle | None] = [None] * len(sources)
         calls = []
         with self._lock:
-            for source in sources:
+            shuffle = (self._order_rng if order_seed is None
+                       else random.Random(seeding.derive_seed(order_seed, seeding.Phase.ARM_ORDER)))
+            order = list(range(len(sources)))
+            shuffle.shuffle(order)
+            for index in order:
+                source, kind = sources[index], contracts[index]
                 error = None
                 if self._isolation.missing and not self.config.allow_weak_isolation:
                     error = SandboxError(
                         "weak_isolation", f"missing layers: {', '.join(self._isolation.missing)}"
                     )
                 elif self.config.static_gate:
-                    error = check_source(source, self.config).error
+                    error = check_source(source, self.config, kind).error
                 worker = None
                 if error is None:
                     taken = self._take_worker()
@@ -361,11 +482,13 @@ class EnvPool:
                         error = taken
                     else:
                         worker = taken
-                        calls.append((len(handles), worker, source))
-                handles.append(EnvHandle(self, source, worker, error))
+                        load = {"op": "load", "source": source, "contract": kind,
+                                "max_turns": max_turns}  # fmt: skip
+                        calls.append((index, worker, load))
+                handles[index] = EnvHandle(self, source, worker, error, kind, max_turns)
             self._refill()
         replies = supervisor.exchange(
-            [(w, {"op": "load", "source": s}, self.config.load_deadline_s) for _, w, s in calls]
+            [(w, load, self.config.load_deadline_s) for _, w, load in calls]
         )
         for (index, worker, _), reply in zip(calls, replies, strict=True):
             error = reply if isinstance(reply, SandboxError) else None
@@ -375,9 +498,18 @@ class EnvPool:
                 worker.kill(error)
                 handles[index].worker = None
                 handles[index].error = error
-        return handles
+        return handles  # type: ignore[return-value]
 
-    def reset_many(self, calls: Sequence[tuple[EnvHandle, int | None]]) -> list[ResetResult]:
+    def _call_deadline(self, deadline_s: float | None) -> float:
+        """The per-call deadline, cut to `deadline_s` when a caller has less time left."""
+        if deadline_s is None:
+            return self.config.call_deadline_s
+        return max(0.0, min(self.config.call_deadline_s, deadline_s))
+
+    def reset_many(
+        self, calls: Sequence[tuple[EnvHandle, int | None]], *, deadline_s: float | None = None
+    ) -> list[ResetResult]:
+        """Resets many handles concurrently; `deadline_s` cuts the per-call deadline."""
         results: list[ResetResult | None] = [None] * len(calls)
         live = []
         for index, (handle, seed) in enumerate(calls):
@@ -390,7 +522,7 @@ class EnvPool:
             live.append((index, handle, seed))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "reset", "seed": s}, self.config.call_deadline_s)
+                (h.worker, {"op": "reset", "seed": s}, self._call_deadline(deadline_s))
                 for _, h, s in live
             ]
         )
@@ -407,8 +539,11 @@ class EnvPool:
             results[index] = result
         return results  # type: ignore[return-value]
 
-    def step_many(self, calls: Sequence[tuple[EnvHandle, str]]) -> list[StepResult]:
-        """Steps many handles concurrently (each in its own worker); one result per call."""
+    def step_many(
+        self, calls: Sequence[tuple[EnvHandle, str]], *, deadline_s: float | None = None
+    ) -> list[StepResult]:
+        """Steps many handles concurrently (each in its own worker); one result per call.
+        `deadline_s` cuts the per-call deadline (validation's overall budget)."""
         results: list[StepResult | None] = [None] * len(calls)
         live = []
         for index, (handle, action) in enumerate(calls):
@@ -422,7 +557,7 @@ class EnvPool:
                 live.append((index, handle, action[: self.config.max_action_chars]))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "step", "action": a}, self.config.call_deadline_s)
+                (h.worker, {"op": "step", "action": a}, self._call_deadline(deadline_s))
                 for _, h, a in live
             ]
         )
@@ -436,30 +571,46 @@ class EnvPool:
         if not result.ok:
             handle._fail(result.error)
             return result
+        reference = handle.contract == "reference"
+        error = _reward_bound_error(result.reward, handle.episode_return, reference)
+        if error is not None:  # the episode ends here, as an env error, with nothing paid
+            handle.done = True
+            return dataclasses.replace(result, reward=0.0, terminated=True, error=error)
         handle.actions.append(action)
-        handle.episode_return += result.reward
-        handle.last_observation = result.observation
+        budget = self.config.max_episode_steps
+        if reference:
+            budget = min(budget, handle.max_turns)
         truncated = result.truncated or (
-            not result.terminated and len(handle.actions) >= self.config.max_episode_steps
+            not result.terminated and len(handle.actions) >= budget
         )
         step_record = (result.observation, result.reward, result.terminated, truncated, result.info)
         handle._digest.update(json.dumps(step_record, sort_keys=True).encode())
-        info = result.info
+        reward, info = result.reward, result.info
+        if reference:
+            reward, info = reference_step_reward(result.reward, result.terminated), dict(
+                info, raw_reward=result.reward
+            )
+        handle.episode_return += reward
+        handle.last_observation = result.observation
         if len(action) != len(raw_action):
             info = dict(info, action_truncated=True)
         error = None
         if result.terminated or truncated:
             handle.done = True
             total = handle.episode_return
-            if not -RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
+            if not reference and not -RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
                 error = SandboxError("return_out_of_range", f"episode return {total!r}")
-        return dataclasses.replace(result, truncated=truncated, info=info, error=error)
+        return dataclasses.replace(
+            result, reward=reward, truncated=truncated, info=info, error=error
+        )
 
     def fork(self, snapshot: EpisodeSnapshot) -> EnvHandle:
         """A new handle, in a fresh worker, at the snapshot's state (by verified replay)."""
         if not isinstance(snapshot, EpisodeSnapshot):
             raise TypeError(f"fork() takes an EpisodeSnapshot, got {type(snapshot).__name__}")
-        handle = self.open(snapshot.source)
+        handle = self.open(
+            snapshot.source, contract=snapshot.contract, max_turns=snapshot.max_turns
+        )
         if not handle.ok:
             return handle
         first = handle.reset(snapshot.seed)

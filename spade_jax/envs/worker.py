@@ -19,7 +19,7 @@ import signal
 import sys
 import types
 
-from spade_jax.envs import protocol, seccomp_filter
+from spade_jax.envs import contract, protocol, seccomp_filter
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
@@ -133,7 +133,31 @@ def _probe_attacks() -> dict:
 
     import socket
 
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def try_libc(call) -> None:
+        if call() != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, os.strerror(errno))
+
+    def try_signal_owner() -> None:  # F_SETOWN: the kernel would signal that pid on I/O
+        read_end, write_end = os.pipe()
+        try:
+            try_libc(lambda: libc.fcntl(read_end, 8, os.getppid()))
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+
+    def try_flock() -> None:
+        fd = os.open("/", os.O_RDONLY)
+        try:
+            try_libc(lambda: libc.flock(fd, 2 | 4))  # LOCK_EX | LOCK_NB
+        finally:
+            os.close(fd)
+
     return {
+        "signal_owner": attempt(try_signal_owner),
+        "flock": attempt(try_flock),
         "fork": attempt(try_fork),
         "socket": attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()),
         "write_file": attempt(try_write),
@@ -162,8 +186,32 @@ def _plain(value, depth: int = 0):
     return f"<{kind.__name__}>"
 
 
+# numpy's own scalar types by kind ("f" float, "i"/"u" integer, "b" bool), read before
+# any program runs (a program could patch numpy afterwards). Empty without numpy.
+_NUMPY_SCALARS: dict[str, frozenset] = {}
+
+
+def _read_numpy_scalars() -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return
+    for kind in "fiub":
+        _NUMPY_SCALARS[kind] = frozenset(
+            t for t in numpy.sctypeDict.values() if numpy.dtype(t).kind == kind
+        )
+
+
+def _numpy_scalar(value, kinds: str) -> bool:
+    """True if `value` is exactly one of numpy's scalar types of the given kinds. Exact
+    types only, no subclass: converting it runs numpy's code, never the program's."""
+    return any(type(value) in _NUMPY_SCALARS.get(kind, ()) for kind in kinds)
+
+
 def _number(value) -> float:
     kind = type(value)
+    if _numpy_scalar(value, "fiu"):  # a game's np.float64 / np.int64 reward
+        value = value.item()
+        kind = type(value)
     if kind is bool or not (kind is float or kind is int):
         raise _Reject("bad_type", f"reward is {kind.__name__}, not float")
     try:
@@ -173,6 +221,8 @@ def _number(value) -> float:
 
 
 def _flag(value, name: str) -> bool:
+    if _numpy_scalar(value, "b"):
+        value = value.item()
     if type(value) is bool:
         return value
     if type(value) is int and value in (0, 1):
@@ -221,8 +271,15 @@ class _Program:
         module.__builtins__ = dict(builtins.__dict__)
         sys.modules[module.__name__] = module
         namespace = module.__dict__
+        reference = request.get("contract", "paper") == "reference"
+        if reference:
+            namespace.update(_implicit_names())
         code = compile(request["source"], "<environment>", "exec")
         exec(code, namespace)  # noqa: S102 - this is the sandbox
+        if reference:
+            self.env = _build_game(_game_class(namespace, module.__name__),
+                                   int(request["max_turns"]))
+            return {}
         cls = namespace.get("Environment")
         if not isinstance(cls, type):
             raise _Reject("missing_contract", "no class named Environment")
@@ -261,14 +318,53 @@ class _Program:
             "info": _info(info),
         }
 
-    def usage(self, request: dict) -> dict:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {"cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_kb": usage.ru_maxrss}
+
+def _implicit_names() -> dict:
+    """The recipe's import-free names, bound to the modules the zygote loaded (a module it
+    did not load, e.g. numpy with `reference_imports` empty, is left out)."""
+    names = {}
+    for name, target in contract.REFERENCE_IMPLICIT_NAMES.items():
+        module_name, _, attribute = target.partition(":")
+        module = sys.modules.get(module_name)
+        if module is not None:
+            names[name] = getattr(module, attribute) if attribute else module
+    return names
+
+
+def _game_class(namespace: dict, module_name: str) -> type:
+    """The recipe's game class: the first class defined at the program's top level whose
+    name ends in "Env" and that has reset() and step(). A class that is a base of another
+    such class (a helper like `GridEnv` under `MazeEnv(GridEnv)`) is passed over."""
+    playable = [
+        value for name, value in list(namespace.items())
+        if isinstance(value, type) and name.endswith("Env") and name == value.__name__
+        and value.__module__ == module_name
+        and callable(getattr(value, "reset", None)) and callable(getattr(value, "step", None))
+    ]  # fmt: skip
+    bases = {base for cls in playable for base in cls.__mro__[1:]}
+    chosen = [cls for cls in playable if cls not in bases]
+    if not chosen:
+        raise _Reject(
+            "missing_contract", "no top-level class whose name ends in Env has reset() and step()"
+        )
+    return chosen[0]
+
+
+def _build_game(cls: type, max_turns: int):
+    """cls(max_turns=N); a class that takes no such argument is built as cls() and, if it
+    keeps a max_turns attribute, gets N there (as the recipe does)."""
+    try:
+        return cls(max_turns=max_turns)
+    except TypeError:
+        game = cls()
+    if hasattr(game, "max_turns"):
+        game.max_turns = max_turns
+    return game
 
 
 def _handle(program: _Program, request: dict) -> dict:
     op = request.get("op")
-    if op not in ("load", "reset", "step", "usage"):
+    if op not in ("load", "reset", "step"):
         return {"ok": False, "code": "protocol_violation", "detail": f"unknown op {op!r}"}
     if op in ("reset", "step") and program.env is None:
         return {"ok": False, "code": "episode_over", "detail": "no program loaded"}
@@ -294,10 +390,13 @@ def serve(channel_fd: int, limits: dict) -> None:
         hello["isolation"] = _isolate(channel_fd, limits)
     except Exception as err:  # noqa: BLE001 - report, the supervisor decides
         hello = {"n": "hello", "ok": False, "code": "crash", "detail": f"isolation: {err!r}"}
+    _read_numpy_scalars()
     if "random" in sys.modules:
         # The zygote's global random state is inherited by every fork; reseed so a program
         # using it unseeded is caught as nondeterministic rather than looking consistent.
         sys.modules["random"].seed()
+    if "numpy" in sys.modules:  # the same for numpy's global generator
+        sys.modules["numpy"].random.seed()
     if hello.get("ok") and limits.get("probe"):
         hello["attacks"] = _probe_attacks()
     protocol.write_all(channel_fd, protocol.encode(hello))

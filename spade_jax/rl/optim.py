@@ -34,7 +34,9 @@ class OptimizerConfig:
       schedule: "cosine" (decay to ``end_lr_ratio * learning_rate`` at ``total_steps``) or
         "constant" (stay at the peak after warmup).
       total_steps: length of the cosine schedule, in updates; must exceed ``warmup_steps``
-        for "cosine".
+        for "cosine". None (default): the run's length, filled in by :meth:`for_run` where
+        the run builds its optimizer (``spade_jax.experiment.train_config_for_run``: one
+        update per SPADE round), so it never drifts from ``spade.rounds``.
       end_lr_ratio: final / peak learning rate of the cosine schedule.
       b1, b2, eps: Adam moment decays and denominator epsilon.
       weight_decay: decoupled weight decay on matrices (ndim >= 2).
@@ -46,7 +48,7 @@ class OptimizerConfig:
     learning_rate: float = 1e-6
     warmup_steps: int = 0
     schedule: str = "constant"
-    total_steps: int = 1
+    total_steps: int | None = None
     end_lr_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.999
@@ -62,7 +64,11 @@ class OptimizerConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1 or None (the run's length), got "
+                             f"{self.total_steps}")
+        if (self.schedule == "cosine" and self.total_steps is not None
+                and self.total_steps <= self.warmup_steps):
             raise ValueError(
                 f"cosine schedule needs total_steps > warmup_steps, got total_steps="
                 f"{self.total_steps}, warmup_steps={self.warmup_steps}"
@@ -84,8 +90,18 @@ class OptimizerConfig:
             )
 
 
+    def for_run(self, total_updates: int) -> OptimizerConfig:
+        """This config with ``total_steps`` = ``total_updates`` when it was left None."""
+        if self.total_steps is not None:
+            return self
+        return dataclasses.replace(self, total_steps=total_updates)
+
+
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """Update index s (0-based) -> learning rate, as in the module docstring."""
+    if cfg.schedule == "cosine" and cfg.total_steps is None:
+        raise ValueError("the cosine schedule needs total_steps: set it, or build the "
+                         "optimizer from OptimizerConfig.for_run(run length)")
 
     def schedule(step):
         s = jnp.asarray(step, jnp.float32)

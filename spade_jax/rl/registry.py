@@ -76,6 +76,11 @@ class PolicyLoss(Protocol):
 
     ``logp``/``old_logp``/``ref_logp``/``loss_mask`` are ``[B, T]``; ``ref_logp`` may be
     None when the rule's KL coefficient is 0; ``advantages`` is ``[B]`` or ``[B, T]``.
+
+    Truncated importance sampling (``RoleConfig.tis_clamp``) reaches every rule through
+    its inputs: per-token advantages times ``w >= 0`` and ``old_logp`` = the trainer's own
+    log-probs. That equals weighting the token's policy term by ``w`` for any rule whose
+    policy term is positively homogeneous in A (every clipped surrogate is).
     """
 
     def __call__(

@@ -87,3 +87,30 @@ def seq_mean_token_sum_norm(x_bt: Array, loss_mask: Array, norm_tokens: int) -> 
     no per-sequence length normalisation, so long wrong answers are not favoured."""
     mask = loss_mask.astype(jnp.float32)
     return jnp.mean(jnp.sum(x_bt * mask, axis=1) / float(norm_tokens))
+
+
+class TruncatedImportanceWeights(NamedTuple):
+    """Token-level terms of truncated importance sampling (TIS), each ``[B, T]``, no gradient."""
+
+    ratio: Array  # pi_trainer / pi_sampler
+    weight: Array  # clip(ratio, clamp_low, clamp)
+    clipped: Array  # 1.0 where the clamp changed the ratio
+
+
+def truncated_importance_weights(
+    trainer_logp: Array, sampler_logp: Array, clamp: float, clamp_low: float = 0.0
+) -> TruncatedImportanceWeights:
+    """``w = clip(pi_trainer / pi_sampler, clamp_low, clamp)`` per token (Yao et al.'s TIS).
+
+    Corrects for the sampler (inference engine) drawing tokens from a slightly different
+    distribution than the one the trainer differentiates: different kernels and batch
+    shapes, or a policy some updates old (delayed designer samples). The weight is data: no
+    gradient flows through it (``trainer_logp`` is stop-gradiented here).
+    """
+    log_ratio = jax.lax.stop_gradient(trainer_logp).astype(jnp.float32) - sampler_logp.astype(
+        jnp.float32
+    )
+    ratio = jnp.exp(log_ratio)
+    weight = jnp.clip(ratio, clamp_low, clamp)
+    clipped = (weight != ratio).astype(jnp.float32)
+    return TruncatedImportanceWeights(ratio, weight, clipped)

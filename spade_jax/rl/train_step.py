@@ -7,14 +7,18 @@ Per microbatch m (a strided slice of the batch, accumulated with ``lax.scan``):
     logp_bt      = log_softmax(lm_head(hidden_{b,t-1}))[input_ids_bt]   (0 at t = 0)
     mask^r_bt    = loss_mask_bt * [role_id_b == r]
     A^r_bt       = token_weighting_r(advantages, entropy, mask^r)
+    (TIS on r:)  w_bt = clip(exp(sg(logp_bt) - old_logp_bt), 0, C_r);  A^r_bt *= w_bt;
+                 the rule's old_logp := sg(logp)
     loss^r_m     = policy_loss_r(logp, old_logp, ref_logp, A^r, mask^r)
-    loss_m       = sum_r  w_r * (n^r_m / n^r) * loss^r_m  + aux_coef * aux_m / M
+    loss_m       = sum_r  w_r * (n^r_m / n^r) * loss^r_m  + aux_coef * aux_m / M   per_role
+                 = sum_r  w_r * (n^r_m / N)   * loss^r_m  + aux_coef * aux_m / M   pooled
 
-where ``n^r`` counts role r's sequences that have policy tokens (``n^r_m`` those in m).
-Summed over m, this is exactly the full-batch loss of every per-sequence-mean rule (GRPO,
-GSPO); for token-mean rules (DAPO, Dr.GRPO) it weights microbatches by sequences, not
-tokens. Rows of the other role are masked out, so a rule that divides by B (Dr.GRPO)
-still counts them in its denominator.
+where ``n^r`` counts role r's sequences that have policy tokens (``n^r_m`` those in m) and
+N = sum_r n^r. Summed over m, this is exactly the full-batch loss of every
+per-sequence-mean rule (GRPO, GSPO): per role, or one mean over both roles' sequences
+(pooled, the recipe's); for token-mean rules (DAPO, Dr.GRPO) it weights microbatches by
+sequences, not tokens. Rows of the other role are masked out, so a rule that divides by B
+(Dr.GRPO) still counts them in its denominator.
 
 Then global-norm clip + AdamW. A step whose loss or gradient norm is not finite leaves the
 whole state (params, optimizer state, step, rng) unchanged and reports ``skipped=1``.
@@ -38,7 +42,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
-from spade_jax.rl import registry
+from spade_jax.rl import registry, terms
 from spade_jax.rl.batch import ROLES, TrainBatch
 from spade_jax.rl.optim import (
     MASTER_DTYPES,
@@ -60,6 +64,7 @@ from spade_jax.rl.optim import (
 Array = jax.Array
 Metrics = dict[str, Array]
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+LOSS_AGGREGATIONS = ("per_role", "pooled")
 
 
 def _resolve(rule: registry.RegisteredRule, given: Any, role_field: str) -> Any:
@@ -88,7 +93,20 @@ class RoleConfig:
       temperature: this role's sampling temperature, when it differs from
         ``TrainConfig.temperature`` (None): log-probs are of softmax(logits / T_role), so the
         ratio compares like with like when the roles sample at different temperatures.
+      tis_clamp: C of truncated importance sampling (the recipe: 2.0), or None (off). On:
+        each token's policy term is weighted by ``w = clip(pi_trainer / pi_sampler, 0, C)``
+        and the rule's ratio is taken against the trainer's own pre-update log-probs
+        instead of the sampler's (docs/trainer.md, "Truncated importance sampling").
+
+    Changing ``policy_loss`` (``token_weighting``) with ``--set`` resets ``loss_config``
+    (``weighting_config``) to the new rule's defaults: one rule's settings mean nothing to
+    another. Set ``train.<role>.loss_config.<field>`` after it to change them.
     """
+
+    OVERRIDE_RESETS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "policy_loss": ("loss_config",),
+        "token_weighting": ("weighting_config",),
+    }
 
     policy_loss: str = "grpo"
     loss_config: Any = None
@@ -96,6 +114,7 @@ class RoleConfig:
     weighting_config: Any = None
     weight: float = 1.0
     temperature: float | None = None
+    tis_clamp: float | None = None
 
     def __post_init__(self) -> None:
         loss_rule = registry.policy_losses.get(self.policy_loss)
@@ -110,6 +129,10 @@ class RoleConfig:
             raise ValueError(f"role weight must be >= 0, got {self.weight}")
         if self.temperature is not None and not self.temperature > 0:
             raise ValueError(f"role temperature must be > 0 or None, got {self.temperature}")
+        if self.tis_clamp is not None:
+            if isinstance(self.tis_clamp, bool) or not self.tis_clamp > 0:
+                raise ValueError(f"tis_clamp must be > 0 or None (off), got {self.tis_clamp!r}")
+            object.__setattr__(self, "tis_clamp", float(self.tis_clamp))
 
     @property
     def loss_fn(self) -> registry.PolicyLoss:
@@ -139,6 +162,11 @@ class TrainConfig:
         so they match the sampler's (temperature-scaled) ``old_logp``.
       aux_loss_coef: weight of the MoE load-balancing loss (0 = off).
       skip_nonfinite: leave the state unchanged when the loss or gradient is not finite.
+      loss_aggregation: how the two roles' losses combine. "per_role": each role's rule
+        averages over that role's sequences and the roles add, ``sum_r w_r loss_r``.
+        "pooled" (the recipe): one mean over all sequences of both roles,
+        ``sum_r w_r (n_r / N) loss_r`` with n_r the role's sequences and N = sum_r n_r,
+        so a designer sample weighs as much as an agent sample.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -151,8 +179,12 @@ class TrainConfig:
     temperature: float = 1.0
     aux_loss_coef: float = 0.0
     skip_nonfinite: bool = True
+    loss_aggregation: str = "per_role"
 
     def __post_init__(self) -> None:
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got "
+                             f"{self.loss_aggregation!r}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -285,8 +317,13 @@ def role_loss(
     advantages_bt, weighting_metrics = role.weighting_fn(
         batch.advantages, entropy_bt, mask_bt, role.weighting_config
     )
+    old_logp_bt, tis_metrics = batch.old_logp, {}
+    if role.tis_clamp is not None:
+        advantages_bt, old_logp_bt, tis_metrics = _with_truncated_importance(
+            role.tis_clamp, logp_bt, batch.old_logp, advantages_bt, mask_bt
+        )
     loss, loss_metrics = role.loss_fn(
-        logp_bt, batch.old_logp, batch.ref_logp, advantages_bt, mask_bt, role.loss_config
+        logp_bt, old_logp_bt, batch.ref_logp, advantages_bt, mask_bt, role.loss_config
     )
     gap_bt = jnp.abs(jax.lax.stop_gradient(logp_bt) - batch.old_logp)
     gap_sum, tokens = _masked_mean_parts(gap_bt, mask_bt)
@@ -297,7 +334,35 @@ def role_loss(
         "entropy_sum": entropy_sum,
         "tokens": tokens,
     }
-    return loss, {**loss_metrics, **weighting_metrics}, token_stats
+    return loss, {**loss_metrics, **weighting_metrics, **tis_metrics}, token_stats
+
+
+def _with_truncated_importance(
+    clamp: float, logp_bt: Array, sampler_logp_bt: Array, advantages_bt: Array, mask_bt: Array
+) -> tuple[Array, Array, Metrics]:
+    """The recipe's TIS (docs/trainer.md): (advantages x w, the ratio's new reference, metrics).
+
+    pi_old of the rule's ratio becomes the trainer's own log-probs before this update. One
+    update per batch, so those are the current parameters' log-probs: ``sg(logp)`` (ratio 1,
+    gradient of log pi). The sampler's log-probs enter only through ``w``. Multiplying the
+    advantage by ``w >= 0`` equals multiplying the token's policy term ``max(-A r,
+    -A clip(r))`` by ``w`` (positively homogeneous in A); a KL term stays unweighted.
+    """
+    tis = terms.truncated_importance_weights(logp_bt, sampler_logp_bt, clamp)
+    metrics = {
+        "tis/weight_mean": terms.masked_token_mean(tis.weight, mask_bt),
+        "tis/clip_frac": terms.masked_token_mean(tis.clipped, mask_bt),
+    }
+    return advantages_bt * tis.weight, jax.lax.stop_gradient(logp_bt), metrics
+
+
+def _row_temperatures(config: TrainConfig, batch: TrainBatch) -> float | Array:
+    """The temperature each row was sampled at: one float, or [B] when the roles differ."""
+    role_temps = [config.temperature if r.temperature is None else r.temperature
+                  for r in config.roles]
+    if len(set(role_temps)) == 1:  # both roles' own temperature, not TrainConfig's
+        return role_temps[0]
+    return jnp.asarray(role_temps, jnp.float32)[batch.role_id]
 
 
 def microbatch_loss(
@@ -306,16 +371,18 @@ def microbatch_loss(
     batch: TrainBatch,
     role_share_r: Array,
     config: TrainConfig,
+    loss_share_r: Array | None = None,
 ) -> tuple[Array, tuple[Metrics, Metrics]]:
-    """Loss of one microbatch as in the module docstring, plus (weighted, token) metrics."""
+    """Loss of one microbatch as in the module docstring, plus (weighted, token) metrics.
+
+    ``role_share_r``: n^r_m / n^r (weights the role's metrics into a role average);
+    ``loss_share_r``: the role loss's weight in the total, ``role_share_r`` when None
+    (per-role aggregation) or n^r_m / N (pooled)."""
+    loss_share_r = role_share_r if loss_share_r is None else loss_share_r
     compute = COMPUTE_DTYPES[config.compute_dtype]
     model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
-    role_temps = [config.temperature if r.temperature is None else r.temperature
-                  for r in config.roles]
-    temperature = (config.temperature if len(set(role_temps)) == 1
-                   else jnp.asarray(role_temps, jnp.float32)[batch.role_id])
     logp_bt, entropy_bt, router_logits = policy_logprobs(
-        model, batch, config.router_replay, config.logit_chunk, temperature
+        model, batch, config.router_replay, config.logit_chunk, _row_temperatures(config, batch)
     )
     total = jnp.zeros((), jnp.float32)
     weighted: Metrics = {}
@@ -323,7 +390,7 @@ def microbatch_loss(
     for role_id, (name, role) in enumerate(zip(ROLES, config.roles, strict=True)):
         loss, rule_metrics, stats = role_loss(role, role_id, batch, logp_bt, entropy_bt)
         share = role_share_r[role_id]
-        total = total + role.weight * share * loss
+        total = total + role.weight * loss_share_r[role_id] * loss
         for key, value in rule_metrics.items():  # weighted by share: sums to a role average
             weighted[f"{name}/{key}"] = jnp.where(share > 0, value, 0.0) * share
         for key, value in stats.items():
@@ -391,16 +458,21 @@ def train_step(
     batch_m = _split_microbatches(batch, config.microbatches)
     scored_mr = _scored_rows_per_role(batch_m)
     share_mr = scored_mr / jnp.maximum(jnp.sum(scored_mr, axis=0, keepdims=True), 1.0)
+    loss_share_mr = share_mr
+    if config.loss_aggregation == "pooled":
+        loss_share_mr = scored_mr / jnp.maximum(jnp.sum(scored_mr), 1.0)
     grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
     def accumulate(grads_acc, inputs):
-        microbatch, share_r = inputs
-        (loss, metrics), grads = grad_fn(state.params, graphdef, microbatch, share_r, config)
+        microbatch, share_r, loss_share_r = inputs
+        (loss, metrics), grads = grad_fn(state.params, graphdef, microbatch, share_r, config,
+                                         loss_share_r)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
         return grads_acc, (loss, metrics)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    grads, (loss_m, (weighted_m, stats_m)) = jax.lax.scan(accumulate, zeros, (batch_m, share_mr))
+    grads, (loss_m, (weighted_m, stats_m)) = jax.lax.scan(
+        accumulate, zeros, (batch_m, share_mr, loss_share_mr))
     loss = jnp.sum(loss_m)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -538,6 +610,56 @@ class TrainStep:
         self.check(batch)
         with self._context():
             return self.jitted.lower(state, batch)
+
+
+def needs_reference(config: TrainConfig) -> bool:
+    """Whether a role's rule has a KL term to the reference policy (``kl_coef > 0``)."""
+    return any(getattr(role.loss_config, "kl_coef", 0.0) > 0 for role in config.roles)
+
+
+def reference_logprobs(
+    params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig
+) -> Array:
+    """[B, T] log-probs of the batch's tokens under ``params`` (pure; no gradient), computed
+    microbatch by microbatch as the step computes its own, at the rows' temperatures."""
+    compute = COMPUTE_DTYPES[config.compute_dtype]
+    model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
+
+    def one(microbatch: TrainBatch) -> Array:
+        temperature = _row_temperatures(config, microbatch)
+        logp_bt, _, _ = policy_logprobs(model, microbatch, config.router_replay,
+                                        config.logit_chunk, temperature)
+        return logp_bt
+
+    logp_mbt = jax.lax.map(one, _split_microbatches(batch, config.microbatches))
+    return logp_mbt.swapaxes(0, 1).reshape(batch.shape)  # row r*M + m <- [m, r]
+
+
+class ReferencePolicy:
+    """The KL reference: a frozen copy of the initial policy (the recipe's ``--ref-load`` of
+    the starting checkpoint), stored in the compute dtype; ``annotate(batch)`` fills
+    ``batch.ref_logp``. Copied, not aliased: the train step donates the live parameters."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        config: TrainConfig,
+        params: nnx.State,
+        mesh: Mesh | None = None,
+        rules: sharding.Rules = sharding.DEFAULT_RULES,
+    ) -> None:
+        compute = COMPUTE_DTYPES[config.compute_dtype]
+        self.params = jax.tree.map(lambda p: jnp.array(p, dtype=compute, copy=True), params)
+        self.mesh, self.rules = mesh, rules
+        self.jitted = jax.jit(
+            functools.partial(reference_logprobs, graphdef=graphdef, config=config))
+
+    def annotate(self, batch: TrainBatch) -> TrainBatch:
+        context = (sharding.activate(self.mesh, self.rules) if self.mesh
+                   else contextlib.nullcontext())
+        with context:
+            ref_logp = self.jitted(self.params, batch)
+        return batch.replace(ref_logp=ref_logp * jnp.asarray(batch.loss_mask, jnp.float32))
 
 
 def make_train_step(

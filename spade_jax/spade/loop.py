@@ -94,10 +94,10 @@ Update = Callable[[list[TrainSequence]], dict[str, float]]
 
 
 class FixedEnvBaseline(Protocol):
-    """The fixed-environment baselines: which envs to train on this round, and what the
+    """The fixed-environment baselines: this round's episodes (one env each), and what the
     agent's returns on them were (adaptive-difficulty baselines use it)."""
 
-    def envs(self, round_index: int) -> list[tuple[str, gymnasium.Env]]: ...
+    def episodes(self, round_index: int, plays_per_task: int) -> list[EpisodeSpec]: ...
 
     def feedback(self, returns_by_env: dict[str, list[float]]) -> None: ...
 
@@ -571,10 +571,7 @@ class SpadeLoop:
         if self.baseline is None:
             raise ValueError(f"baseline {self.config.baseline!r} needs a FixedEnvBaseline")
         t0 = time.perf_counter()
-        envs = self.baseline.envs(round_index)
-        rng = np.random.default_rng([self.seed, round_index, 4])
-        specs = [EpisodeSpec(env=env, env_id=env_id, seed=int(s))
-                 for env_id, env in envs for s in rng.integers(0, 2**31 - 1, size=self.config.n_hint)]
+        specs = self.baseline.episodes(round_index, self.config.n_hint)
         records = self.run_episodes(specs)
         if jax.process_count() > 1:
             self._agree_returns([], records)

@@ -8,6 +8,12 @@ One policy plays two roles, each with its own system prompt:
 - the **Reasoning Agent** (`AGENT_SYSTEM_PROMPT`) plays environments. In the hint arm,
   `agent_first_observation` shows it the hint. The program never sees the hint.
 
+For the reference (recipe) contract, games named `*Env` with boxed actions:
+`reference_designer_system_prompt` / `reference_designer_user_prompt` ask for one game
+(a ```python block, no hint), and the agent gets no system prompt: its first user turn is
+`REFERENCE_AGENT_FIRST_TURN_TEMPLATE` (set it as `AgentLoopConfig.first_turn_template`,
+with `AgentLoopConfig.action_format="boxed"`), later turns the bare observation.
+
 Designer output format: the hint in `<hint>...</hint>` and the program in a fenced
 ```python block. The parser is lenient: it accepts a fence with no language tag, the hint
 before or after the block, and a fence longer than three backticks. When there are
@@ -21,7 +27,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from spade_jax.envs.contract import PROGRAM_CONTRACT
+from spade_jax.envs.contract import (
+    PROGRAM_CONTRACT,
+    REFERENCE_MAX_TURNS,
+    render_reference_contract,
+)
 from spade_jax.spade.skills import SKILL_SETS, Skill
 
 # --------------------------------------------------------------------------- system prompts
@@ -112,6 +122,119 @@ def agent_system_prompt(answer_tag: str | None = None) -> str:
 
 # Matches the default `spade_jax.rollout.agent_loop.ActionParser()` (no answer tag).
 AGENT_SYSTEM_PROMPT: str = agent_system_prompt(None)
+
+
+# --------------------------------------------------------------------------- reference contract
+
+# The agent's first user turn under the reference contract (no system prompt). Placeholder
+# "{observation}" is replaced literally (see AgentLoopConfig.first_turn_template).
+REFERENCE_AGENT_FIRST_TURN_TEMPLATE: str = (
+    "This is a language game. Choose your moves so that you win.\n"
+    "Observation: {observation}\n"
+    "Think it through step by step, then write your final answer inside \\boxed{}."
+)
+
+
+def reference_designer_system_prompt(max_turns: int = REFERENCE_MAX_TURNS) -> str:
+    """The designer's system prompt for the reference contract and a turn budget."""
+    low, high = max(1, max_turns // 2), max(1, max_turns * 3 // 4)
+    return f"""\
+You design text games in Python that train a reasoning agent. The agent plays one game
+over several turns; each of its replies is one action.
+
+{render_reference_contract(max_turns)}
+What makes a good game:
+- It is truly multi-turn: the game keeps state (positions, resources, revealed clues,
+  scores) that every action changes, and the agent must plan across turns. A single
+  question with retries, or nudging one number until it hits a target, is not a game.
+- Every turn offers at least two meaningfully different actions, and some are better
+  than others: a wrong choice wastes turns, resources or the game.
+- It has a clear win condition and, ideally, a way to lose. Random play should lose
+  most of the time; good play should win in about {low} to {high} turns of the
+  {max_turns}.
+- The first observation explains the rules, the goal, the starting state and the action
+  syntax. Every later observation shows the result of the last action, the current
+  state, the actions available (written as \\boxed{{...}}) and the turn count.
+- Feedback is specific to the action taken, but never gives the solution away.
+- Everything needed to win is visible or can be discovered by playing; nothing depends
+  on hidden luck at the end.
+
+Reply with the whole game in one fenced python block and nothing after it.
+"""
+
+
+REFERENCE_DESIGNER_SYSTEM_PROMPT: str = reference_designer_system_prompt()
+
+
+def reference_designer_user_prompt(
+    skill: str | Skill,
+    documents: Sequence[str],
+    good_examples: Sequence[Mapping[str, Any]] = (),
+    bad_examples: Sequence[Mapping[str, Any]] = (),
+    *,
+    max_doc_chars: int,
+    max_program_chars: int = 4000,
+) -> str:
+    """The per-slot request for one reference-contract game.
+
+    Args:
+      skill: a skill name from `spade_jax.spade.skills` or a `Skill` (its description is
+        shown).
+      documents: corpus documents (str or objects with `.text`), each cut to
+        `max_doc_chars`; empty for the corpus-free style.
+      good_examples / bad_examples: earlier games to build on / to avoid, as mappings with
+        the program (`program_source`, `program` or `source`), `win_rate` (or
+        `win_rate_no_hint`) and `regret`; each program cut to `max_program_chars`.
+    """
+    if max_doc_chars < 1:
+        raise ValueError(f"max_doc_chars must be >= 1, got {max_doc_chars}")
+    if max_program_chars < 1:
+        raise ValueError(f"max_program_chars must be >= 1, got {max_program_chars}")
+    resolved = _resolve_skill(skill)
+    parts = [f"Design one new game that trains the skill '{resolved.name}': "
+             f"{resolved.description}."]
+    if documents:
+        parts.append(
+            "Source material, drawn fresh for this request. Build the game around an idea, "
+            "quantity or procedure from it; do not copy it."
+        )
+        for index, document in enumerate(documents, start=1):
+            text = _truncate(_document_text(document, index).strip(), max_doc_chars)
+            parts.append(f"[Document {index}]\n{text}")
+    headings = (
+        (good_examples, "Games that sat at the agent's frontier. Take ideas from them, but "
+                        "make something different:"),
+        (bad_examples, "Games that taught little (too easy, too hard or broken). Avoid "
+                       "what they did:"),
+    )  # fmt: skip
+    for examples, heading in headings:
+        if not examples:
+            continue
+        parts.append(heading)
+        for index, example in enumerate(examples):
+            program, win_rate, regret = _scored_program(example, index)
+            program = _truncate(program, max_program_chars)
+            fence = _fence_for(program)
+            parts.append(f"Agent win rate {win_rate:.2f}, regret {regret:+.2f}\n"
+                         f"{fence}python\n{program}\n{fence}")
+    parts.append("Reply with the complete game in one ```python block.")
+    return "\n\n".join(parts)
+
+
+def _scored_program(example: Any, index: int) -> tuple[str, float, float]:
+    if hasattr(example, "to_json"):
+        example = example.to_json()
+    if not isinstance(example, Mapping):
+        raise TypeError(f"example {index} must be a mapping, got {type(example).__name__}")
+
+    def pick(*keys: str) -> Any:
+        for key in keys:
+            if key in example:
+                return example[key]
+        raise ValueError(f"example {index} lacks {' / '.join(keys)}")
+
+    program = str(pick("program_source", "program", "source")).rstrip("\n")
+    return program, float(pick("win_rate_no_hint", "win_rate")), float(pick("regret"))
 
 
 # --------------------------------------------------------------------------- user prompts

@@ -23,12 +23,24 @@ from flax import nnx
 from spade_jax import distributed, sharding, storage
 from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, PreemptionGuard
 from spade_jax.envs import EnvPool
-from spade_jax.experiment import ExperimentConfig, ModelSpec, TokenizerSpec, config_hash
+from spade_jax.experiment import (
+    ExperimentConfig,
+    ModelSpec,
+    TokenizerSpec,
+    config_hash,
+    train_config_for_run,
+)
 from spade_jax.metrics import MetricsWriter, Progress
 from spade_jax.models import Qwen3, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.rl.batch import PackConfig, pack_sequences
-from spade_jax.rl.train_step import TrainState, init_train_state, make_train_step
+from spade_jax.rl.train_step import (
+    ReferencePolicy,
+    TrainState,
+    init_train_state,
+    make_train_step,
+    needs_reference,
+)
 from spade_jax.rollout import generate
 from spade_jax.rollout.agent_loop import run_episodes
 from spade_jax.spade import seed_programs
@@ -112,9 +124,43 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
             arch = arch.replace(vocab_size=tokenizer.vocab_size)
         arch = arch.replace(eos_token_id=sorted(tokenizer.eos_ids), pad_token_id=tokenizer.pad_id)
         model = Qwen3(arch, options, rngs=nnx.Rngs(seed))
+    if spec.hf_checkpoint or spec.orbax_checkpoint:  # pretrained: its own tokenizer only
+        check_tokenizer_matches(tokenizer, model.config,
+                                spec.hf_checkpoint or spec.orbax_checkpoint)
     # the model computes in spec.dtype; master weights stay fp32 in the train state
     model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
     return model
+
+
+# Rows a checkpoint's embedding may have beyond its tokenizer's ids: alignment padding
+# (Qwen3: 151,936 rows for 151,669 ids; Megatron pads to 128 x tensor-parallel ways).
+MAX_EMBEDDING_PADDING = 4096
+
+
+def check_tokenizer_matches(tokenizer, arch, source: str) -> None:
+    """Refuses a pretrained model whose tokenizer is not its own: ids the embedding lacks,
+    special ids the tokenizer lacks, or far more embedding rows than tokens (e.g. the
+    2,000-piece project tokenizer on a Qwen3 checkpoint)."""
+    model_ids = [i for i in (arch.bos_token_id, *_as_tuple(arch.eos_token_id)) if i is not None]
+    problems = []
+    if tokenizer.vocab_size > arch.vocab_size:
+        problems.append(f"the tokenizer has {tokenizer.vocab_size} ids but the embedding only "
+                        f"{arch.vocab_size} rows")
+    elif arch.vocab_size - tokenizer.vocab_size > MAX_EMBEDDING_PADDING:
+        problems.append(f"the embedding has {arch.vocab_size} rows but the tokenizer only "
+                        f"{tokenizer.vocab_size} ids")
+    missing = [i for i in model_ids if i >= tokenizer.vocab_size]
+    if missing:
+        problems.append(f"the model's bos/eos ids {missing} are not in the tokenizer")
+    if problems:
+        raise ValueError(
+            f"tokenizer does not match the checkpoint {source}: {'; '.join(problems)}. Leave "
+            "tokenizer.path empty to use the checkpoint's own tokenizer.json, or point it at "
+            "the tokenizer the model was trained with")
+
+
+def _as_tuple(ids) -> tuple:
+    return ids if isinstance(ids, tuple) else (ids,)
 
 
 def build_pool(config: ExperimentConfig) -> EnvPool:
@@ -184,6 +230,9 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     train_config = _with_sampler_temperatures(config)
     graphdef, state = init_train_state(model, train_config, seed=config.seed, mesh=mesh)
     step_fn = make_train_step(graphdef, train_config, mesh)
+    # KL to the initial policy (8B recipe): its log-probs from a frozen copy of it.
+    reference = (ReferencePolicy(graphdef, train_config, state.params, mesh)
+                 if needs_reference(train_config) else None)
     holder = {"state": state}
 
     def policy() -> Qwen3:
@@ -204,6 +253,8 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
 
     def update_fn(seqs):
         batch = pack_sequences(seqs, pack)
+        if reference is not None:
+            batch = reference.annotate(batch)
         holder["state"], metrics = step_fn(holder["state"], batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
@@ -294,7 +345,7 @@ def _with_sampler_temperatures(config: ExperimentConfig):
     def temp(sampler):
         return sampler.temperature if sampler.temperature > 0 else 1.0  # greedy: T = 1
 
-    train = config.train
+    train = train_config_for_run(config)  # optimizer.total_steps from the run length
     return dataclasses.replace(
         train,
         agent=dataclasses.replace(train.agent, temperature=temp(config.agent.sampler)),

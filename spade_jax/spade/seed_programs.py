@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from spade_jax.envs.contract import CONTRACTS, detect_contract
 from spade_jax.spade.skills import MAIN_SKILLS, Skill
 
 _SOURCE_DIR = pathlib.Path(__file__).with_name("seed_programs")
@@ -36,12 +37,15 @@ class SeedProgram:
       source: the program text, following `spade_jax.envs.PROGRAM_CONTRACT`.
       hint: the hint shown to the agent in the hint arm. It is None only for pool programs
         that come without a `.hint.txt` file.
+      contract: the program contract it follows, "paper" (`class Environment`) or
+        "reference" (the recipe's `*Env` games); pass it to `validate_program` / `make_env`.
     """
 
     name: str
     skill: str
     source: str
     hint: str | None
+    contract: str = "paper"
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -52,6 +56,11 @@ class SeedProgram:
             raise ValueError(f"SeedProgram {self.name!r}: source is empty")
         if self.hint is not None and not self.hint.strip():
             raise ValueError(f"SeedProgram {self.name!r}: hint is empty (use None for no hint)")
+        if self.contract not in CONTRACTS:
+            raise ValueError(
+                f"SeedProgram {self.name!r}: contract must be one of {CONTRACTS}, "
+                f"got {self.contract!r}"
+            )
 
 
 # (file stem, skill, hint). Single-turn and multi-turn programs for each of the six skills.
@@ -155,14 +164,19 @@ def seed_programs_for(skill: str | Skill) -> tuple[SeedProgram, ...]:
 def load_program_pool(
     directory: str | pathlib.Path, *, skill: str = "any"
 ) -> tuple[SeedProgram, ...]:
-    """Reads an offline program pool: every `*.py` file in `directory`, sorted by name.
+    """Reads an offline program pool from `directory`, sorted by file name.
 
-    A file `NAME.hint.txt` next to `NAME.py` gives that program's hint. Without it the
-    hint is None. Every program in the pool gets the label `skill`. This serves the
-    fixed-designer ablation, where the pool comes from a strong model. Raises
-    FileNotFoundError or NotADirectoryError for a bad path. Raises ValueError for a
-    directory with no `*.py` files, and for an empty or non-UTF-8 program or hint file.
-    The error names the file.
+    Two layouts:
+    - the recipe's: `directory/games/game_*.py`, games in the reference contract, no hints
+      (when that folder holds such files, nothing else is read);
+    - this project's: every `*.py` file in `directory`, a file `NAME.hint.txt` next to
+      `NAME.py` giving its hint (None without one); each program's contract is detected
+      from its source ("paper" if it defines a top-level `class Environment`).
+
+    Every program gets the label `skill`. This serves the fixed-designer ablation, where
+    the pool comes from a strong model. Raises FileNotFoundError or NotADirectoryError for
+    a bad path. Raises ValueError for a directory with no programs, and for an empty or
+    non-UTF-8 program or hint file. The error names the file.
     """
     from etils import epath  # the pool may be local or remote (gs://...)
 
@@ -171,15 +185,23 @@ def load_program_pool(
         raise FileNotFoundError(f"program pool directory {root} does not exist")
     if not root.is_dir():
         raise NotADirectoryError(f"program pool path {root} is not a directory")
+    games = sorted(p for p in (root / "games").glob("game_*.py") if p.is_file())
+    if games:
+        return tuple(
+            SeedProgram(path.stem, skill, _read_text(path, "program"), None, "reference")
+            for path in games
+        )
     sources = sorted(p for p in root.glob("*.py") if p.is_file())
     if not sources:
-        raise ValueError(f"program pool directory {root} holds no *.py programs")
+        raise ValueError(
+            f"program pool directory {root} holds no *.py programs (nor games/game_*.py)"
+        )
     pool = []
     for path in sources:
         source = _read_text(path, "program")
         hint_path = path.with_name(f"{path.stem}.hint.txt")
         hint = _read_text(hint_path, "hint").strip() if hint_path.is_file() else None
-        pool.append(SeedProgram(path.stem, skill, source, hint))
+        pool.append(SeedProgram(path.stem, skill, source, hint, detect_contract(source)))
     return tuple(pool)
 
 

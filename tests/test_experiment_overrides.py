@@ -1,0 +1,199 @@
+"""Experiment files and command-line overrides: every experiment's docstring command runs
+with --dry_run, every documented --set parses, switching a rule by name works on every
+experiment, the run length sets the schedule, the tokenizer follows the checkpoint."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shlex
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from spade_jax import rl
+from spade_jax.experiment import (
+    EXPERIMENTS_DIR,
+    load_experiment,
+    train_config_for_run,
+)
+from spade_jax.models import ModelConfig
+from spade_jax.overrides import OverrideError
+from spade_jax.rl.optim import OptimizerConfig, learning_rate_schedule
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def docstring_commands(path: Path) -> list[list[str]]:
+    """The ``python -m spade_jax.train ...`` commands of a file's docstring, as argv lists
+    (backslash continuations joined, trailing ``# comments`` dropped)."""
+    text = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = re.sub(r"\\\n\s*", " ", text)
+    commands = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("python -m spade_jax.train "):
+            commands.append(shlex.split(line.split(" # ")[0])[3:])
+    return commands
+
+
+DRIVER = """
+import contextlib, io, json, sys
+from absl import flags
+from spade_jax import train
+results = []
+for argv in json.loads(sys.argv[1]):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["train", *argv])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = train.main(["train"])
+    results.append({"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def test_every_experiment_docstring_command_dry_runs():
+    """The commands reference checkpoints (/ckpt/...) and buckets that do not exist here:
+    --dry_run resolves and prints the config without opening either, so the test runs the
+    documented command unchanged (plus --dry_run) and checks what it would train with."""
+    commands = {name: docstring_commands(EXPERIMENTS_DIR / f"{name}.py") for name in EXPERIMENTS}
+    missing = [name for name, found in commands.items() if not found]
+    assert not missing, f"experiments without a `python -m spade_jax.train` command: {missing}"
+    argvs = [[*argv, "--dry_run"] for found in commands.values() for argv in found]
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for argv, result in zip(argvs, results, strict=True):
+        assert result["rc"] == 0, (argv, result["stderr"])
+        config = json.loads(result["stdout"])
+        experiment = next(a.split("=", 1)[1] for a in argv if a.startswith("--experiment="))
+        assert config["name"] == experiment.partition(":")[0]
+        checkpoint = next((a.split("=", 1)[1] for a in argv if a.startswith("--hf_checkpoint=")),
+                          None)
+        if checkpoint:  # a real checkpoint trains with its own tokenizer
+            assert config["model"]["hf_checkpoint"] == checkpoint
+            assert config["tokenizer"]["path"] == checkpoint
+
+
+def documented_sets() -> list[tuple[str, str]]:
+    """(file, key=value) for every ``--set key=value`` in README.md, docs/*.md and the
+    package's and experiments' Python sources (docstrings and help texts)."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "spade_jax").rglob("*.py")), *sorted(EXPERIMENTS_DIR.glob("*.py"))]
+    pattern = re.compile(r"--set[=\s]+(?:'([^']*)'|\"([^\"]*)\"|([^\s`]+))")
+    found = []
+    for path in files:
+        for match in pattern.finditer(path.read_text()):
+            item = next(g for g in match.groups() if g is not None)
+            item = item.rstrip(".,;:)")
+            if "=" in item and not item.endswith("=value") and "DIR" not in item:
+                found.append((str(path.relative_to(REPO)), item))
+    return found
+
+
+def test_every_documented_set_parses():
+    found = documented_sets()
+    sources = {source for source, _ in found}
+    assert len(found) >= 10 and "README.md" in sources and "spade_jax/experiment.py" in sources
+    failures = []
+    for source, item in found:
+        try:
+            load_experiment("tiny", [item])
+        except (OverrideError, ValueError, TypeError) as e:
+            failures.append(f"{source}: --set {item}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_switching_the_policy_loss_by_name_works_on_every_experiment(name):
+    base = load_experiment(name)
+    for rule in rl.policy_losses.names():
+        config = load_experiment(name, [f"train.agent.policy_loss={rule}",
+                                        f"train.designer.policy_loss={rule}"])
+        defaults = rl.policy_losses.get(rule).make_config()
+        for role, before in zip(config.train.roles, base.train.roles, strict=True):
+            assert role.policy_loss == rule
+            # A new rule starts from its defaults; re-setting the same rule keeps its settings.
+            want = before.loss_config if before.policy_loss == rule else defaults
+            assert role.loss_config == want
+    # A setting of the new rule given after the switch applies on top of its defaults.
+    config = load_experiment(name, ["train.agent.policy_loss=gspo",
+                                    "train.agent.loss_config.clip_eps_high=0.001"])
+    assert config.train.agent.loss_config.clip_eps_high == 0.001
+
+
+def test_recipe_experiments_set_the_recipes_update():
+    for name, kl in (("qwen3_30b_a3b", 0.0), ("qwen3_4b", 0.0), ("qwen3_8b", 0.005)):
+        train = load_experiment(name).train
+        opt = train.optimizer
+        assert (opt.learning_rate, opt.schedule, opt.warmup_steps) == (1e-6, "constant", 0)
+        assert (opt.weight_decay, opt.b1, opt.b2, opt.clip_norm) == (0.1, 0.9, 0.98, 1.0)
+        assert train.loss_aggregation == "pooled"
+        for role in train.roles:
+            assert role.policy_loss == "grpo" and role.tis_clamp == 2.0
+            cfg = role.loss_config
+            assert (cfg.clip_eps, cfg.clip_eps_high, cfg.kl_coef) == (0.2, 0.28, kl)
+
+
+def test_total_steps_follows_the_run_length():
+    assert OptimizerConfig().total_steps is None
+    config = load_experiment("tiny", ["train.optimizer.schedule=cosine", "spade.rounds=7"])
+    optimizer = train_config_for_run(config).optimizer
+    assert optimizer.total_steps == 7
+    lr = learning_rate_schedule(optimizer)
+    assert float(lr(7)) == pytest.approx(optimizer.learning_rate * optimizer.end_lr_ratio)
+    assert float(lr(3)) > float(lr(6))
+    explicit = load_experiment("tiny", ["train.optimizer.schedule=cosine", "spade.rounds=7",
+                                        "train.optimizer.total_steps=20"])
+    assert train_config_for_run(explicit).optimizer.total_steps == 20
+    with pytest.raises(ValueError, match="cosine schedule needs total_steps"):
+        learning_rate_schedule(OptimizerConfig(schedule="cosine"))
+
+
+def test_a_kl_reference_is_refused_with_a_warm_start():
+    kl = ["train.agent.loss_config.kl_coef=0.01"]
+    with pytest.raises(ValueError, match="KL term .* needs warm_start.steps=0"):
+        train_config_for_run(load_experiment("tiny", kl))
+    train = train_config_for_run(load_experiment("tiny", [*kl, "warm_start.steps=0"]))
+    assert train.agent.loss_config.kl_coef == 0.01
+    train_config_for_run(load_experiment("qwen3_8b"))  # no warm start: the checkpoint is it
+
+
+def test_tokenizer_defaults_to_the_checkpoints_own():
+    config = load_experiment("qwen3_8b", ["model.hf_checkpoint='/ckpt/Qwen3-8B'"])
+    assert config.tokenizer.path == "/ckpt/Qwen3-8B"
+    explicit = load_experiment("qwen3_8b", ["model.hf_checkpoint='/ckpt/Qwen3-8B'",
+                                            "tokenizer.path='/tok/other'"])
+    assert explicit.tokenizer.path == "/tok/other"
+    assert load_experiment("tiny").tokenizer.path == ""  # random init: the project tokenizer
+
+
+def fake_tokenizer(vocab_size: int, eos: int):
+    return types.SimpleNamespace(vocab_size=vocab_size, eos_ids=frozenset({eos}), pad_id=eos)
+
+
+def test_a_checkpoint_refuses_a_tokenizer_that_is_not_its_own(tmp_path):
+    from spade_jax.experiment import ModelSpec
+    from spade_jax.spade.run import build_model, check_tokenizer_matches
+
+    qwen = ModelConfig(vocab_size=151936, bos_token_id=151643, eos_token_id=151645)
+    check_tokenizer_matches(fake_tokenizer(151669, 151645), qwen, "qwen")  # Qwen3's own
+    with pytest.raises(ValueError, match="embedding has 151936 rows but the tokenizer only 2000"):
+        check_tokenizer_matches(fake_tokenizer(2000, 1), qwen, "/ckpt/Qwen3-8B")
+    with pytest.raises(ValueError, match=r"bos/eos ids \[151643, 151645\] are not in the"):
+        check_tokenizer_matches(fake_tokenizer(150000, 1), qwen, "/ckpt/Qwen3-8B")
+
+    tiny_hf = pytest.importorskip("tiny_hf")
+    tiny_hf.make_hf_model("dense", tmp_path / "hf")
+    spec = ModelSpec(hf_checkpoint=str(tmp_path / "hf"), dtype="float32")
+    with pytest.raises(ValueError, match="tokenizer does not match the checkpoint"):
+        build_model(spec, fake_tokenizer(2000, 1), seed=0, mesh=None)
+    model = build_model(spec, fake_tokenizer(tiny_hf.VOCAB, 1), seed=0, mesh=None)
+    assert model.config.vocab_size == tiny_hf.VOCAB
