@@ -5,6 +5,9 @@ loader (`load_policy`, greedy text) all read as the trained policy; and its bad 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +134,11 @@ def test_export_bad_input_is_a_clear_error(tmp_path, capsys):
         return err
 
     assert "does not exist" in run(f"--workdir={tmp_path / 'nope'}", f"--out={tmp_path / 'o'}")
+    cli = subprocess.run([sys.executable, "-m", "spade_jax.export", f"--workdir={tmp_path / 'x'}",
+                          f"--out={tmp_path / 'o'}"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr
+    assert f"run directory {tmp_path / 'x'} does not exist" in cli.stderr
     empty = tmp_path / "empty_run"
     empty.mkdir()
     assert "model.json" in run(f"--workdir={empty}", f"--out={tmp_path / 'o'}")

@@ -309,7 +309,9 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
             if line:
                 log.info(line)
             last = round_index + 1 == config.spade.rounds
-            score = ckpt.score(metrics)  # held-out score when evaluated this round, else None
+            # The held-out score when evaluated this round, else None; process 0's on every
+            # host, since whether to save (a collective) depends on it.
+            score = distributed.agree_json(ckpt.score(metrics))
             if ckpt.should_save(round_index + 1) or last or ckpt.is_new_best(score):
                 ckpt.save(round_index + 1, _saveable(holder["state"]),
                           {"round": round_index, "loop": loop.state_dict()}, score=score)
