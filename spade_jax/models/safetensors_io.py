@@ -45,6 +45,7 @@ class SafetensorsFile:
     def __init__(self, path: storage.PathLike):
         self.path = storage.as_path(path)
         self.remote = storage.is_remote(self.path)
+        self._handle = None  # remote only: kept open, so the client's read-ahead is reused
         try:
             size = self.path.stat().length
             with self.path.open("rb") as f:
@@ -80,6 +81,17 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the client may be gone already
+            pass
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]
 
@@ -87,10 +99,11 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entries[name]
         if end == begin:
             return np.zeros(shape, dtype)
-        if self.remote:  # one ranged read of this tensor's bytes
-            with self.path.open("rb") as f:
-                f.seek(self._data_start + begin)
-                data = f.read(end - begin)
+        if self.remote:  # a ranged read of this tensor's bytes, on one handle per file
+            if self._handle is None:
+                self._handle = self.path.open("rb")
+            self._handle.seek(self._data_start + begin)
+            data = self._handle.read(end - begin)
             if len(data) != end - begin:
                 raise CheckpointError(f"{self.path}: tensor {name!r} is truncated")
             return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
