@@ -106,6 +106,20 @@ def test_model_tokenizer_metrics_and_report_through_a_bucket(tmp_path, gcs):
     assert str(report) == "gs://pieces/run/report.md"
     assert "## Curves" in report.read_text()
     assert {"run/plots/misc.png", "run/plots/eval.png"} <= set(gcs.objects("pieces", "run/plots/"))
+
+    from spade_jax.spade.seed_programs import load_program_pool
+
+    (tmp_path / "pool" / "games").mkdir(parents=True)
+    (tmp_path / "pool" / "a.py").write_text("class Environment:\n    pass\n")
+    (tmp_path / "pool" / "a.hint.txt").write_text("try harder\n")
+    (tmp_path / "games_pool" / "games").mkdir(parents=True)
+    (tmp_path / "games_pool" / "games" / "game_1.py").write_text("def reset():\n    pass\n")
+    for name in ("pool", "games_pool"):
+        _upload(tmp_path / name, bucket / name)
+        assert load_program_pool(f"gs://pieces/{name}") == load_program_pool(tmp_path / name)
+    assert [(p.name, p.hint) for p in load_program_pool("gs://pieces/pool")] == [
+        ("a", "try harder")]
+    assert [p.name for p in load_program_pool("gs://pieces/games_pool")] == ["game_1"]
     _no_local_gs_dir(REPO, Path.cwd(), tmp_path)
 
 
