@@ -63,8 +63,9 @@ def test_matches_dense_forward_and_grads(axes, tokens, experts, k, skew):
     if skew:
         assert float(jnp.mean(jnp.any(args[5] == 0, axis=1))) >= 0.75
     want_y, want_g, _ = _value_and_vjp(lambda *a: (moe.dispatch_dense(*a), 0))(args, r)
-    with sharding.activate(_mesh(**axes)):
-        fn = _value_and_vjp(moe.expert_parallel_with_drops)
+    mesh = _mesh(**axes)
+    with sharding.activate(mesh):
+        fn = _value_and_vjp(lambda *a: moe.expert_parallel_with_drops(*a, mesh=mesh))
         assert "all_to_all" in fn.lower(args, r).as_text()  # real routing, not the fallback
         got_y, got_g, dropped = fn(args, r)
     assert int(dropped) == 0
@@ -103,9 +104,10 @@ def test_capacity_factor_drops_are_counted(local_impl):
     # 8 tokens per shard, 16 assignments, 8 destinations: capacity ceil(1.0 * 16 / 8) = 2.
     want, want_dropped = _numpy_capped(*(np.asarray(a) for a in args), 8, 8, capacity=2)
     assert want_dropped > 30  # the skew overflows shard 0's slots from every source
-    with sharding.activate(_mesh(expert=8)):
+    mesh = _mesh(expert=8)
+    with sharding.activate(mesh):
         got, dropped = jax.jit(lambda *a: moe.expert_parallel_with_drops(
-            *a, capacity_factor=factor, local_impl=local_impl))(*args)
+            *a, mesh=mesh, capacity_factor=factor, local_impl=local_impl))(*args)
     assert int(dropped) == want_dropped
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
@@ -114,21 +116,25 @@ def test_falls_back_to_ragged_without_expert_parallelism():
     args = _problem(24, 8, 2, seed=1)
     want = moe.dispatch_ragged(*args)
     np.testing.assert_array_equal(np.asarray(moe.dispatch_expert_parallel(*args)), want)
-    with sharding.activate(_mesh(fsdp=8)):  # a mesh, but an expert axis of size 1
-        fn = jax.jit(moe.dispatch_expert_parallel)
+    mesh = _mesh(fsdp=8)  # a mesh, but an expert axis of size 1
+    with sharding.activate(mesh):
+        fn = jax.jit(lambda *a: moe.dispatch_expert_parallel(*a, mesh=mesh))
         assert "all_to_all" not in fn.lower(*args).as_text()
         np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-6, atol=1e-6)
 
 
 def test_bad_inputs_are_named():
     args = _problem(16, 6, 2, seed=2)  # 6 experts over an expert axis of 4
-    with sharding.activate(_mesh(fsdp=2, expert=4)):
+    mesh = _mesh(fsdp=2, expert=4)
+    with sharding.activate(mesh):
         with pytest.raises(ValueError, match="6 experts cannot be split"):
-            moe.dispatch_expert_parallel(*args)
+            moe.dispatch_expert_parallel(*args, mesh=mesh)
         with pytest.raises(ValueError, match="capacity_factor"):
-            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), capacity_factor=0.0)
+            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), mesh=mesh,
+                                           capacity_factor=0.0)
         with pytest.raises(ValueError, match="local_impl"):
-            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), local_impl="dense")
+            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), mesh=mesh,
+                                           local_impl="dense")
 
 
 def test_model_logits_match_one_device_dense():
@@ -154,10 +160,13 @@ def test_model_logits_match_one_device_dense():
     assert want.sharding.device_set == {jax.devices()[0]}
 
     mesh = _mesh(fsdp=2, expert=4)
-    placed = jax.device_put(params, sharding.state_shardings(params, mesh))
+    placed = jax.device_put(params, sharding.tree_shardings(params, mesh))
     with sharding.activate(mesh):
-        fwd = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
+        fwd = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, mesh=mesh).logits)
         assert fwd.lower(placed, ids).as_text().count("all_to_all") >= 3 * cfg.num_layers
+        # The dispatch gets the mesh from the model call, not from the active context.
+        implicit = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
+        assert "all_to_all" not in implicit.lower(placed, ids).as_text()
         got = fwd(placed, ids)
     assert len(got.sharding.device_set) == 8
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
