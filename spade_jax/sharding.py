@@ -119,11 +119,6 @@ def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
         _ACTIVE.reset(token)
 
 
-def active_mesh() -> Mesh | None:
-    active = _ACTIVE.get()
-    return active.mesh if active else None
-
-
 def logical_to_spec(
     axes: LogicalAxes, rules: Rules | dict | None = None, mesh: Mesh | None = None
 ) -> PartitionSpec:

@@ -5,9 +5,10 @@
 
 ``libtpu`` (``pip install libtpu==0.0.42.1``, the build ``jax[tpu]==0.10.2`` pins) supplies
 an abstract device set for the named topology (``jax.experimental.topologies``). The real
-train step (``rl.train_step.train_step``) and the sampler's jitted prefill and one decode
-step (``rollout.sampler.lower_prefill`` / ``lower_decode_step``) are lowered with ``jax.ShapeDtypeStruct`` inputs that carry the
-experiment's ``NamedSharding``s and compiled by the TPU compiler. Nothing is allocated.
+train step (``rl.train_step.TrainStep.lower``) and the sampler's jitted prefill and one
+decode step (``rollout.sampler.lower_prefill`` / ``lower_decode_step``, public lowering
+entries) are lowered with ``jax.ShapeDtypeStruct`` inputs that carry the experiment's
+``NamedSharding``s and compiled by the TPU compiler. Nothing is allocated.
 
 Per chip it prints XLA's argument / output / temp bytes against the chip's HBM, XLA's
 estimated FLOPs and roofline seconds, and the implied MFU and tokens/s/chip. It exits 1
