@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from spade_jax.seeding import derive_seed
+
 Conversation = list[dict[str, str]]
 
 
@@ -261,7 +263,7 @@ class SamplerPolicy:
             result = generate(
                 self.model, rows[start : start + size], max_new_tokens,
                 temperature=self.config.temperature, top_p=self.config.top_p,
-                top_k=self.config.top_k, seed=seed + start, mesh=self.mesh,
+                top_k=self.config.top_k, seed=derive_seed(seed, start), mesh=self.mesh,
                 stop_tokens=sorted(self.tokenizer.eos_ids), router_hook=self.router_hook,
                 answer_detector=self.answer_detector,
             )
