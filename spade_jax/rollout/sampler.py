@@ -409,11 +409,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _batch_shards(mesh) -> int:
-    if mesh is None:
-        return 1
-    spec = sharding.logical_to_spec(("batch",), mesh=mesh)[0]
-    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
-    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    return 1 if mesh is None else sharding.data_ways(mesh)
 
 
 def _batch_bucket(n: int, shards: int) -> int:
