@@ -109,8 +109,12 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("spade_
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
-    """Makes ``mesh`` and ``rules`` the target of :func:`constrain` inside the block."""
+def activate(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh | None]:
+    """Makes ``mesh`` and ``rules`` the target of :func:`constrain` inside the block
+    (``mesh=None``: nothing changes, for callers that run sharded or not)."""
+    if mesh is None:
+        yield None
+        return
     token = _ACTIVE.set(_Active(mesh, dict(rules)))
     try:
         with jax.set_mesh(mesh):

@@ -338,7 +338,7 @@ def lower_prefill(
 
     ids_bp, mask_bp = rows_of(rows, prompt_len), rows_of(rows, prompt_len)
     limit_b, row_id_b, stop_bm = rows_of(rows), rows_of(rows), rows_of(rows, 1)
-    with sharding.activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
+    with sharding.activate(mesh, rules):
         return _prefill.lower(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm,
                               _abstract_scalars(), static=static, new_buffer=new_buffer)
 
@@ -358,7 +358,7 @@ def lower_decode_step(
         return _decode_step(nnx.merge(graphdef, params), state, scalars, static)
 
     step = jax.jit(one_step, donate_argnums=1)
-    with sharding.activate(mesh, rules) if mesh is not None else contextlib.nullcontext():
+    with sharding.activate(mesh, rules):
         return step.lower(params, state, _abstract_scalars())
 
 
