@@ -170,3 +170,34 @@ def test_model_logits_match_one_device_dense():
         got = fwd(placed, ids)
     assert len(got.sharding.device_set) == 8
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
+
+
+def test_sampler_lowering_entries_hand_the_mesh_to_the_dispatch():
+    """``rollout.sampler.lower_prefill`` / ``lower_decode_step`` (what the AOT planner
+    compiles) route tokens across the expert axis: the mesh reaches the MoE dispatch."""
+    from spade_jax.rollout import sampler
+
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=128, hidden_size=32, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        max_position_embeddings=64)
+    options = ModelOptions(moe_impl="expert_parallel")
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, options, rngs=nnx.Rngs(0))))
+    mesh = _mesh(fsdp=2, expert=4)
+    def placed(where, variable):  # the Variable's array as an abstract, placed input
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), variable)
+
+    params = jax.tree.map(placed, sharding.tree_shardings(abstract, mesh), abstract,
+                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    config = sampler.SamplerConfig(max_new_tokens=8, temperature=1.0, new_tokens_bucket=8)
+    prefill = sampler.lower_prefill(graphdef, params, options, config, rows=8, prompt_len=16,
+                                    mesh=mesh)
+    assert prefill.as_text().count("all_to_all") >= 3 * cfg.num_layers
+    state = prefill.out_info[0]
+    assert state.tokens_bn.shape == (8, 8) and state.cache.valid_bs.shape == (8, 24)
+    decode = sampler.lower_decode_step(graphdef, params, options, config, state, mesh=mesh)
+    assert decode.as_text().count("all_to_all") >= 3 * cfg.num_layers
+    unsharded = sampler.lower_prefill(graphdef, params, options, config, rows=8, prompt_len=16)
+    assert "all_to_all" not in unsharded.as_text()

@@ -28,14 +28,14 @@ N_active = parameters a token multiplies through (active parameters less the unt
 embedding). XLA's own numbers are printed too.
 
 Modules: :mod:`~spade_jax.aot.topology` (slices and their chips),
-:mod:`~spade_jax.aot.plan` (what is compiled and measured), :mod:`~spade_jax.aot.cost`
+:mod:`~spade_jax.aot.planner` (what is compiled and measured), :mod:`~spade_jax.aot.cost`
 (the analytic cost model), :mod:`~spade_jax.aot.report` (JSON, text, table) and
 :mod:`~spade_jax.aot.cli` (the command line). Importing the package does not import jax, so
 the CLI can choose the host platform first.
 """
 
 from spade_jax.aot.cost import Parallelism, analytic_cost, parallelism
-from spade_jax.aot.plan import AotConfig, Plan, ProgramCost, plan
+from spade_jax.aot.planner import AotConfig, Plan, ProgramCost, plan
 from spade_jax.aot.report import (
     TABLE_HEADER,
     format_plan,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from spade_jax.aot.plan import AotConfig, plan
+from spade_jax.aot.planner import AotConfig, plan
 from spade_jax.aot.report import TABLE_HEADER, format_plan, read_plan, recost, table_row, write_plan
 from spade_jax.aot.topology import GIB
 

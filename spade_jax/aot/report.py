@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from spade_jax.aot.cost import analytic_cost, parallelism, round_up
-from spade_jax.aot.plan import Plan, ProgramCost
+from spade_jax.aot.planner import Plan, ProgramCost
 from spade_jax.aot.topology import GIB, parse_topology
 
 
