@@ -176,7 +176,7 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         # Rules defined outside the package register on import; done here so that the
-        # role configs set after ``--set rule_modules=[...]`` can name them.
+        # role configs set after rule_modules (on the command line too) can name them.
         load_rule_modules(self.rule_modules)
 
 

@@ -171,7 +171,7 @@ def reference_loss(params, graphdef, batch: TrainBatch):
     total, per_role = 0.0, {}
     for role_id, role in enumerate((AGENT, DESIGNER)):
         rows = np.flatnonzero(np.asarray(batch.role_id) == role_id)
-        loss, _ = role.loss_fn(logp[rows], batch.old_logp[rows], batch.ref_logp[rows],
+        loss, _ = role.part("policy_loss")[0](logp[rows], batch.old_logp[rows], batch.ref_logp[rows],
                                batch.advantages[rows], batch.loss_mask[rows], role.loss)
         total += role.weight * loss
         per_role[role_id] = (loss, logp[rows])

@@ -213,6 +213,9 @@ def load_rule_modules(module_names: Iterable[str]) -> None:
     module names, or paths of ``.py`` files (a rule file anywhere, outside the package).
     Loading the same module or file again is a no-op."""
     for module_name in module_names:
+        if not isinstance(module_name, str):
+            raise TypeError(f"rule_modules entries must be module names or .py paths (str), "
+                            f"got {module_name!r}")
         if module_name.endswith(".py"):
             _load_rule_file(Path(module_name))
             continue
