@@ -8,8 +8,10 @@
 What runs where on a pod slice:
   * every host runs the jitted programs over the global mesh (``jax.devices()``);
   * environments always run on the local host's CPUs, in each host's own sandbox pool
-    (seeded with :func:`host_seed`); every host steps every episode (episode seeds are
-    shared, from the experiment seed), so the batch rows agree;
+    (seeded with :func:`host_seed`); each host resets and steps only its share of a
+    batch's episodes (``rollout.agent_loop.episode_owner``: contiguous blocks) and every
+    turn's outcomes are all-gathered (:func:`all_gather_json`), so every host absorbs the
+    owner's observation / reward / ending and the batch rows agree token for token;
   * decisions that must be identical everywhere (corpus documents drawn this round,
     environment-memory entries fed to the designer or replayed, which programs validated
     and loaded, episode returns, the trained tokenizer) are made on process 0 and
@@ -201,6 +203,27 @@ def failing_hosts(failed: bool) -> list[int]:
 
     flags = np.asarray(multihost_utils.process_allgather(np.int32(bool(failed)))).reshape(-1)
     return [int(i) for i in np.flatnonzero(flags)]
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order, on every host (one
+    all-gather of UTF-8 bytes; e.g. each host's share of the episodes' env outcomes). A
+    collective: every host calls it at the same point, each with its own value. One host:
+    ``[value]``, untouched."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [value]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode("utf-8"), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int64(len(data)))).reshape(-1)
+    # Pad to a power of two so a run's messages reuse a few compiled gathers.
+    width = max(64, 1 << (int(lengths.max()) - 1).bit_length())
+    buffer = np.zeros((width,), np.uint8)
+    buffer[:len(data)] = data
+    rows = np.asarray(multihost_utils.process_allgather(buffer)).reshape(len(lengths), width)
+    return [json.loads(bytes(row[:n]).decode("utf-8")) for row, n in zip(rows, lengths, strict=True)]
 
 
 def _agree_strings(values: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def main(argv: list[str]) -> int:
     except (FileNotFoundError, OverrideError, AttributeError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    problem = _workdir_problem(FLAGS.workdir) if FLAGS.workdir else None
+    if problem:  # checked in --dry_run too: a run would fail there only after startup
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if FLAGS.dry_run:
         print(json.dumps(dataclasses.asdict(config), indent=2, default=str))
         return 0
@@ -57,7 +62,11 @@ def main(argv: list[str]) -> int:
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
     workdir = Path(FLAGS.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: cannot create --workdir {FLAGS.workdir}: {e.strerror}", file=sys.stderr)
+        return 2
     _setup_logging(workdir)
     from spade_jax.spade.run import run_experiment
 
@@ -65,6 +74,27 @@ def main(argv: list[str]) -> int:
     run_experiment(config, workdir)
     log.info("done in %.1f min; report: %s", (time.time() - start) / 60, workdir / "report.md")
     return 0
+
+
+def _workdir_problem(workdir: str) -> str | None:
+    """Why a local --workdir cannot hold a run (a file, under a file, not writable), or
+    None. Remote paths (gs://...) are left to the storage layer."""
+    if "://" in workdir:
+        return None
+    path = Path(workdir)
+    if path.exists() and not path.is_dir():
+        return f"--workdir {workdir} is a file, not a directory"
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"--workdir {workdir} lies under {ancestor}, which is a file"
+    try:  # a real write: permission bits say nothing for root or a read-only mount
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as e:
+        return f"--workdir {workdir}: cannot write in {ancestor} ({e.strerror})"
+    return None
 
 
 def _setup_logging(workdir: Path) -> None:

@@ -123,7 +123,7 @@ CASES = [
             setattr(builtins, name, lambda *a, **k: 1.0)
         sys.modules['spade_jax.envs.worker']._number = lambda v: v
         return 'won', 5.0, True, False, {}""", top="import builtins, sys"),
-        "forbidden_import", "return_out_of_range", call="step"),
+        "forbidden_import", "reward_out_of_range", call="step"),
     Case("nan_reward", _program(step="return 'x', float('nan'), True, False, {}"),
          "nonfinite_reward", "nonfinite_reward", call="step"),
     Case("inf_reward", _program(step="return 'x', float('inf'), True, False, {}"),
@@ -173,6 +173,26 @@ CASES = [
         while True:
             pass""", top="import os"), "forbidden_import", "message_too_large", call="step"),
     Case("sys_exit", _program("raise SystemExit(0)"), "program_error", "program_error"),
+    # Co-tenants and arms (issue 19): a signal owner aimed at the trainer, a lock on a
+    # file every worker can read, a world-readable host file.
+    Case("sigio_owner_kill", _program(
+        """\
+        libc = ctypes.CDLL(None, use_errno=True)
+        r, w = os.pipe()
+        rc = (libc.fcntl(r, 8, @pid@), libc.fcntl(r, 10, 9), libc.fcntl(r, 4, 0o20000))
+        os.write(w, b'x')
+        raise RuntimeError(f'setown={rc[0]} setsig={rc[1]} async={rc[2]}')""",
+        top="import ctypes, os"), "forbidden_import", "program_error",
+        detail_has="setown=-1 setsig=-1 async=-1"),
+    Case("flock_shared_file", _program(
+        """\
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open('/', os.O_RDONLY)
+        raise RuntimeError(f'flock={libc.flock(fd, 6)}')""", top="import ctypes, os"),
+        "forbidden_import", "program_error", detail_has="flock=-1"),
+    Case("read_host_file", _program(
+        "with open('@old_file@') as f:\n    return f.read(), {}"),
+        "forbidden_name", "program_error", detail_has="Error"),
     Case("hard_exit", _program("os._exit(0)", top="import os"), "forbidden_import", "crash"),
     # The reference contract: escapes through the names it binds without an import.
     Case("ref_numpy_read_parent_proc", _game(

@@ -32,7 +32,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from test_rollout_agent_loop import model, tokenizer  # noqa: F401 - shared fixtures
 
-from spade_jax.envs import EnvPool, SandboxConfig, make_env, validate_program
+from spade_jax.envs import EnvPool, EnvProgramError, SandboxConfig, make_env, validate_program
 from spade_jax.envs.contract import detect_contract
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import (
@@ -407,7 +407,9 @@ def test_wrapper_truncates_a_game_that_never_ends(pool):
     results = [env.step("a") for _ in range(4)]
     assert [r[3] for r in results] == [False, False, False, True]
     assert [r[1] for r in results] == [0.0] * 4  # intermediate 0.5s do not count
-    assert env.step("a")[4]["sandbox_error"].startswith("episode_over")
+    with pytest.raises(EnvProgramError) as failed:
+        env.step("a")
+    assert failed.value.error.code == "episode_over"
     env.close()
 
 
@@ -434,8 +436,9 @@ def test_recipe_reward_bound_is_enforced(pool):
     source = BIG_REWARD.replace("max(-10.0, min(10.0, value))", "value")
     env = make_env(source, pool, contract="reference")
     env.reset(seed=0)
-    *_, info = env.step(r"\boxed{50}")
-    assert info["sandbox_error"].startswith("reward_out_of_range")
+    with pytest.raises(EnvProgramError) as failed:
+        env.step(r"\boxed{50}")
+    assert failed.value.error.code == "reward_out_of_range"
     env.close()
     report = validate_program(
         source.replace('return "done", value', 'return "done", value * 1000'), pool=pool,

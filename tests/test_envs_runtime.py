@@ -13,7 +13,7 @@ import warnings
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from spade_jax.envs import EnvPool, SandboxConfig, make_env, protocol
+from spade_jax.envs import EnvPool, EnvProgramError, SandboxConfig, make_env, protocol
 from spade_jax.envs.static_gate import check_source
 
 GUESS = '''
@@ -77,7 +77,8 @@ def test_isolation_layers_are_measured_active(pool):
     if not report.complete:
         pytest.skip(f"layers missing on this machine: {report.missing}")
     layers = report.as_dict()
-    for name in ("rlimits", "no_new_privs", "unprivileged_uid", "seccomp", "namespaces"):
+    for name in ("rlimits", "no_new_privs", "unprivileged_uid", "seccomp", "namespaces",
+                 "hidden_processes"):
         assert layers[name]["active"], layers[name]
     assert "pid" in layers["namespaces"]["detail"] and "net" in layers["namespaces"]["detail"]
 
@@ -198,8 +199,11 @@ class Environment:
 def test_runtime_failure_ends_episode_with_reason(pool):
     env = make_env(SPIN, pool=pool)
     env.reset(seed=0)
-    obs, reward, terminated, truncated, info = env.step("not a number")
-    assert terminated and reward == 0.0 and info["sandbox_error"].startswith("program_error")
+    with pytest.raises(EnvProgramError) as failed:
+        env.step("not a number")
+    assert failed.value.error.code == "program_error"
+    # The env is usable again after a failed episode: a new one starts.
+    assert env.reset(seed=1)[0] == ""
 
 
 def test_missing_layer_refuses_untrusted_code_unless_allowed():

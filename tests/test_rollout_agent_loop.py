@@ -204,3 +204,36 @@ def test_env_steps_overlap_generation_of_the_other_half(model, tokenizer, monkey
         assert seen.count(True) >= 2, seen
     else:  # one batch: generation and env steps strictly alternate
         assert seen == [False] * 4, seen
+
+
+def test_sampling_noise_is_keyed_by_the_batch_seed_and_the_sampler_call(model, tokenizer):
+    """Issue 16.3: sampler call i of a batch draws with derive_seed(seed, i). The loop passes
+    one seed per (step, phase, batch), so two steps' batches of the same episodes draw
+    different noise (the old code seeded call i with ``config seed + i`` whatever the step:
+    every step replayed step 0's noise), and the same seed replays a batch exactly."""
+    from spade_jax.seeding import Phase, derive_seed
+
+    config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE, seed=5,
+                                                   prompt_bucket_min=128, compact_batch=False))
+
+    def batch(seed):
+        specs = [EpisodeSpec(ScriptedEnv(n, [0.0, 1.0], "terminated"), n, 7)
+                 for n in ("alpha", "beta", "gamma")]
+        return run_episodes(model, tokenizer, specs, config, seed=seed)
+
+    step_seeds = [derive_seed(0, step, Phase.AGENT, 0) for step in range(2)]
+    step0, step1, step0_again = batch(step_seeds[0]), batch(step_seeds[1]), batch(step_seeds[0])
+    # Two halves (episodes 0, 2 | episode 1) alternate: calls 0, 1 are turn 1, calls 2, 3 turn 2.
+    for records, base in ((step0, step_seeds[0]), (step1, step_seeds[1])):
+        calls = [[0, 2], [1, 3], [0, 2]]
+        assert [r.sampler_seeds for r in records] == [
+            [derive_seed(base, c) for c in cs] for cs in calls]
+    # Same seed: identical records; another step's seed: other tokens on every episode.
+    for a, b in zip(step0, step0_again, strict=True):
+        assert (a.token_ids, a.logprobs, a.actions) == (b.token_ids, b.logprobs, b.actions)
+    assert all(a.token_ids != b.token_ids for a, b in zip(step0, step1, strict=True))
+    # No seed: the config's seed is the base, and each call still draws its own stream.
+    default = batch(None)
+    assert default[0].sampler_seeds == [derive_seed(5, 0), derive_seed(5, 2)]
+    assert len(set(default[0].sampler_seeds + default[1].sampler_seeds)) == 4

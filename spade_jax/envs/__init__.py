@@ -20,8 +20,19 @@ from spade_jax.envs.contract import (
     detect_contract,
     render_contract,
 )
-from spade_jax.envs.gym_env import ProgramLoadError, SandboxedTextEnv, make_env
-from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot, IsolationReport
+from spade_jax.envs.gym_env import (
+    EnvProgramError,
+    ProgramLoadError,
+    SandboxedTextEnv,
+    make_env,
+)
+from spade_jax.envs.pool import (
+    EnvHandle,
+    EnvPool,
+    EpisodeSnapshot,
+    IsolationReport,
+    arm_order,
+)
 from spade_jax.envs.results import REASON_CODES, ResetResult, SandboxError, StepResult
 from spade_jax.envs.validate import (
     ValidationConfig,
@@ -29,6 +40,7 @@ from spade_jax.envs.validate import (
     ValidityTally,
     summarize,
     validate_program,
+    validate_programs,
 )
 
 _LAZY = {"RG_SUITES", "make_reasoning_gym_env", "ReasoningGymEnv", "rg_tasks_by_category"}
@@ -41,6 +53,7 @@ __all__ = [
     "IsolationReport",
     "PROGRAM_CONTRACT",
     "REFERENCE_CONTRACT",
+    "EnvProgramError",
     "ProgramLoadError",
     "REASON_CODES",
     "ResetResult",
@@ -51,11 +64,13 @@ __all__ = [
     "ValidationConfig",
     "ValidationReport",
     "ValidityTally",
+    "arm_order",
     "detect_contract",
     "make_env",
     "render_contract",
     "summarize",
     "validate_program",
+    "validate_programs",
     *sorted(_LAZY),
 ]
 

@@ -46,9 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, UnicodeDecodeError) as err:
         print(f"error: cannot read input: {err}", file=sys.stderr)
         return 2
-    config = SandboxConfig(
-        call_deadline_s=args.deadline, allow_weak_isolation=args.allow_weak_isolation
-    )
+    try:
+        config = SandboxConfig(
+            call_deadline_s=args.deadline, allow_weak_isolation=args.allow_weak_isolation
+        )
+    except ValueError as err:
+        print(f"error: --deadline: {err}", file=sys.stderr)
+        return 2
+    if args.max_turns < 1:
+        print(f"error: --max-turns must be >= 1, got {args.max_turns}", file=sys.stderr)
+        return 2
     with EnvPool(config) as pool:
         report = validate_program(
             source, hint, pool=pool, contract=args.contract, max_turns=args.max_turns

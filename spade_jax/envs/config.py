@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from spade_jax.envs.contract import DEFAULT_ALLOWED_IMPORTS, REFERENCE_IMPORTS
 
@@ -22,6 +23,11 @@ class SandboxConfig:
     load_deadline_s: float = 10.0
     # RLIMIT_AS of a worker (address space, MiB).
     memory_limit_mb: int = 1024
+    # Budget of the memory all workers of the pool allocate together (MiB of anonymous
+    # RSS above what they inherit from the zygote), checked by the zygote every 0.1 s from
+    # /proc: over it, the largest worker is killed and its call fails with
+    # "pool_memory_limit". None = 3/4 of the host's physical memory.
+    pool_memory_mb: int | None = None
     # RLIMIT_CPU of a worker (CPU seconds over its whole life; one worker = one handle).
     cpu_limit_s: int = 120
     # RLIMIT_NOFILE of a worker.
@@ -46,6 +52,14 @@ class SandboxConfig:
     drop_privileges: bool = True
     sandbox_uid: int = 65534
     sandbox_gid: int = 65534
+    # Each worker runs under its own uid and gid, drawn at random from
+    # [worker_uid_base, worker_uid_base + worker_uid_count) among those not in use: the
+    # kernel lets a process signal (kill, async-I/O owner) or inspect (/proc, ptrace) only
+    # processes of its own uid, so co-tenants cannot reach each other, and a random draw
+    # says nothing about the load order. False: every worker runs as sandbox_uid/gid.
+    per_worker_uid: bool = True
+    worker_uid_base: int = 200_000
+    worker_uid_count: int = 100_000
     allow_weak_isolation: bool = False
     allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS
     # Extra modules of the reference (recipe) contract, importable only by programs loaded
@@ -83,6 +97,13 @@ class SandboxConfig:
                 + (" with reference_imports preloaded (set reference_imports=frozenset() "
                    "to run paper-contract programs in less)" if self.reference_imports else "")
             )
+        if self.pool_memory_mb is not None and not (
+            type(self.pool_memory_mb) is int and self.pool_memory_mb >= self.memory_limit_mb // 4
+        ):
+            raise ValueError(
+                "SandboxConfig.pool_memory_mb must be None or an int >= memory_limit_mb / 4 "
+                f"(one worker must fit), got {self.pool_memory_mb!r}"
+            )
         if self.max_open_files < 8:
             raise ValueError(
                 f"SandboxConfig.max_open_files must be >= 8, got {self.max_open_files}"
@@ -97,6 +118,12 @@ class SandboxConfig:
             )
         if not (0 < self.sandbox_uid < 2**31 and 0 < self.sandbox_gid < 2**31):
             raise ValueError("SandboxConfig.sandbox_uid/gid must be non-root ids")
+        if not (0 < self.worker_uid_base and self.worker_uid_count >= 64
+                and self.worker_uid_base + self.worker_uid_count < 2**31):
+            raise ValueError(
+                "SandboxConfig.worker_uid_base must be > 0 and worker_uid_count >= 64 with "
+                f"base + count < 2**31, got {self.worker_uid_base}, {self.worker_uid_count}"
+            )
         for name in ("allowed_imports", "reference_imports"):
             if not isinstance(getattr(self, name), frozenset):
                 raise TypeError(f"SandboxConfig.{name} must be a frozenset of module names")
@@ -105,6 +132,12 @@ class SandboxConfig:
             raise ValueError(
                 f"SandboxConfig.reference_imports: {sorted(unknown)} not in {sorted(REFERENCE_IMPORTS)}"
             )
+
+    def pool_memory_bytes(self) -> int:
+        """The pool-wide memory budget in bytes (default: 3/4 of physical memory)."""
+        if self.pool_memory_mb is not None:
+            return self.pool_memory_mb << 20
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4
 
     def worker_limits(self) -> dict[str, object]:
         """The plain-JSON subset a worker needs (sent to the zygote with each spawn)."""
@@ -115,7 +148,12 @@ class SandboxConfig:
             "max_observation_chars": self.max_observation_chars,
             "max_message_bytes": self.max_message_bytes,
             "use_seccomp": self.use_seccomp,
+            "pool_memory_bytes": self.pool_memory_bytes(),
             "drop_privileges": self.drop_privileges,
             "uid": self.sandbox_uid,
             "gid": self.sandbox_gid,
+            # The zygote replaces uid/gid by a fresh id from this range for each worker.
+            "uid_range": (
+                [self.worker_uid_base, self.worker_uid_count] if self.per_worker_uid else None
+            ),
         }

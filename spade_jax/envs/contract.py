@@ -56,8 +56,9 @@ An environment program is Python source that defines `class Environment`:
 Rules (a program that breaks one is rejected before any agent sees it):
 - Observations and actions are text (`str`). Rewards are plain `float` (or `int`);
   terminated/truncated are `bool`; info is a `dict` of plain values.
-- The return of an episode (the sum of its rewards) lies in [0, 1]. Partial rewards are
-  allowed and encouraged: e.g. 0.25 for each of four sub-goals.
+- The return of an episode (the sum of its rewards) lies in [0, 1]; every step reward,
+  and the running sum, lies in [-1, 1]. Partial rewards are allowed and encouraged: e.g.
+  0.25 for each of four sub-goals.
 - reset(seed) is deterministic: the same seed and the same actions give the same
   observations and rewards. Use `random.Random(seed)`, never the global `random` state,
   the clock or object ids.

@@ -3,8 +3,11 @@
 Observations and actions are `gymnasium.spaces.Text` over the printable ASCII charset.
 A program may emit any text; characters outside the charset are replaced by "?" so the
 observation is always inside the space, and the unaltered text is kept in
-info["raw_observation"] whenever that happened. A sandbox failure during a step ends the
-episode (terminated, reward 0.0) with info["sandbox_error"] = "<code>: <detail>".
+info["raw_observation"] whenever that happened. A sandbox failure in reset() or step()
+(a crash, a timeout, a wrong type, a reward outside the contract's bounds, ...) raises
+`EnvProgramError` carrying the `SandboxError`: the episode ends as an env error (the agent
+loop records "env_error"), so no partial or out-of-range return reaches the trainer as if
+the episode had ended normally.
 
 Under the reference (recipe) contract the env reports the recipe's score: every step's
 reward is 0 except a terminating step's, which is the game's reward clipped to [-1, 1]
@@ -23,7 +26,7 @@ from gymnasium import spaces
 
 from spade_jax.envs.contract import AUTO_CONTRACT, REFERENCE_MAX_TURNS, resolve_contract
 from spade_jax.envs.pool import EnvHandle, EnvPool, EpisodeSnapshot
-from spade_jax.envs.results import StepResult
+from spade_jax.envs.results import SandboxError, StepResult
 from spade_jax.envs.validate import default_pool
 
 PRINTABLE = frozenset(string.printable)
@@ -38,6 +41,15 @@ def _sanitize(text: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 class ProgramLoadError(RuntimeError):
     """make_env() was given a program that the sandbox refused or could not load."""
+
+
+class EnvProgramError(RuntimeError):
+    """reset() or step() of a sandboxed program failed; `error` says why (its `code` is a
+    key of REASON_CODES). The episode is over; reset() again starts a new one."""
+
+    def __init__(self, error: SandboxError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class SandboxedTextEnv(gymnasium.Env):
@@ -86,7 +98,7 @@ class SandboxedTextEnv(gymnasium.Env):
         program_seed = seed if seed is not None else int(self.np_random.integers(0, 2**31))
         result = self._handle.reset(program_seed)
         if not result.ok:
-            return "", {"sandbox_error": str(result.error)}
+            raise EnvProgramError(result.error)
         return _sanitize(result.observation, result.info)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
@@ -94,10 +106,9 @@ class SandboxedTextEnv(gymnasium.Env):
 
     @staticmethod
     def _unpack(result: StepResult) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        info = dict(result.info)
         if result.error is not None:
-            info["sandbox_error"] = str(result.error)
-        observation, info = _sanitize(result.observation, info)
+            raise EnvProgramError(result.error)
+        observation, info = _sanitize(result.observation, dict(result.info))
         return observation, result.reward, result.terminated, result.truncated, info
 
     # -- counterfactual branches --------------------------------------------------------

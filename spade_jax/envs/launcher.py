@@ -4,20 +4,25 @@ The zygote is a fresh interpreter (`python -s -B -c BOOT`), never a fork of the 
 it cannot inherit JAX state. BOOT registers bare `spade_jax` / `spade_jax.envs` package
 objects pointing at this directory, so importing the sandbox modules runs neither package
 `__init__` (which could import JAX or gymnasium). With bubblewrap the zygote runs in new
-pid, network, ipc and uts namespaces, on a read-only view of `/` with its own `/proc`,
-with a cleared environment (no trainer secrets) and only the capabilities it needs to
-drop workers to the sandbox uid and kill them.
+pid, network, ipc and uts namespaces, on a read-only filesystem that holds only what it
+needs (the Python installation with only the allowed packages, this package's sandbox
+modules, shared libraries; see `_filesystem_args`) with its own `/proc`, with a cleared
+environment (no trainer secrets) and only the capabilities it needs to drop workers to
+the sandbox uid and kill them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 
 from spade_jax.envs.config import SandboxConfig
@@ -57,12 +62,90 @@ def find_bwrap(config: SandboxConfig) -> str | None:
     return config.bwrap_path or shutil.which("bwrap")
 
 
-def _bwrap_prefix(bwrap: str) -> list[str]:
-    args = [
-        bwrap,
-        "--ro-bind", "/", "/",
-        "--dev", "/dev",
-        "--proc", "/proc",
+# Host paths the sandbox sees besides the Python installation: shared libraries, and what
+# ctypes.util.find_library (pyseccomp, at zygote start) runs to locate libseccomp.
+_SYSTEM_LIBS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/libx32")
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/usr/sbin/ldconfig")
+_TOP_LINKS = ("/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
+
+
+@functools.lru_cache(maxsize=8)
+def package_paths(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The installed files and folders (site-packages entries) of the distributions that
+    provide `modules`, and of their dependencies (extras left out): what the zygote must
+    read to import them. Standard-library modules have no distribution and add nothing."""
+    from importlib import metadata
+
+    providers = metadata.packages_distributions()
+    todo = [dist for module in modules for dist in providers.get(module, ())]
+    seen: set[str] = set()
+    paths: set[str] = set()
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-").replace(".", "-")
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        for file in dist.files or ():
+            top = file.parts[0]
+            if top not in ("..", "__pycache__"):
+                paths.add(os.path.realpath(dist.locate_file(top)))
+        for text in dist.requires or ():
+            # "name[extras] (>=1) ; marker": a requirement of an extra is left out; other
+            # markers (python version, platform) are kept, which can only expose more.
+            requirement, _, marker = text.partition(";")
+            name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+            if name and "extra" not in marker:
+                todo.append(name.group(1))
+    return tuple(sorted(p for p in paths if os.path.exists(p)))
+
+
+def _filesystem_args(modules: tuple[str, ...]) -> list[str]:
+    """bwrap arguments that build the sandbox's view of the filesystem: an empty read-only
+    root with the Python installation (site-packages emptied, then only the distributions
+    of `modules` put back), this package's sandbox modules, the system's shared libraries,
+    /dev and an own /proc. Not /etc, /home, /root, /tmp, /work or anything else."""
+    args: list[str] = []
+    prefix = os.path.realpath(sys.base_prefix)
+    args += ["--ro-bind", prefix, prefix]
+    executable = os.path.realpath(sys.executable)
+    if not executable.startswith(prefix + os.sep):
+        args += ["--ro-bind", executable, executable]
+    if not os.path.abspath(sys.executable).startswith(prefix + os.sep):  # a venv's python
+        args += ["--ro-bind", sys.executable, os.path.abspath(sys.executable)]
+        venv_config = os.path.join(sys.prefix, "pyvenv.cfg")
+        if os.path.exists(venv_config):
+            args += ["--ro-bind", venv_config, venv_config]
+    sites = {os.path.realpath(p) for key in ("purelib", "platlib")
+             if (p := sysconfig.get_paths().get(key))}  # fmt: skip
+    masked = [site for site in sorted(sites)
+              if site.startswith(prefix + os.sep) and os.path.isdir(site)]  # fmt: skip
+    for site in masked:
+        args += ["--tmpfs", site]
+    for path in package_paths(modules):
+        args += ["--ro-bind", path, path]
+    envs = os.path.join(_PACKAGE_ROOT, "envs")
+    args += ["--ro-bind", envs, envs]
+    for path in (*_SYSTEM_LIBS, *_SYSTEM_FILES):
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    for path in _TOP_LINKS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path) and path not in ("/bin", "/sbin"):
+            args += ["--ro-bind", path, path]
+    args += ["--dev", "/dev", "--proc", "/proc"]
+    args += [item for site in masked for item in ("--remount-ro", site)]
+    return args + ["--remount-ro", "/"]
+
+
+def _bwrap_prefix(bwrap: str, modules: tuple[str, ...]) -> list[str]:
+    args = [bwrap, *_filesystem_args(modules)]
+    args += [
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try",
         "--die-with-parent", "--new-session", "--clearenv",
@@ -70,8 +153,9 @@ def _bwrap_prefix(bwrap: str) -> list[str]:
     for key, value in _CLEAN_ENV.items():
         args += ["--setenv", key, value]
     if os.geteuid() == 0:
-        # Kept so the zygote can setuid() workers to the sandbox uid and SIGKILL them.
-        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL"):
+        # Kept so the zygote can setuid() workers to the sandbox uid and SIGKILL them;
+        # CAP_SYS_ADMIN only to remount /proc with hidepid at start, then dropped.
+        for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SYS_ADMIN"):
             args += ["--cap-add", cap]
     else:
         args += ["--unshare-user"]
@@ -88,12 +172,13 @@ class Zygote:
         self._counter = 0
         control, remote = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         command = [sys.executable, "-s", "-B", "-c", _BOOT, _PACKAGE_ROOT, str(remote.fileno())]
-        command.append(",".join(sorted(config.allowed_imports | config.reference_imports)))
+        modules = sorted(config.allowed_imports | config.reference_imports)
+        command.append(",".join(modules))
         if use_namespaces:
             bwrap = find_bwrap(config)
             if bwrap is None:
                 raise ZygoteError("bubblewrap (bwrap) not found")
-            command = _bwrap_prefix(bwrap) + command
+            command = _bwrap_prefix(bwrap, (*modules, "pyseccomp")) + command
         try:
             self._process = subprocess.Popen(
                 command,
@@ -147,6 +232,21 @@ class Zygote:
         finally:
             theirs.close()
         return int(reply["pid"]), ours
+
+    def usage(self, pids: list[int]) -> dict[int, dict | None]:
+        """Per worker pid: {"cpu_s", "max_rss_kb", "rss_anon_kb"} as /proc reports them,
+        read by the zygote (never by the worker's own interpreter); None for a gone pid."""
+        with self._lock:
+            reply = self._request({"op": "usage", "pids": [int(p) for p in pids]})
+        return {int(p): u for p, u in reply["usage"].items()}
+
+    def death_reason(self, pid: int) -> str | None:
+        """Why the zygote itself killed worker `pid` (the pool memory budget), or None."""
+        try:
+            with self._lock:
+                return self._request({"op": "why", "pid": int(pid)}).get("reason")
+        except ZygoteError:
+            return None
 
     def kill(self, pid: int) -> None:
         """SIGKILLs a worker's process group (fire and forget)."""

@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from spade_jax import seeding
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.envs.contract import (
@@ -49,6 +50,41 @@ log = logging.getLogger(__name__)
 
 # Tolerance on the [0, 1] episode-return bound (sums of partial rewards like 0.1 * 10).
 RETURN_TOLERANCE = 1e-6
+# Paper contract: bound on every step reward and on the running return during an episode.
+PAPER_STEP_REWARD_BOUND = 1.0
+
+
+def _reward_bound_error(
+    reward: float, episode_return: float, reference: bool
+) -> SandboxError | None:
+    """Why a (finite) step reward may not reach the agent, or None. Paper contract: every
+    step reward in [-1, 1] and the running return in [-1, 1] (so +1e300 then -1e300 does
+    not cancel into a valid return); the final return is checked in [0, 1] at episode end.
+    Reference contract: the game's raw step reward in [-10, 10] (the reported reward is
+    clipped to [-1, 1] and only on the terminating step)."""
+    if reference:
+        if abs(reward) <= REFERENCE_REWARD_BOUND:
+            return None
+        return SandboxError("reward_out_of_range", f"step reward {reward!r} outside [-10, 10]")
+    if not abs(reward) <= PAPER_STEP_REWARD_BOUND + RETURN_TOLERANCE:
+        return SandboxError("reward_out_of_range", f"step reward {reward!r} outside [-1, 1]")
+    total = episode_return + reward
+    if not -PAPER_STEP_REWARD_BOUND - RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
+        return SandboxError("return_out_of_range", f"running return {total!r} outside [-1, 1]")
+    return None
+
+
+def arm_order(n_hint: int, n_no_hint: int, seed: int) -> list[tuple[str, int]]:
+    """A seeded random interleaving of the copies of one program: ("hint", i) and
+    ("no_hint", j) items, each once, in the order to open (and start) them, so that neither
+    arm is opened first. Pass `seed=derive_seed(experiment_seed, step, Phase.ARM_ORDER,
+    index)`. `EnvPool.open_many` also shuffles which worker each copy gets."""
+    for name, value in (("n_hint", n_hint), ("n_no_hint", n_no_hint)):
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    items = [("hint", i) for i in range(n_hint)] + [("no_hint", i) for i in range(n_no_hint)]
+    permutation = seeding.rng(seed, seeding.Phase.ARM_ORDER).permutation(len(items))
+    return [items[int(k)] for k in permutation]
 
 
 def reference_step_reward(raw_reward: float, terminated: bool) -> float:
@@ -111,9 +147,11 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
     ns_ok = namespaced and len(separate) == 4 and iso.get("root_read_only") is True
     seccomp_ok = iso.get("seccomp_mode") == 2 and all(
         attacks.get(k) == 1
-        for k in ("fork", "socket", "write_file")  # 1 = EPERM
+        for k in ("fork", "socket", "write_file", "signal_owner", "flock")  # 1 = EPERM
     )
     uid = iso.get("uid")
+    no_caps = iso.get("cap_eff") is not None and int(str(iso.get("cap_eff")), 16) == 0
+    hides = namespaced and config.drop_privileges and os.geteuid() == 0
     layers = (
         IsolationLayer(
             "static_gate", config.static_gate, "parse, caps, import allow-list", required=False
@@ -124,8 +162,15 @@ def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> Iso
         IsolationLayer("no_new_privs", iso.get("no_new_privs") is True, "PR_SET_NO_NEW_PRIVS"),
         IsolationLayer(
             "unprivileged_uid",
-            uid not in (None, 0, os.getuid()),
-            f"worker uid {uid}, trainer uid {os.getuid()}",
+            uid not in (None, 0, os.getuid()) and no_caps,
+            f"worker uid {uid} (one per worker: {config.per_worker_uid}), trainer uid "
+            f"{os.getuid()}, effective capabilities {iso.get('cap_eff')}",
+        ),
+        IsolationLayer(
+            "hidden_processes",
+            iso.get("visible_pids") == 1,
+            f"{iso.get('visible_pids')} pids visible in the worker's /proc (hidepid)",
+            required=hides,
         ),
         IsolationLayer(
             "seccomp",
@@ -203,11 +248,11 @@ class EnvHandle:
         """Hash of (seed, every observation, reward and flag) of the current episode."""
         return self._digest.hexdigest()
 
-    def reset(self, seed: int | None = None) -> ResetResult:
-        return self.pool.reset_many([(self, seed)])[0]
+    def reset(self, seed: int | None = None, *, deadline_s: float | None = None) -> ResetResult:
+        return self.pool.reset_many([(self, seed)], deadline_s=deadline_s)[0]
 
-    def step(self, action: str) -> StepResult:
-        return self.pool.step_many([(self, action)])[0]
+    def step(self, action: str, *, deadline_s: float | None = None) -> StepResult:
+        return self.pool.step_many([(self, action)], deadline_s=deadline_s)[0]
 
     def snapshot(self) -> EpisodeSnapshot:
         if self.seed is None:
@@ -224,18 +269,17 @@ class EnvHandle:
         )
 
     def usage(self) -> dict[str, float] | SandboxError:
-        """CPU seconds and peak RSS (KiB) of this handle's worker, as it reports them."""
+        """CPU seconds and peak RSS (KiB) of this handle's worker, as the kernel counts
+        them (/proc, read by the zygote): nothing the program can patch or forge."""
         if self.worker is None:
             return self.error or SandboxError("closed")
-        reply = supervisor.exchange(
-            [(self.worker, {"op": "usage"}, self.pool.config.call_deadline_s)]
-        )[0]
-        if isinstance(reply, SandboxError):
-            return reply
-        cpu, rss = reply.get("cpu_s"), reply.get("max_rss_kb")
-        if type(cpu) not in (int, float) or type(rss) not in (int, float):
-            return SandboxError("bad_type", "usage reply")
-        return {"cpu_s": float(cpu), "max_rss_kb": float(rss)}
+        try:
+            usage = self.worker.zygote.usage([self.worker.pid]).get(self.worker.pid)
+        except ZygoteError as err:
+            return SandboxError("crash", f"zygote: {err}")
+        if usage is None:
+            return SandboxError("crash", "worker is gone")
+        return {"cpu_s": float(usage["cpu_s"]), "max_rss_kb": float(usage["max_rss_kb"])}
 
     def close(self) -> None:
         if self.worker is not None:
@@ -278,11 +322,13 @@ class EnvPool:
         self.config = config if config is not None else SandboxConfig()
         self.seed = seed
         self._rng = random.Random(seed)
+        self._order_rng = random.Random(
+            None if seed is None else seeding.derive_seed(seed, seeding.Phase.ARM_ORDER)
+        )
         self._lock = threading.RLock()
         self._spares: collections.deque[supervisor.WorkerProcess] = collections.deque()
         self._namespaced = self.config.use_namespaces and find_bwrap(self.config) is not None
-        self._zygote = self._start_zygote()
-        self._isolation = self._probe()
+        self._zygote, self._isolation = self._start_and_probe()
         if self._isolation.missing:
             message = (
                 f"SANDBOX WEAK: layers missing: {', '.join(self._isolation.missing)}. "
@@ -304,6 +350,23 @@ class EnvPool:
         if self.config.use_namespaces and not self._namespaced:
             log.warning("bubblewrap not found: the sandbox runs without namespaces")
         return Zygote(self.config, use_namespaces=self._namespaced)
+
+    def _start_and_probe(self, attempts: int = 3) -> tuple[Zygote, IsolationReport]:
+        """Starts the zygote and measures the layers; a zygote (or probe worker) that dies
+        during start-up, e.g. killed by a loaded host, is replaced (up to `attempts`)."""
+        for attempt in range(1, attempts + 1):
+            zygote = None
+            try:
+                zygote = self._zygote = self._start_zygote()
+                return zygote, self._probe()
+            except ZygoteError as err:
+                if zygote is not None:
+                    zygote.close()
+                if attempt == attempts:
+                    raise
+                log.error("sandbox zygote failed to start (%s); retrying (%d/%d)",
+                          err, attempt, attempts)
+        raise AssertionError("unreachable")
 
     def _probe(self) -> IsolationReport:
         limits = dict(self.config.worker_limits(), probe=True)
@@ -347,12 +410,18 @@ class EnvPool:
             self._spares.append(self._spawn())
 
     def _take_worker(self) -> supervisor.WorkerProcess | SandboxError:
-        for _ in range(3):
-            worker = self._spares.popleft() if self._spares else self._spawn()
+        """A live worker: a spare if one is alive (a dead spare, e.g. one a co-tenant
+        managed to kill, is dropped and replaced), else a fresh one (three tries)."""
+        failures = 0
+        while failures < 3:
+            fresh = not self._spares
+            worker = self._spawn() if fresh else self._spares.popleft()
             hello = supervisor.await_hello(worker, self.config.load_deadline_s)
-            if not isinstance(hello, SandboxError):
+            if not isinstance(hello, SandboxError) and supervisor.still_alive(worker):
                 return worker
-            log.error("discarding a sandbox worker that failed to start: %s", hello)
+            log.error("discarding a sandbox worker that failed to start or died waiting: %s",
+                      hello if isinstance(hello, SandboxError) else worker.dead)
+            failures += fresh
         return SandboxError("crash", "three workers in a row failed to start")
 
     # -- programs ----------------------------------------------------------------------
@@ -369,8 +438,13 @@ class EnvPool:
         *,
         contract: str = AUTO_CONTRACT,
         max_turns: int = REFERENCE_MAX_TURNS,
+        order_seed: int | None = None,
     ) -> list[EnvHandle]:
         """Loads several programs (or copies of one) concurrently, one worker each.
+
+        Workers are handed to the sources in a random order (seeded by `order_seed`, else
+        by the pool's seed), so a copy's worker, pid and uid say nothing about its position
+        in `sources` (e.g. whether it is a hint-arm copy). Handles come back in input order.
 
         Args:
           sources: program texts.
@@ -385,10 +459,15 @@ class EnvPool:
         if type(max_turns) is not int or max_turns < 1:
             raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
         contracts = [resolve_contract(contract, source) for source in sources]
-        handles: list[EnvHandle] = []
+        handles: list[EnvHandle | None] = [None] * len(sources)
         calls = []
         with self._lock:
-            for source, kind in zip(sources, contracts, strict=True):
+            shuffle = (self._order_rng if order_seed is None
+                       else random.Random(seeding.derive_seed(order_seed, seeding.Phase.ARM_ORDER)))
+            order = list(range(len(sources)))
+            shuffle.shuffle(order)
+            for index in order:
+                source, kind = sources[index], contracts[index]
                 error = None
                 if self._isolation.missing and not self.config.allow_weak_isolation:
                     error = SandboxError(
@@ -405,8 +484,8 @@ class EnvPool:
                         worker = taken
                         load = {"op": "load", "source": source, "contract": kind,
                                 "max_turns": max_turns}  # fmt: skip
-                        calls.append((len(handles), worker, load))
-                handles.append(EnvHandle(self, source, worker, error, kind, max_turns))
+                        calls.append((index, worker, load))
+                handles[index] = EnvHandle(self, source, worker, error, kind, max_turns)
             self._refill()
         replies = supervisor.exchange(
             [(w, load, self.config.load_deadline_s) for _, w, load in calls]
@@ -419,9 +498,18 @@ class EnvPool:
                 worker.kill(error)
                 handles[index].worker = None
                 handles[index].error = error
-        return handles
+        return handles  # type: ignore[return-value]
 
-    def reset_many(self, calls: Sequence[tuple[EnvHandle, int | None]]) -> list[ResetResult]:
+    def _call_deadline(self, deadline_s: float | None) -> float:
+        """The per-call deadline, cut to `deadline_s` when a caller has less time left."""
+        if deadline_s is None:
+            return self.config.call_deadline_s
+        return max(0.0, min(self.config.call_deadline_s, deadline_s))
+
+    def reset_many(
+        self, calls: Sequence[tuple[EnvHandle, int | None]], *, deadline_s: float | None = None
+    ) -> list[ResetResult]:
+        """Resets many handles concurrently; `deadline_s` cuts the per-call deadline."""
         results: list[ResetResult | None] = [None] * len(calls)
         live = []
         for index, (handle, seed) in enumerate(calls):
@@ -434,7 +522,7 @@ class EnvPool:
             live.append((index, handle, seed))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "reset", "seed": s}, self.config.call_deadline_s)
+                (h.worker, {"op": "reset", "seed": s}, self._call_deadline(deadline_s))
                 for _, h, s in live
             ]
         )
@@ -451,8 +539,11 @@ class EnvPool:
             results[index] = result
         return results  # type: ignore[return-value]
 
-    def step_many(self, calls: Sequence[tuple[EnvHandle, str]]) -> list[StepResult]:
-        """Steps many handles concurrently (each in its own worker); one result per call."""
+    def step_many(
+        self, calls: Sequence[tuple[EnvHandle, str]], *, deadline_s: float | None = None
+    ) -> list[StepResult]:
+        """Steps many handles concurrently (each in its own worker); one result per call.
+        `deadline_s` cuts the per-call deadline (validation's overall budget)."""
         results: list[StepResult | None] = [None] * len(calls)
         live = []
         for index, (handle, action) in enumerate(calls):
@@ -466,7 +557,7 @@ class EnvPool:
                 live.append((index, handle, action[: self.config.max_action_chars]))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "step", "action": a}, self.config.call_deadline_s)
+                (h.worker, {"op": "step", "action": a}, self._call_deadline(deadline_s))
                 for _, h, a in live
             ]
         )
@@ -481,9 +572,9 @@ class EnvPool:
             handle._fail(result.error)
             return result
         reference = handle.contract == "reference"
-        if reference and not abs(result.reward) <= REFERENCE_REWARD_BOUND:
+        error = _reward_bound_error(result.reward, handle.episode_return, reference)
+        if error is not None:  # the episode ends here, as an env error, with nothing paid
             handle.done = True
-            error = SandboxError("reward_out_of_range", f"step reward {result.reward!r}")
             return dataclasses.replace(result, reward=0.0, terminated=True, error=error)
         handle.actions.append(action)
         budget = self.config.max_episode_steps

@@ -26,18 +26,23 @@ REASON_CODES: dict[str, str] = {
     "timeout": "a call ran past its wall-clock deadline; the worker was killed",
     "crash": "the worker process died during a call",
     "memory_limit": "the program hit the address-space limit",
+    "pool_memory_limit": "the pool's workers together went over the pool memory budget and "
+    "this worker, the largest, was killed",
     "program_error": "reset() or step() raised an exception",
     "bad_type": "a returned value has the wrong type or shape",
     "nonfinite_reward": "a reward is NaN, infinite or out of float range",
     "observation_too_large": "an observation exceeds the character cap",
     "message_too_large": "a worker message exceeds the byte cap",
     "protocol_violation": "a worker message is malformed or carries the wrong nonce",
-    "return_out_of_range": "an episode's return (sum of rewards) lies outside [0, 1]",
-    "reward_out_of_range": "a step reward lies outside [-10, 10] (reference contract)",
+    "return_out_of_range": "an episode's return (sum of rewards) lies outside [0, 1], or its "
+    "running sum outside [-1, 1] (paper contract)",
+    "reward_out_of_range": "a step reward lies outside the contract's bounds ([-1, 1] paper, "
+    "[-10, 10] reference)",
     "no_termination": "an episode did not end within the step cap",
     "nondeterministic_reset": "the same seed and actions gave different transcripts",
     "nondeterministic_replay": "replaying a snapshot's actions did not reproduce its transcript",
     "resource_limit": "CPU time or memory use exceeded the validation budget",
+    "validation_timeout": "validation ran past its overall wall-clock budget",
     "episode_over": "step() called after the episode ended (or before reset)",
     "closed": "the handle was closed",
 }

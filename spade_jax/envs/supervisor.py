@@ -9,6 +9,9 @@ interpreter, whatever the worker claimed. Any violation, timeout or death become
 
 from __future__ import annotations
 
+import collections
+import itertools
+import json
 import math
 import os
 import select
@@ -48,6 +51,16 @@ class WorkerProcess:
             self.zygote.kill(self.pid)
             self.channel.close()
 
+    def died(self, detail: str) -> SandboxError:
+        """The worker is gone unasked: marks it dead with the reason the zygote gives (it
+        kills the largest worker when the pool goes over its memory budget), else crash."""
+        reason = self.zygote.death_reason(self.pid)
+        if reason is not None:
+            self.kill(SandboxError("pool_memory_limit", reason))
+        else:
+            self.kill(SandboxError("crash", detail))
+        return self.dead  # type: ignore[return-value]
+
     def close(self) -> None:
         """Normal end of life: closing our end makes the worker read EOF and exit; the
         kill is there in case a program is still computing."""
@@ -76,8 +89,7 @@ def exchange(
         except BlockingIOError:
             _send_slow(worker, protocol.encode(request), start + deadline_s)
         except OSError as err:
-            worker.kill(SandboxError("crash", f"worker channel closed: {err}"))
-            results[index] = worker.dead
+            results[index] = worker.died(f"worker channel closed: {err}")
             continue
         if worker.dead is not None:
             results[index] = worker.dead
@@ -123,7 +135,7 @@ def _send_slow(worker: WorkerProcess, data: bytes, deadline: float) -> None:
         except BlockingIOError:
             continue
         except OSError as err:
-            worker.kill(SandboxError("crash", f"worker channel closed: {err}"))
+            worker.died(f"worker channel closed: {err}")
             return
 
 
@@ -136,8 +148,7 @@ def _receive(worker: WorkerProcess, nonce: str) -> dict | SandboxError | None:
         chunk = b""
         del err
     if not chunk:
-        worker.kill(SandboxError("crash", "worker died during the call"))
-        return worker.dead
+        return worker.died("worker died during the call")
     try:
         messages = worker.reader.feed(chunk)
     except protocol.ProtocolError as err:
@@ -151,6 +162,26 @@ def _receive(worker: WorkerProcess, nonce: str) -> dict | SandboxError | None:
     reply = messages[0]
     del reply["n"]
     return reply
+
+
+def still_alive(worker: WorkerProcess) -> bool:
+    """True if an idle worker (hello read, no request in flight) is still there: its end of
+    the channel is open and it sent nothing unasked. A worker killed while it waited as a
+    spare shows end of file here; one that sent unsolicited bytes is killed."""
+    if worker.dead is not None:
+        return False
+    try:
+        data = worker.channel.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError as err:
+        worker.kill(SandboxError("crash", f"worker channel failed: {err}"))
+        return False
+    if not data:
+        worker.kill(SandboxError("crash", "worker died while waiting"))
+    else:
+        worker.kill(SandboxError("protocol_violation", "worker sent data unasked"))
+    return False
 
 
 def await_hello(worker: WorkerProcess, deadline_s: float) -> dict | SandboxError:
@@ -204,6 +235,53 @@ def _check_observation(value: Any, config: SandboxConfig) -> SandboxError | None
     return None
 
 
+# What an info dict may carry into the trainer: nested dicts are flattened to dotted keys
+# down to this depth, at most this many keys, text values cut to this length.
+MAX_INFO_DEPTH = 4
+MAX_INFO_KEYS = 64
+MAX_INFO_TEXT = 1000
+MAX_INFO_LIST = 64
+
+
+def bounded_info(info: dict) -> dict[str, Any]:
+    """A flat, bounded copy of a program's info dict (already plain JSON): nested dicts
+    become dotted keys ("a.b.c") down to MAX_INFO_DEPTH (a nested dict contributes at most
+    MAX_INFO_KEYS // 4 keys), deeper values and long or nested
+    lists become JSON text cut to MAX_INFO_TEXT characters, non-finite floats their repr;
+    at most MAX_INFO_KEYS keys. Nothing nested or unbounded reaches the trainer."""
+    out: dict[str, Any] = {}
+    queue = collections.deque([("", info, 0)])  # breadth first: top-level keys come first
+    while queue and len(out) < MAX_INFO_KEYS:
+        prefix, value, depth = queue.popleft()
+        if type(value) is dict and depth < MAX_INFO_DEPTH:
+            fanout = MAX_INFO_KEYS if depth == 0 else MAX_INFO_KEYS // 4  # one wide dict
+            for key, item in itertools.islice(value.items(), fanout):  # cannot take all
+                queue.append((f"{prefix}.{key}" if prefix else str(key), item, depth + 1))
+        else:
+            out[prefix[:MAX_INFO_TEXT] or "_"] = _bounded_value(value)
+    return out
+
+
+def _bounded_value(value: Any) -> Any:
+    kind = type(value)
+    if value is None or kind is bool:
+        return value
+    if kind is int:
+        return value if abs(value) < 2**63 else f"<int of {value.bit_length()} bits>"
+    if kind is float:
+        return value if math.isfinite(value) else repr(value)
+    if kind is str:
+        return value[:MAX_INFO_TEXT]
+    if kind is list and len(value) <= MAX_INFO_LIST and all(
+        item is None or type(item) in (bool, int, float, str) for item in value
+    ):
+        return [_bounded_value(item) for item in value]
+    try:
+        return json.dumps(value)[:MAX_INFO_TEXT]
+    except (RecursionError, ValueError, TypeError):
+        return "<nested too deep>"
+
+
 def check_reset(reply: dict | SandboxError, config: SandboxConfig) -> ResetResult:
     error = _error_of(reply)
     if error is not None:
@@ -212,7 +290,7 @@ def check_reset(reply: dict | SandboxError, config: SandboxConfig) -> ResetResul
     error = _check_observation(observation, config)
     if error is None and type(info) is not dict:
         error = SandboxError("bad_type", f"info is {type(info).__name__}")
-    return failed_reset(error) if error else ResetResult(observation, info)
+    return failed_reset(error) if error else ResetResult(observation, bounded_info(info))
 
 
 def check_step(reply: dict | SandboxError, config: SandboxConfig) -> StepResult:
@@ -238,7 +316,7 @@ def check_step(reply: dict | SandboxError, config: SandboxConfig) -> StepResult:
             error = SandboxError("nonfinite_reward", f"reward {reward!r}")
     if error is not None:
         return failed_step(error)
-    return StepResult(observation, reward, terminated, truncated, info)
+    return StepResult(observation, reward, terminated, truncated, bounded_info(info))
 
 
 def pid_alive(pid: int) -> bool:

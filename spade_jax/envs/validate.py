@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import dataclasses
 import json
+import os
 import random
 import string
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
+from spade_jax import seeding
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.envs.contract import AUTO_CONTRACT, REFERENCE_MAX_TURNS, resolve_contract
@@ -69,17 +72,31 @@ class ValidationConfig:
     step_cap: int = 64
     # Episodes of uniformly random printable actions.
     random_episodes: int = 2
-    # Seed of the scripted episode and of the random actions.
-    seed: int = 1234
+    # Base seed of every episode seed and random action of a validation (drawn through
+    # `spade_jax.seeding` with Phase.VALIDATION). None: fresh OS entropy per call, so a
+    # program cannot learn the validator's seeds and behave only on those. A run passes
+    # `validate_program(..., seed=derive_seed(experiment_seed, step, Phase.VALIDATION, i))`
+    # (reproducible, and the same on every host).
+    seed: int | None = None
     # Budgets over the whole validation, per worker (CPU seconds, peak RSS in MiB).
     max_cpu_s: float = 20.0
     max_rss_mb: int = 512
+    # Wall-clock budget of one whole validation (loads excluded, each bounded by the
+    # pool's load deadline): every call's deadline is cut to what is left, and a program
+    # still running when it is spent fails with "validation_timeout" (a program sleeping
+    # just under the per-call deadline cannot hold a validation for minutes).
+    max_total_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.step_cap < 1 or self.random_episodes < 0:
             raise ValueError("ValidationConfig.step_cap must be >= 1, random_episodes >= 0")
-        if self.max_cpu_s <= 0 or self.max_rss_mb <= 0:
-            raise ValueError("ValidationConfig budgets must be > 0")
+        if self.max_cpu_s <= 0 or self.max_rss_mb <= 0 or not self.max_total_s > 0:
+            raise ValueError("ValidationConfig budgets (max_cpu_s, max_rss_mb, max_total_s) "
+                             "must be > 0")
+        if self.random_episodes > 64:
+            raise ValueError("ValidationConfig.random_episodes must be <= 64")
+        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
+            raise ValueError(f"ValidationConfig.seed must be an int >= 0 or None, got {self.seed!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +108,8 @@ class ValidationReport:
     checks_passed: tuple[str, ...]
     transcript_hash: str | None
     elapsed_s: float
+    # The base seed the validation drew its episode seeds and actions from.
+    seed: int | None = None
 
     @property
     def code(self) -> str:
@@ -150,6 +169,7 @@ def validate_program(
     config: ValidationConfig | None = None,
     contract: str = AUTO_CONTRACT,
     max_turns: int = REFERENCE_MAX_TURNS,
+    seed: int | None = None,
 ) -> ValidationReport:
     """Validates an environment program (and its hint, if given). Never raises on a bad
     program; raises TypeError only for a non-str source, ValueError for an unknown
@@ -163,6 +183,8 @@ def validate_program(
       contract: "paper", "reference" or "auto" ("paper" if the source defines a top-level
         `class Environment`, else "reference"); see `spade_jax.envs.contract`.
       max_turns: the reference contract's turn budget (the game is built with it).
+      seed: base seed of the validation's episode seeds and random actions (overrides
+        `config.seed`); None with `config.seed` None draws a fresh one.
     """
     if not isinstance(source, str):
         raise TypeError(f"program source must be str, got {type(source).__name__}")
@@ -170,70 +192,162 @@ def validate_program(
     config = config if config is not None else ValidationConfig()
     if contract == "reference":  # the wrapper ends every episode at max_turns
         config = dataclasses.replace(config, step_cap=max_turns)
-    reference = contract == "reference"
+    seed = seed if seed is not None else config.seed
+    seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
     start = time.monotonic()
     passed: list[str] = []
-    digest = None
-    handles: list[EnvHandle] = []
+    run = _Run(config, contract, max_turns, seed, start)
     try:
         if hint is not None and (not isinstance(hint, str) or not hint.strip()):
             raise _Failed(SandboxError("bad_hint", "hint is empty"), "hint")
-        pool = pool if pool is not None else default_pool()
-        gate = check_source(source, pool.config, contract)
-        if not gate.ok:
-            raise _Failed(gate.error, "static_gate")
-        passed.append("static_gate")
-        handles = pool.open_many([source, source], contract=contract, max_turns=max_turns)
-        for handle in handles:
-            if not handle.ok:
-                raise _Failed(handle.error, "load")
-        passed.append("load")
-        first, fresh = handles
-        if reference:
-            _recipe_checks(first)
-            passed.append("recipe_checks")
-        script = _cycle(_BOXED_SCRIPT if reference else _SCRIPT)
-        digest = _episode(pool, first, config.seed, script, config, "scripted_episode")
-        passed.append("scripted_episode")
-        again = _episode(pool, first, config.seed, script, config, "deterministic_reset")
-        other = _episode(pool, fresh, config.seed, script, config, "deterministic_reset")
-        shuffled = _random_actions(
-            random.Random(config.seed), pool.config.max_action_chars, boxed=reference
-        )
-        mixed = _episode(pool, first, config.seed + 7, shuffled, config, "deterministic_reset")
-        mixed_fresh = _episode(
-            pool, fresh, config.seed + 7, shuffled, config, "deterministic_reset"
-        )
-        if not (digest == again == other and mixed == mixed_fresh):
-            raise _Failed(
-                SandboxError(
-                    "nondeterministic_reset", "same seed and actions, different transcript"
-                ),
-                "deterministic_reset",
-            )
-        passed.append("deterministic_reset")
-        _reset_without_seed(pool, fresh)
-        passed.append("reset_seed_none")
-        rng = random.Random(config.seed)
-        for episode in range(config.random_episodes):
-            actions = _random_actions(rng, pool.config.max_action_chars, boxed=reference)
-            _episode(pool, fresh, config.seed + 1 + episode, actions, config, "random_actions")
-        passed.append("random_actions")
-        garbage = _BOXED_GARBAGE if reference else _GARBAGE
-        adversarial = _cycle(garbage + ("x" * pool.config.max_action_chars,))
-        _episode(pool, first, config.seed + 100, adversarial, config, "adversarial_actions")
-        passed.append("adversarial_actions")
-        for handle in handles:
-            _check_usage(handle, config)
-        passed.append("resources")
+        run.pool = pool if pool is not None else default_pool()
+        if run.pool.config.static_gate:  # off only in tests of the runtime layers
+            gate = check_source(source, run.pool.config, contract)
+            if not gate.ok:
+                raise _Failed(gate.error, "static_gate")
+            passed.append("static_gate")
+        _run_checks(run, source, passed)
     except _Failed as failed:
         return ValidationReport(
-            False, str(failed.error), tuple(passed), digest, time.monotonic() - start
+            False, str(failed.error), tuple(passed), run.digest, time.monotonic() - start, seed
         )
     finally:
-        for handle in handles:
+        for handle in run.handles:
             handle.close()
-    return ValidationReport(True, "ok", tuple(passed), digest, time.monotonic() - start)
+    return ValidationReport(
+        True, "ok", tuple(passed), run.digest, time.monotonic() - start, seed
+    )
+
+
+def validate_programs(
+    sources: Sequence[str],
+    hints: Sequence[str | None] | None = None,
+    *,
+    pool: EnvPool | None = None,
+    config: ValidationConfig | None = None,
+    contract: str = AUTO_CONTRACT,
+    max_turns: int = REFERENCE_MAX_TURNS,
+    seeds: Sequence[int | None] | None = None,
+    max_parallel: int = 8,
+) -> list[ValidationReport]:
+    """Validates several candidates concurrently (threads; each validation mostly waits on
+    its own sandbox workers); one report per source, in input order. Each validation is
+    bounded by `config.max_total_s`, so the call takes about that long at most per
+    `max_parallel` candidates.
+
+    Args:
+      sources, hints: the programs and their hints (None: no hint to check).
+      seeds: per candidate, its validation seed (e.g. `derive_seed(experiment_seed, step,
+        Phase.VALIDATION, index)`); None = fresh seeds.
+      max_parallel: validations running at once (each holds two workers).
+      pool, config, contract, max_turns: as for `validate_program`.
+    """
+    count = len(sources)
+    hints = list(hints) if hints is not None else [None] * count
+    seeds = list(seeds) if seeds is not None else [None] * count
+    if len(hints) != count or len(seeds) != count:
+        raise ValueError(f"validate_programs: {count} sources but {len(hints)} hints and "
+                         f"{len(seeds)} seeds")
+    if type(max_parallel) is not int or max_parallel < 1:
+        raise ValueError(f"max_parallel must be an int >= 1, got {max_parallel!r}")
+    pool = pool if pool is not None else default_pool()
+
+    def one(index: int) -> ValidationReport:
+        return validate_program(sources[index], hints[index], pool=pool, config=config,
+                                contract=contract, max_turns=max_turns, seed=seeds[index])
+
+    if count <= 1 or max_parallel == 1:
+        return [one(i) for i in range(count)]
+    with concurrent.futures.ThreadPoolExecutor(min(max_parallel, count)) as executor:
+        return list(executor.map(one, range(count)))
+
+
+@dataclasses.dataclass
+class _Run:
+    """One validation in progress: settings, seeds, deadline, open handles, result."""
+
+    config: ValidationConfig
+    contract: str
+    max_turns: int
+    seed: int
+    start: float
+    pool: EnvPool | None = None
+    handles: list[EnvHandle] = dataclasses.field(default_factory=list)
+    digest: str | None = None
+
+    def __post_init__(self) -> None:
+        draws = seeding.rng(self.seed, seeding.Phase.VALIDATION)
+        # scripted, mixed, adversarial, then one per random episode; the action RNG seed
+        self.episode_seeds = [int(x) for x in draws.integers(0, 2**31, 3 + 64)]
+        self.actions_seed = int(draws.integers(0, 2**63))
+
+    @property
+    def reference(self) -> bool:
+        return self.contract == "reference"
+
+    def remaining(self, check: str) -> float:
+        """Seconds left of the overall budget; raises validation_timeout when none."""
+        left = self.start + self.config.max_total_s - time.monotonic()
+        if left <= 0:
+            raise self.timeout(check)
+        return left
+
+    def timeout(self, check: str) -> _Failed:
+        return _Failed(SandboxError(
+            "validation_timeout", f"validation ran past its {self.config.max_total_s:g} s budget"
+        ), check)  # fmt: skip
+
+    def call_failed(self, error: SandboxError, check: str) -> _Failed:
+        """The failure of one call, or validation_timeout if the overall budget (which cut
+        the call's deadline short) is what ran out."""
+        if error.code == "timeout" and time.monotonic() >= self.start + self.config.max_total_s:
+            return self.timeout(check)
+        return _Failed(error, check)
+
+
+def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
+    """Every check after the static gate, in order; raises _Failed at the first failure."""
+    pool, config, reference = run.pool, run.config, run.reference
+    run.handles = pool.open_many([source, source], contract=run.contract,
+                                 max_turns=run.max_turns)
+    for handle in run.handles:
+        if not handle.ok:
+            raise _Failed(handle.error, "load")
+    passed.append("load")
+    first, fresh = run.handles
+    if reference:
+        _recipe_checks(run, first)
+        passed.append("recipe_checks")
+    scripted_seed, mixed_seed, adversarial_seed, *random_seeds = run.episode_seeds
+    rng = random.Random(run.actions_seed)
+    script = _cycle(_BOXED_SCRIPT if reference else _SCRIPT)
+    run.digest = _episode(run, first, scripted_seed, script, "scripted_episode")
+    passed.append("scripted_episode")
+    again = _episode(run, first, scripted_seed, script, "deterministic_reset")
+    other = _episode(run, fresh, scripted_seed, script, "deterministic_reset")
+    shuffled = _random_actions(rng, pool.config.max_action_chars, boxed=reference)
+    mixed = _episode(run, first, mixed_seed, shuffled, "deterministic_reset")
+    mixed_fresh = _episode(run, fresh, mixed_seed, shuffled, "deterministic_reset")
+    if not (run.digest == again == other and mixed == mixed_fresh):
+        raise _Failed(
+            SandboxError("nondeterministic_reset", "same seed and actions, different transcript"),
+            "deterministic_reset",
+        )
+    passed.append("deterministic_reset")
+    _reset_without_seed(run, fresh)
+    passed.append("reset_seed_none")
+    for episode in range(config.random_episodes):
+        actions = _random_actions(rng, pool.config.max_action_chars, boxed=reference)
+        _episode(run, fresh, random_seeds[episode % len(random_seeds)], actions,
+                 "random_actions")
+    passed.append("random_actions")
+    garbage = _BOXED_GARBAGE if reference else _GARBAGE
+    adversarial = _cycle(garbage + ("x" * pool.config.max_action_chars,))
+    _episode(run, first, adversarial_seed, adversarial, "adversarial_actions")
+    passed.append("adversarial_actions")
+    for handle in run.handles:
+        _check_usage(handle, config)
+    passed.append("resources")
 
 
 def _cycle(actions: tuple[str, ...]) -> Callable[[int], str]:
@@ -251,57 +365,52 @@ def _random_actions(
     return lambda t: chosen[t % len(chosen)][:max_chars]
 
 
-def _recipe_checks(handle: EnvHandle) -> None:
+def _recipe_checks(run: _Run, handle: EnvHandle) -> None:
     """The recipe validator's steps (types and the reward range are checked by the pool on
     every step): reset(seed=42) with a non-empty observation, its three test actions until
     the episode ends, reset(seed=123)."""
-    first = handle.reset(42)
+    check = "recipe_checks"
+    first = handle.reset(42, deadline_s=run.remaining(check))
     if not first.ok:
-        raise _Failed(first.error, "recipe_checks reset(seed=42)")
+        raise run.call_failed(first.error, "recipe_checks reset(seed=42)")
     if not first.observation.strip():
-        raise _Failed(SandboxError("bad_type", "reset() gave an empty observation"), "recipe_checks")
+        raise _Failed(SandboxError("bad_type", "reset() gave an empty observation"), check)
     for action in _RECIPE_ACTIONS:
-        result = handle.step(action)
+        result = handle.step(action, deadline_s=run.remaining(check))
         if not result.ok:
-            raise _Failed(result.error, f"recipe_checks step {action!r}")
+            raise run.call_failed(result.error, f"recipe_checks step {action!r}")
         if result.terminated or result.truncated:
             break
-    again = handle.reset(123)
+    again = handle.reset(123, deadline_s=run.remaining(check))
     if not again.ok:
-        raise _Failed(again.error, "recipe_checks reset(seed=123)")
+        raise run.call_failed(again.error, "recipe_checks reset(seed=123)")
 
 
 def _episode(
-    pool: EnvPool,
-    handle: EnvHandle,
-    seed: int,
-    actions: Callable[[int], str],
-    config: ValidationConfig,
-    check: str,
+    run: _Run, handle: EnvHandle, seed: int, actions: Callable[[int], str], check: str
 ) -> str:
     """Runs one episode to its end; returns its transcript digest or raises _Failed."""
-    first = handle.reset(seed)
+    first = handle.reset(seed, deadline_s=run.remaining(check))
     if not first.ok:
-        raise _Failed(first.error, check)
-    for t in range(config.step_cap):
-        result = handle.step(actions(t))
+        raise run.call_failed(first.error, check)
+    for t in range(run.config.step_cap):
+        result = handle.step(actions(t), deadline_s=run.remaining(check))
         if not result.ok:
-            raise _Failed(result.error, f"{check} step {t}")
+            raise run.call_failed(result.error, f"{check} step {t}")
         if result.terminated or result.truncated:
             return handle.transcript_digest
     raise _Failed(
-        SandboxError("no_termination", f"still running after {config.step_cap} steps"), check
+        SandboxError("no_termination", f"still running after {run.config.step_cap} steps"), check
     )
 
 
-def _reset_without_seed(pool: EnvPool, handle: EnvHandle) -> None:
+def _reset_without_seed(run: _Run, handle: EnvHandle) -> None:
     # The pool always passes a concrete seed; the contract also promises seed=None works.
-    reply = supervisor.exchange(
-        [(handle.worker, {"op": "reset", "seed": None}, pool.config.call_deadline_s)]
-    )[0]
-    result = supervisor.check_reset(reply, pool.config)
+    deadline = min(run.pool.config.call_deadline_s, run.remaining("reset_seed_none"))
+    reply = supervisor.exchange([(handle.worker, {"op": "reset", "seed": None}, deadline)])[0]
+    result = supervisor.check_reset(reply, run.pool.config)
     if not result.ok:
-        raise _Failed(result.error, "reset_seed_none")
+        raise run.call_failed(result.error, "reset_seed_none")
 
 
 def _check_usage(handle: EnvHandle, config: ValidationConfig) -> None:

@@ -133,7 +133,31 @@ def _probe_attacks() -> dict:
 
     import socket
 
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def try_libc(call) -> None:
+        if call() != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, os.strerror(errno))
+
+    def try_signal_owner() -> None:  # F_SETOWN: the kernel would signal that pid on I/O
+        read_end, write_end = os.pipe()
+        try:
+            try_libc(lambda: libc.fcntl(read_end, 8, os.getppid()))
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+
+    def try_flock() -> None:
+        fd = os.open("/", os.O_RDONLY)
+        try:
+            try_libc(lambda: libc.flock(fd, 2 | 4))  # LOCK_EX | LOCK_NB
+        finally:
+            os.close(fd)
+
     return {
+        "signal_owner": attempt(try_signal_owner),
+        "flock": attempt(try_flock),
         "fork": attempt(try_fork),
         "socket": attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()),
         "write_file": attempt(try_write),
@@ -294,10 +318,6 @@ class _Program:
             "info": _info(info),
         }
 
-    def usage(self, request: dict) -> dict:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return {"cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_kb": usage.ru_maxrss}
-
 
 def _implicit_names() -> dict:
     """The recipe's import-free names, bound to the modules the zygote loaded (a module it
@@ -344,7 +364,7 @@ def _build_game(cls: type, max_turns: int):
 
 def _handle(program: _Program, request: dict) -> dict:
     op = request.get("op")
-    if op not in ("load", "reset", "step", "usage"):
+    if op not in ("load", "reset", "step"):
         return {"ok": False, "code": "protocol_violation", "detail": f"unknown op {op!r}"}
     if op in ("reset", "step") and program.env is None:
         return {"ok": False, "code": "episode_over", "detail": "no program loaded"}

@@ -10,6 +10,12 @@ Control channel: an AF_UNIX SOCK_SEQPACKET socket, one JSON object per packet.
   {"op": "spawn", "limits": {...}} + one passed fd  -> forks a worker on that fd, replies
                                                        {"pid": ...}
   {"op": "kill", "pid": P}                          -> SIGKILLs P's process group, no reply
+  {"op": "usage", "pids": [P, ...]}                 -> {"usage": {"P": {"cpu_s", "max_rss_kb",
+                                                        "rss_anon_kb"} or null}}: read from
+                                                       /proc by the zygote, outside the
+                                                       worker's interpreter
+  {"op": "why", "pid": P}                           -> {"reason": why the zygote killed P
+                                                       (pool memory budget) or null}
   {"op": "ping"}                                    -> {"pong": true, "pid": ...}
 End of file on the control channel (the trainer died or closed) ends the zygote.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -64,7 +71,7 @@ def _warm_up(modules: list[str]) -> None:
         numpy.linalg.solve(numpy.eye(2), numpy.ones(2))
 
 
-def _reap(live: set[int]) -> None:
+def _reap(live: dict[int, int]) -> None:
     while live:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -73,10 +80,60 @@ def _reap(live: set[int]) -> None:
             return
         if pid == 0:
             return
-        live.discard(pid)
+        live.pop(pid, None)
 
 
-def _kill(pid: int, live: set[int]) -> None:
+def _pick_uid(limits: dict, live: dict[int, int]) -> None:
+    """Gives the worker about to be forked its own uid/gid: a random id of the configured
+    range that no live worker has (random, so the id does not reveal the load order)."""
+    if not limits.get("uid_range"):
+        return
+    base, count = (int(x) for x in limits["uid_range"])
+    taken = set(live.values())
+    while True:
+        uid = base + int.from_bytes(os.urandom(4), "little") % count
+        if uid not in taken:
+            limits["uid"] = limits["gid"] = uid
+            return
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def proc_usage(pid: int) -> dict | None:
+    """CPU seconds (user + system), peak and current anonymous RSS (KiB) of a process, as
+    the kernel counts them in /proc; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    kib = {key: int(status.get(key, "0 kB").split()[0]) for key in ("VmHWM", "RssAnon")}
+    return {
+        "cpu_s": (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS,
+        "max_rss_kb": kib["VmHWM"],
+        "rss_anon_kb": kib["RssAnon"],
+    }
+
+
+_PAGE_KB = os.sysconf("SC_PAGE_SIZE") >> 10
+
+
+def _anon_kb(pid: int) -> int | None:
+    """Anonymous resident memory (KiB) of a process: resident minus file-backed and shared
+    pages, from /proc/<pid>/statm (cheaper than status; read every MEMORY_POLL_S)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * _PAGE_KB
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill(pid: int, live: dict[int, int]) -> None:
     if pid not in live:
         return  # already reaped: its pid may have been reused
     for kill in (os.killpg, os.kill):  # the group exists once the worker called setsid()
@@ -86,12 +143,94 @@ def _kill(pid: int, live: set[int]) -> None:
             pass
 
 
+# How often the zygote checks the pool-wide memory budget while workers are alive.
+MEMORY_POLL_S = 0.1
+
+
+class _Workers:
+    """The zygote's live workers, their uids, and why the zygote killed any of them."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}  # worker pid -> its uid
+        self.reasons: dict[int, str] = {}  # pid -> why the zygote killed it (until asked)
+        self.budget_kb = 0  # pool-wide budget of the workers' own memory; 0 = none
+        self.proc_hidden = False  # /proc remounted so workers see only themselves
+        # Anonymous memory every worker inherits from the zygote (copy-on-write, shared):
+        # not counted against the budget, only what a worker allocated itself.
+        self.baseline_kb = _anon_kb(os.getpid()) or 0
+
+    def spawned(self, pid: int, uid: int) -> None:
+        self.live[pid] = uid
+        self.reasons.pop(pid, None)  # a reused pid: an old reason is not this worker's
+
+    def enforce_budget(self) -> None:
+        """Kills the worker using the most memory while the workers together use more
+        than the budget, recording why (the supervisor asks when it sees the death)."""
+        if not self.budget_kb:
+            return
+        own = {}
+        for pid in list(self.live):
+            anon = _anon_kb(pid)
+            if anon is not None:
+                own[pid] = max(0, anon - self.baseline_kb)
+        total = sum(own.values())
+        while own and total > self.budget_kb:
+            pid = max(own, key=own.__getitem__)
+            self.reasons[pid] = (
+                f"the pool's workers used {total >> 10} MiB together, over the pool memory "
+                f"budget of {self.budget_kb >> 10} MiB; this worker, the largest, used "
+                f"{own[pid] >> 10} MiB"
+            )
+            _kill(pid, self.live)
+            total -= own.pop(pid)
+
+
+_CAP_SYS_ADMIN = 21
+
+
+def _hide_processes() -> bool:
+    """Remounts this namespace's /proc with hidepid=2,gid=0, so a worker (its own uid and
+    gid, no groups) sees only itself there while the zygote (gid 0) still sees every
+    worker; then drops CAP_SYS_ADMIN, which only this needed. False if not possible (not
+    root, or bubblewrap did not grant the capability)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_remount, ms_nosuid, ms_nodev, ms_noexec = 32, 2, 4, 8
+    flags = ms_remount | ms_nosuid | ms_nodev | ms_noexec
+    hidden = libc.mount(b"proc", b"/proc", b"proc", flags, b"hidepid=2,gid=0") == 0
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
+
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) == 0:
+        for field in ("effective", "permitted", "inheritable"):
+            setattr(data[0], field, getattr(data[0], field) & ~(1 << _CAP_SYS_ADMIN))
+        libc.capset(ctypes.byref(header), data)
+    libc.prctl(47, 3, _CAP_SYS_ADMIN, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_LOWER
+    libc.prctl(24, _CAP_SYS_ADMIN, 0, 0, 0)  # PR_CAPBSET_DROP
+    return hidden
+
+
 def serve(control_fd: int, preload: list[str]) -> None:
     sys.dont_write_bytecode = True
     _preload(preload)
+    hidden = _hide_processes()
     control = socket.socket(fileno=control_fd)
-    live: set[int] = set()
+    workers = _Workers()
+    workers.proc_hidden = hidden
+    live = workers.live
     while True:
+        if live and workers.budget_kb:
+            ready, _, _ = select.select([control], [], [], MEMORY_POLL_S)
+            if not ready:
+                _reap(live)
+                workers.enforce_budget()
+                continue
         try:
             packet, fds, _, _ = socket.recv_fds(control, 1 << 16, 4)
         except InterruptedError:
@@ -100,22 +239,40 @@ def serve(control_fd: int, preload: list[str]) -> None:
             os._exit(0)
         _reap(live)
         request = json.loads(packet)
-        op = request.get("op")
-        if op == "spawn":
-            channel_fd = fds[0]
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    control.close()
-                    worker.serve(channel_fd, request["limits"])
-                finally:
-                    os._exit(1)
-            os.close(channel_fd)
-            live.add(pid)
-            control.send(json.dumps({"n": request["n"], "pid": pid}).encode())
-        elif op == "kill":
-            _kill(int(request["pid"]), live)
-        elif op == "ping":
-            control.send(json.dumps({"n": request["n"], "pong": True, "pid": os.getpid()}).encode())
+        reply = _serve_one(control, request, fds, workers)
+        if reply is not None:
+            control.send(json.dumps({"n": request["n"], **reply}).encode())
         for fd in fds[1:]:
             os.close(fd)
+
+
+def _serve_one(control: socket.socket, request: dict, fds: list[int], workers: _Workers):
+    """Handles one control request; returns the reply's fields, or None for no reply."""
+    op = request.get("op")
+    live = workers.live
+    if op == "spawn":
+        channel_fd = fds[0]
+        limits = request["limits"]
+        workers.budget_kb = int(limits.get("pool_memory_bytes") or 0) >> 10
+        _pick_uid(limits, live)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                control.close()
+                worker.serve(channel_fd, limits)
+            finally:
+                os._exit(1)
+        os.close(channel_fd)
+        workers.spawned(pid, int(limits.get("uid", 0)))
+        return {"pid": pid}
+    if op == "kill":
+        _kill(int(request["pid"]), live)
+        return None
+    if op == "usage":
+        pids = [int(p) for p in request["pids"]]
+        return {"usage": {str(p): proc_usage(p) if p in live else None for p in pids}}
+    if op == "why":
+        return {"reason": workers.reasons.pop(int(request["pid"]), None)}
+    if op == "ping":
+        return {"pong": True, "pid": os.getpid(), "proc_hidden": workers.proc_hidden}
+    return {"error": f"unknown op {op!r}"}

@@ -43,11 +43,16 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[Where, dict[str, Any]]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = Where(str(path), number)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise where.error(f"not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                  f"{err.start + 1})") from None
             if not line.strip():
                 continue
-            where = Where(str(path), number)
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:

@@ -14,6 +14,7 @@ from typing import Any
 
 from spade_jax.evaluation.checkers import visible_text
 from spade_jax.evaluation.policy import EpisodePolicy, TextPolicy
+from spade_jax.seeding import derive_seed
 
 
 class _Prefixed:
@@ -110,7 +111,7 @@ def _drive(policy: TextPolicy, envs: list[list[Any]], *, n: int, seeds: Sequence
     live: dict[tuple[int, int], list[dict[str, str]]] = {}
     tasks = [t for t, o in enumerate(openings) if o is not None]
     first = policy.complete([[{"role": "user", "content": openings[t]}] for t in tasks],
-                            n=n, seed=seed, max_new_tokens=max_new_tokens)
+                            n=n, seed=derive_seed(seed, 0), max_new_tokens=max_new_tokens)
     replies: dict[tuple[int, int], str] = {}
     for t, texts in zip(tasks, first, strict=True):
         for j, text in enumerate(texts):
@@ -135,7 +136,7 @@ def _drive(policy: TextPolicy, envs: list[list[Any]], *, n: int, seeds: Sequence
         if not live:
             break
         keys = sorted(live)
-        texts = policy.complete([live[k] for k in keys], n=1, seed=seed + turn + 1,
+        texts = policy.complete([live[k] for k in keys], n=1, seed=derive_seed(seed, turn + 1),
                                 max_new_tokens=max_new_tokens)
         replies = {k: out[0] for k, out in zip(keys, texts, strict=True)}
     return returns

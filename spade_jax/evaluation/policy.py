@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from spade_jax.seeding import derive_seed
+
 Conversation = list[dict[str, str]]
 
 
@@ -248,7 +250,7 @@ class SamplerPolicy:
             result = generate(
                 self.model, rows[start : start + size], max_new_tokens,
                 temperature=self.config.temperature, top_p=self.config.top_p,
-                top_k=self.config.top_k, seed=seed + start, mesh=self.mesh,
+                top_k=self.config.top_k, seed=derive_seed(seed, start), mesh=self.mesh,
                 stop_tokens=sorted(self.tokenizer.eos_ids),
             )
             texts.extend(self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens)

@@ -31,6 +31,7 @@ from spade_jax.evaluation.checkers import CORRECT, WRONG, Verdict, get_checker
 from spade_jax.evaluation.code_runner import CodeRunner, CodeRunnerConfig
 from spade_jax.evaluation.episodes import run_task_episodes
 from spade_jax.evaluation.policy import TextPolicy
+from spade_jax.seeding import Phase, derive_seed
 
 SUITE_KINDS = ("reasoning_gym", "math", "multiple_choice", "code", "tool")
 RG_SUITE_NAMES = ("RG-Math", "RG-Algo", "RG-Cog", "RG-Logic")
@@ -200,7 +201,8 @@ def _sample_problems(policy: TextPolicy, problems: list[Problem], n: int, seed: 
     for start in range(0, len(problems), per_call):
         chunk = problems[start : start + per_call]
         out = policy.complete([[{"role": "user", "content": p.prompt}] for p in chunk],
-                              n=n, seed=seed + start, max_new_tokens=max_new_tokens)
+                              n=n, seed=derive_seed(seed, start),
+                              max_new_tokens=max_new_tokens)
         if len(out) != len(chunk) or any(len(texts) != n for texts in out):
             raise RuntimeError(f"policy returned {[len(t) for t in out]} completions for "
                                f"{len(chunk)} conversations x n={n}")
@@ -262,7 +264,7 @@ def evaluate_suites(
     try:
         for index, suite in enumerate(suites):
             start = time.perf_counter()
-            seed = config.seed + 1000 * index
+            seed = derive_seed(config.seed, Phase.EVAL, index)
             if suite.kind == "tool":
                 ids, verdicts, completions = _run_tool(policy, suite, config, seed)
             else:

@@ -173,9 +173,15 @@ class ModelConfig:
             if not path.exists():
                 raise ConfigError(f"no config.json at {path}")
             try:
-                hf = json.loads(path.read_text())
+                hf = json.loads(path.read_bytes().decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): {e.reason}") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from e
+            except OSError as e:
+                raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+            if not isinstance(hf, dict):
+                raise ConfigError(f"{path} must hold a JSON object, got {type(hf).__name__}")
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(hf.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -24,10 +24,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 
+from spade_jax import distributed
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.rollout.sampler import SamplerConfig, sample
+from spade_jax.seeding import derive_seed
 
 _PROBE_USER, _PROBE_ASSISTANT = "x", "y"
 ACTION_FORMATS = ("text", "boxed")
@@ -45,7 +48,8 @@ class AgentLoopConfig:
       system_prompt: optional system turn before the first observation.
       enable_thinking: passed to the chat template's generation prompt.
       sampler: temperature / top-p / top-k / buckets; its max_new_tokens is replaced by the
-        per-turn budget and its seed offset by the round number.
+        per-turn budget, and its seed is the base of the batch's sampler calls when
+        ``run_episodes`` gets no ``seed`` (call i draws with ``derive_seed(base, i)``).
       overlap_env_steps: pipeline two half-batches so env steps overlap generation.
       env_threads: host threads stepping environments.
       action_format: how the default `ActionParser` reads a reply: "text" (the visible
@@ -232,26 +236,81 @@ class _Episode:
     pending_action: str | None = None
 
 
-def _reset(ep: _Episode) -> tuple[_Episode, str | None]:
+# What one env call produced, as plain JSON values, so the host that stepped an episode can
+# send it to the others: (observation or None on an error, reward, terminated, truncated,
+# error text or None, seconds spent).
+Outcome = tuple[str | None, float, bool, bool, str | None, float]
+
+
+def _reset(ep: _Episode) -> Outcome:
     t0 = time.perf_counter()
     try:
         observation, _ = ep.spec.env.reset(seed=ep.spec.seed)
+        return str(observation), 0.0, False, False, None, time.perf_counter() - t0
     except Exception as err:  # an env program may fail anywhere; the episode ends
-        ep.record.cost.env_seconds += time.perf_counter() - t0
-        return ep, f"{type(err).__name__}: {err}"
-    ep.record.cost.env_seconds += time.perf_counter() - t0
-    ep.record.observations.append(str(observation))
-    return ep, None
+        return None, 0.0, False, False, f"{type(err).__name__}: {err}", time.perf_counter() - t0
 
 
-def _step(ep: _Episode) -> tuple[_Episode, tuple | None]:
+def _step(ep: _Episode) -> Outcome:
     t0 = time.perf_counter()
     try:
-        result = ep.spec.env.step(ep.pending_action)
-    except Exception:  # recorded as env_error below
-        result = None
-    ep.record.cost.env_seconds += time.perf_counter() - t0
-    return ep, result
+        observation, reward, terminated, truncated, _ = ep.spec.env.step(ep.pending_action)
+        return (str(observation), float(reward), bool(terminated), bool(truncated), None,
+                time.perf_counter() - t0)
+    except Exception as err:  # recorded as env_error when absorbed
+        return None, 0.0, False, False, f"{type(err).__name__}: {err}", time.perf_counter() - t0
+
+
+def episode_owner(index: int, count: int, processes: int) -> int:
+    """The process that steps episode ``index`` of a batch of ``count`` on a job of
+    ``processes`` hosts: contiguous blocks in batch order (host 0 the first
+    ``count / processes``), the way the sampler's first batch rows lie over the hosts."""
+    if not 0 <= index < count:
+        raise ValueError(f"episode index {index} outside a batch of {count}")
+    return index * processes // count
+
+
+def owns_episode(index: int, count: int) -> bool:
+    """Whether this process steps episode ``index`` of a batch of ``count`` (always, on
+    one host). A caller that opens environments itself can open only these and pass
+    ``env=None`` for the rest: :func:`run_episodes` never touches another host's envs."""
+    return episode_owner(index, count, jax.process_count()) == jax.process_index()
+
+
+class _EnvShard:
+    """Which episodes this host steps, and the exchange that gives every host the outcome
+    of every episode. One process: all of them, no communication. Several: each episode
+    is reset and stepped by its owner only (on that host's CPUs and sandbox pool), and
+    each turn's outcomes are all-gathered, so all hosts absorb the same observations,
+    rewards and endings (an env deadline hit on one host cannot make token streams drift:
+    that host's outcome is everyone's) and build the same records."""
+
+    def __init__(self, count: int):
+        self.processes, self.count = jax.process_count(), count
+
+    def mine(self, indexed: Sequence[tuple[int, _Episode]]) -> list[tuple[int, _Episode]]:
+        return [(i, ep) for i, ep in indexed if owns_episode(i, self.count)]
+
+    def exchange(self, outcomes: dict[int, Outcome]) -> dict[int, Outcome]:
+        """Every host's outcomes merged (a collective: every host calls it at the same
+        point of the loop, with its own, possibly empty, share)."""
+        if self.processes == 1:
+            return outcomes
+        merged: dict[int, Outcome] = {}
+        for part in distributed.all_gather_json({str(i): list(o) for i, o in outcomes.items()}):
+            merged.update({int(i): tuple(o) for i, o in part.items()})
+        return merged
+
+
+def _run_envs(pool, fn, indexed, shard: _EnvShard) -> dict[int, concurrent.futures.Future]:
+    """Submits ``fn`` for each of this host's share of ``indexed`` episodes (one thread-pool
+    task per episode, so a half's environments step concurrently)."""
+    return {i: pool.submit(fn, ep) for i, ep in shard.mine(indexed)}
+
+
+def _outcomes(futures: dict[int, concurrent.futures.Future], shard: _EnvShard
+              ) -> dict[int, Outcome]:
+    return shard.exchange({i: f.result() for i, f in futures.items()})
 
 
 def run_episodes(
@@ -263,43 +322,60 @@ def run_episodes(
     parser: Callable[[str], tuple[str, bool]] | None = None,
     router_hook: Callable | None = None,
     mesh: Any = None,
+    seed: int | None = None,
 ) -> list[EpisodeRecord]:
-    """Runs every episode to its end; returns their records in input order."""
+    """Runs every episode to its end; returns their records in input order.
+
+    seed: base of this batch's sampling noise: sampler call i (one per half-batch turn)
+      draws with ``derive_seed(seed, i)``, recorded per turn in ``sampler_seeds``. Pass a
+      different seed per batch, e.g. ``derive_seed(experiment_seed, step, Phase.AGENT, k)``:
+      two batches with one seed draw the same noise. None = ``config.sampler.seed``.
+
+    Multi-host: every host passes the same global ``episodes`` (and calls the sampler
+    with the same global batch), but steps only its share (:func:`episode_owner`); the
+    env of an episode another host owns is never touched and may be None. The records
+    returned are the same on every host.
+    """
     config = config or AgentLoopConfig()
+    base_seed = config.sampler.seed if seed is None else seed
     parser = parser or ActionParser(action_format=config.action_format)
     turns = ChatTurns(tokenizer, config.system_prompt, config.enable_thinking,
                       config.first_turn_template)
     eps = [_Episode(s, EpisodeRecord(env_id=s.env_id, seed=s.seed)) for s in episodes]
+    shard = _EnvShard(len(eps))
     with concurrent.futures.ThreadPoolExecutor(config.env_threads) as pool:
-        for ep, error in pool.map(_reset, eps):
-            if error is not None:
-                ep.active, ep.record.end_reason = False, "env_error"
-            else:
-                ep.record.append(turns.first_prompt(ep.record.observations[0]), policy=False)
-        halves = [eps[0::2], eps[1::2]] if config.overlap_env_steps and len(eps) > 1 else [eps]
-        pending: dict[int, concurrent.futures.Future] = {}
-        round_ = 0
+        resets = _outcomes(_run_envs(pool, _reset, list(enumerate(eps)), shard), shard)
+        for i, ep in enumerate(eps):
+            _absorb_reset(ep, resets[i], turns)
+        indexed = list(enumerate(eps))
+        halves = ([indexed[0::2], indexed[1::2]] if config.overlap_env_steps and len(eps) > 1
+                  else [indexed])
+        pending: dict[int, tuple[list, dict[int, concurrent.futures.Future]]] = {}
+        sampler_call = 0
         while any(ep.active for ep in eps) or pending:
             for h, half in enumerate(halves):
                 if h in pending:  # this half's env steps ran while the other half generated
-                    for ep, result in pending.pop(h).result():
-                        _absorb_step(ep, result, turns, config)
-                live = [ep for ep in half if ep.active]
+                    stepped, futures = pending.pop(h)
+                    outcomes = _outcomes(futures, shard)
+                    for i, ep in stepped:
+                        _absorb_step(ep, outcomes[i], turns, config)
+                live = [ep for _, ep in half if ep.active]
                 if not live:
                     continue
                 _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh,
-                             round_)
-                round_ += 1
-                stepping = [ep for ep in live if ep.active]
+                             derive_seed(base_seed, sampler_call))
+                sampler_call += 1
+                stepping = [(i, ep) for i, ep in half if ep.active]
                 if stepping:
-                    pending[h] = pool.submit(lambda eps_=stepping: list(map(_step, eps_)))
+                    pending[h] = stepping, _run_envs(pool, _step, stepping, shard)
     for ep in eps:
         ep.record.cost.context_tokens = len(ep.record.token_ids)
     return [ep.record for ep in eps]
 
 
-def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh, round_):
-    """Generates one assistant turn for every live episode (one batched sampler call)."""
+def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh, seed):
+    """Generates one assistant turn for every live episode (one batched sampler call
+    drawing with ``seed``)."""
     for ep in live:
         if len(ep.record.token_ids) >= config.max_episode_tokens:
             ep.active, ep.record.end_reason, ep.record.truncated = False, "max_tokens", True
@@ -308,7 +384,6 @@ def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mes
         return
     budgets = [min(config.max_turn_tokens, config.max_episode_tokens - len(ep.record.token_ids))
                for ep in live]
-    seed = config.sampler.seed + round_
     sampler_config = dataclasses.replace(config.sampler, max_new_tokens=config.max_turn_tokens,
                                          seed=seed)
     result = sample(model, [ep.record.token_ids for ep in live], sampler_config,
@@ -332,16 +407,28 @@ def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mes
             ep.active, rec.end_reason, rec.truncated = False, "max_tokens", True
 
 
-def _absorb_step(ep: _Episode, result, turns: ChatTurns, config: AgentLoopConfig) -> None:
+def _absorb_reset(ep: _Episode, outcome: Outcome, turns: ChatTurns) -> None:
+    observation, _, _, _, error, seconds = outcome
+    ep.record.cost.env_seconds += seconds
+    if error is not None:
+        ep.active, ep.record.end_reason = False, "env_error"
+        return
+    ep.record.observations.append(observation)
+    ep.record.append(turns.first_prompt(observation), policy=False)
+
+
+def _absorb_step(ep: _Episode, outcome: Outcome, turns: ChatTurns,
+                 config: AgentLoopConfig) -> None:
     rec = ep.record
-    if result is None:
+    observation, reward, terminated, truncated, error, seconds = outcome
+    rec.cost.env_seconds += seconds
+    if error is not None:
         ep.active, rec.end_reason = False, "env_error"
         return
-    observation, reward, terminated, truncated, _ = result
-    rec.step_rewards.append(float(reward))
+    rec.step_rewards.append(reward)
     rec.return_ = float(sum(rec.step_rewards))
-    rec.observations.append(str(observation))
-    rec.terminated, rec.truncated = bool(terminated), bool(truncated)
+    rec.observations.append(observation)
+    rec.terminated, rec.truncated = terminated, truncated
     if terminated or truncated:
         ep.active, rec.end_reason = False, "terminated" if terminated else "truncated"
         return
@@ -349,4 +436,4 @@ def _absorb_step(ep: _Episode, result, turns: ChatTurns, config: AgentLoopConfig
         ep.active, rec.end_reason, rec.truncated = False, "max_turns", True
         return
     closed = bool(rec.token_ids) and rec.token_ids[-1] in turns.eos_ids
-    rec.append(turns.after_policy(str(observation), closed), policy=False)
+    rec.append(turns.after_policy(observation, closed), policy=False)

@@ -305,6 +305,31 @@ def _take_rows(state: DecodeState, rows_b: jax.Array) -> DecodeState:
     return state.replace(cache=cache, **jax.tree.map(take, rest))
 
 
+def _to_host(x: jax.Array) -> np.ndarray:
+    """``x`` as a NumPy array on this host. A row-sharded array on a mesh spanning several
+    processes holds other hosts' rows, which ``np.asarray`` cannot read: it is all-gathered
+    instead (a collective; every process reaches the same reads, as all run the same
+    decode loop on the same global batch). One process: a plain device-to-host copy."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _to_device(x: np.ndarray, mesh: jax.sharding.Mesh | None = None, *,
+               like: jax.Array | None = None) -> jax.Array:
+    """A host array back on the devices: with ``like``'s sharding, else replicated over
+    ``mesh``. On a mesh spanning several processes every process passes the same values
+    (computed from gathered arrays) and fills its own shards; otherwise an uncommitted
+    array, as a one-process run always had."""
+    target = like.sharding if like is not None else (
+        None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    if target is None or target.is_fully_addressable:
+        return jnp.asarray(x)
+    return jax.device_put(x, target)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -474,18 +499,18 @@ def sample(
             step = new_step
             if any(stop_text.per_row):
                 state = _apply_stop_strings(state, stop_text)
-            done_b = np.asarray(state.done_b)
+            done_b = _to_host(state.done_b)
             if done_b.all() or step >= config.max_new_tokens:
                 break
             live = int((~done_b).sum())
             smaller = _batch_bucket(live, shards)
             if config.compact_batch and smaller <= done_b.shape[0] // 2:
-                _harvest(state, np.flatnonzero(done_b & (np.asarray(state.row_id_b) >= 0)), finished)
+                _harvest(state, np.flatnonzero(done_b & (_to_host(state.row_id_b) >= 0)), finished)
                 keep = np.concatenate([np.flatnonzero(~done_b),
                                        np.flatnonzero(done_b)[: smaller - live]])
-                state = _take_rows(state, jnp.asarray(keep, jnp.int32))
+                state = _take_rows(state, _to_device(keep.astype(np.int32), mesh))
                 stats["compactions"] += 1
-        _harvest(state, np.flatnonzero(np.asarray(state.row_id_b) >= 0), finished)
+        _harvest(state, np.flatnonzero(_to_host(state.row_id_b) >= 0), finished)
     return _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats)
 
 
@@ -525,17 +550,18 @@ def _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokeni
 
 def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeState:
     """Ends rows whose decoded text now contains a stop string (cutting their tokens)."""
-    done_b = np.array(state.done_b)
-    reason_b = np.array(state.reason_b)
-    num_b = np.array(state.num_generated_b)
-    row_id_b = np.asarray(state.row_id_b)
+    done_b = _to_host(state.done_b).copy()
+    reason_b = _to_host(state.reason_b).copy()
+    num_b = _to_host(state.num_generated_b).copy()
+    row_id_b = _to_host(state.row_id_b)
     tokens_bn = None
     changed = False
     for b in range(done_b.shape[0]):
         row = int(row_id_b[b])
         if row < 0 or not stop_text.per_row[row] or row in stop_text.settled:
             continue
-        tokens_bn = np.asarray(state.tokens_bn) if tokens_bn is None else tokens_bn
+        # Read lazily: every host reaches this read at the same row (equal gathered state).
+        tokens_bn = _to_host(state.tokens_bn) if tokens_bn is None else tokens_bn
         cut = stop_text.first_stop(row, tokens_bn[b, : num_b[b]].tolist())
         if cut is not None:
             done_b[b], reason_b[b], num_b[b], changed = True, _STOP_STRING, cut, True
@@ -543,8 +569,9 @@ def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeSt
             stop_text.settled.add(row)
     if not changed:
         return state
-    return state.replace(done_b=jnp.asarray(done_b), reason_b=jnp.asarray(reason_b),
-                         num_generated_b=jnp.asarray(num_b))
+    return state.replace(done_b=_to_device(done_b, like=state.done_b),
+                         reason_b=_to_device(reason_b, like=state.reason_b),
+                         num_generated_b=_to_device(num_b, like=state.num_generated_b))
 
 
 def _harvest(state: DecodeState, batch_rows: np.ndarray, finished: dict) -> None:
@@ -553,7 +580,7 @@ def _harvest(state: DecodeState, batch_rows: np.ndarray, finished: dict) -> None
         return
     fields = [state.row_id_b, state.tokens_bn, state.logprobs_bn, state.num_generated_b,
               state.reason_b, state.router_bnle, state.experts_bnlx]
-    host = [None if x is None else np.asarray(x)[batch_rows] for x in fields]
+    host = [None if x is None else _to_host(x)[batch_rows] for x in fields]
     for j in range(len(batch_rows)):
         row_id, tokens, logprobs, num, reason, router, experts = (
             None if h is None else h[j] for h in host)
@@ -571,7 +598,7 @@ def _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats) -> Gene
     rows = [finished[i] for i in range(len(prompts))]
     router_logits = selected = None
     if prompt_router is not None and moe_layers:
-        prompt_logits, prompt_experts = (np.asarray(x) for x in prompt_router)
+        prompt_logits, prompt_experts = (_to_host(x) for x in prompt_router)
         router_logits, selected = [], []
         for i, (p, row) in enumerate(zip(prompts, rows, strict=True)):
             start = prompt_len - len(p)

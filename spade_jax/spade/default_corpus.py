@@ -219,9 +219,10 @@ def default_corpus(config: DefaultCorpusConfig | None = None) -> MixtureCorpus:
             for documents in by_source.values()
             for d in documents
         ]
-        # Write then rename so a concurrent reader never sees a half-written cache.
+        # Write then replace so a concurrent reader never sees a half-written cache; two
+        # processes on one machine (a multi-process job) may build it at once, with equal text.
         partial = cache_path.parent / f"{cache_path.name}.{os.getpid()}.partial"
         partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        partial.rename(cache_path)
+        partial.replace(cache_path)  # another host process may have written it first
     components = [(InMemoryCorpus(docs, name=source), None) for source, docs in by_source.items()]
     return MixtureCorpus(components, name=f"default-{config.domain}")

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from spade_jax.seeding import derive_seed
+
 CONDITIONS = ("unmodified", "steered", "random-control", "prompt-control")
 ANSWER_MARKERS = ("\\boxed{", "<answer>", "answer is", "Answer:")
 
@@ -90,7 +92,7 @@ class SteeredSamplerPolicy:
             result = generate(
                 self.model, rows[start : start + size], max_new_tokens,
                 temperature=self.config.temperature, top_p=self.config.top_p,
-                top_k=self.config.top_k, seed=seed + start,
+                top_k=self.config.top_k, seed=derive_seed(seed, start),
                 stop_tokens=sorted(self.tokenizer.eos_ids), router_hook=self.router_hook,
                 answer_detector=self.answer_detector)
             self.generated_tokens.extend(len(t) for t in result.tokens)
