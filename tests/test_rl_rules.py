@@ -182,8 +182,11 @@ def test_advantage_estimators_reject_bad_group_size():
     with pytest.raises(ValueError, match="group_size 4 does not divide the batch of 6"):
         rule.fn(jnp.zeros(6), 4, rule.make_config())
     rloo = rl.advantage_estimators.get("rloo")
-    with pytest.raises(ValueError, match="group_size >= 2"):
-        rloo.fn(jnp.zeros(6), 1, rloo.make_config())
+    with pytest.raises(ValueError, match="group_size 4 does not divide"):
+        rloo.fn(jnp.zeros(6), 4, rloo.make_config())
+    # A group of one has no leave-one-out baseline: advantage 0, not an error mid-run.
+    alone, _ = rloo.fn(jnp.asarray([0.3, 0.9]), 1, rloo.make_config())
+    np.testing.assert_array_equal(np.asarray(alone), [0.0, 0.0])
 
 
 # ----------------------------------------------------------------------------------------
@@ -410,6 +413,8 @@ def test_worked_example_in_docs_registers_and_runs(tmp_path, monkeypatch):
     (tmp_path / "my_rules" / "__init__.py").write_text("")
     (tmp_path / "my_rules" / "pairwise.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
+    saved = dict(rl.advantage_estimators._rules)  # another test may have loaded the example
+    rl.advantage_estimators._rules.pop("pairwise", None)
     rl.load_rule_modules(["my_rules.pairwise"])
     try:
         rule = rl.advantage_estimators.get("pairwise")
@@ -420,7 +425,8 @@ def test_worked_example_in_docs_registers_and_runs(tmp_path, monkeypatch):
         np.testing.assert_allclose(np.asarray(advantages), expected, rtol=1e-6)
         assert float(metrics["tie_frac"]) == pytest.approx(4 / 24)
     finally:
-        rl.advantage_estimators._rules.pop("pairwise", None)
+        rl.advantage_estimators._rules.clear()
+        rl.advantage_estimators._rules.update(saved)
         sys.modules.pop("my_rules.pairwise", None)
         sys.modules.pop("my_rules", None)
 
