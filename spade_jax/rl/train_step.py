@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +53,6 @@ from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
 from spade_jax.rl.batch import ROLES, TrainBatch
 from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, RoleConfig
-
-__all__ = ["RoleConfig", "TrainConfig", "TrainState", "make_train_step", "train_step"]
 from spade_jax.rl.optim import (
     MASTER_DTYPES,
     OptimizerConfig,
@@ -66,6 +63,8 @@ from spade_jax.sharding import shard_batch, tree_shardings  # noqa: F401  (place
 
 Array = jax.Array
 Metrics = dict[str, Array]
+# RoleConfig (a role's whole update rule) lives in rl.update_rule; re-exported here.
+__all__ = ["RoleConfig", "TrainConfig", "TrainState", "make_train_step", "train_step"]
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LOSS_AGGREGATIONS = ("per_role", "pooled")
 
