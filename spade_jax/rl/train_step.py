@@ -52,13 +52,13 @@ from jax.sharding import Mesh
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
 from spade_jax.rl.batch import ROLES, TrainBatch
-from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, RoleConfig
 from spade_jax.rl.optim import (
     MASTER_DTYPES,
     OptimizerConfig,
     learning_rate_schedule,
     make_optimizer,
 )
+from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, RoleConfig
 from spade_jax.sharding import shard_batch, tree_shardings  # noqa: F401  (placement lives there)
 
 Array = jax.Array
