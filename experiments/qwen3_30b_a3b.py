@@ -57,9 +57,11 @@ def get_config() -> ExperimentConfig:
         train=TrainConfig(
             optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=0, schedule="constant",
                                       weight_decay=0.1, b1=0.9, b2=0.98, clip_norm=1.0),
-            agent=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+            agent=RoleConfig(importance_correction="tis", importance=dict(clamp=2.0),
+                             policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
-            designer=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+            designer=RoleConfig(importance_correction="tis", importance=dict(clamp=2.0),
+                                policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
             loss_aggregation="pooled",
             microbatches=16, compute_dtype="bfloat16", router_replay=False,
