@@ -169,9 +169,9 @@ class AotConfig:
       train_batch: global train rows B (0 = microbatches x data-parallel ways, i.e. one
         sequence per data-parallel chip per microbatch).
       seq_len: train sequence length T (0 = the agent's ``max_episode_tokens``).
-      sample_batch: sampler rows (0 = agent episodes per round = envs_per_round x n_hint x
-        (designer_delay + 1), at most the agent sampler's ``max_rows``, rounded up to the
-        batch shards).
+      sample_batch: sampler rows (0 = agent episodes of a regeneration round = envs_per_round
+        x (plays_per_game + hint_plays), at most the agent sampler's ``max_rows``, rounded
+        up to the batch shards).
       prompt_len: prefill length (0 = next power of two >= max_episode_tokens -
         max_turn_tokens, the last turn's prompt).
       new_tokens: decode buffer (0 = the agent sampler's ``max_new_tokens``).
@@ -514,8 +514,8 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
 
     if {"prefill", "decode"} & set(config.programs):
         agent = experiment.agent
-        episodes = (experiment.spade.envs_per_round * experiment.spade.n_hint
-                    * (experiment.spade.designer_delay + 1))
+        episodes = (experiment.spade.envs_per_round
+                    * (experiment.spade.plays_per_game + experiment.spade.hint_plays))
         b = config.sample_batch or min(episodes, agent.sampler.max_rows or episodes)
         b = _round_up(b, data_ways)
         p = config.prompt_len or _next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
