@@ -182,8 +182,11 @@ def test_advantage_estimators_reject_bad_group_size():
     with pytest.raises(ValueError, match="group_size 4 does not divide the batch of 6"):
         rule.fn(jnp.zeros(6), 4, rule.make_config())
     rloo = rl.advantage_estimators.get("rloo")
-    with pytest.raises(ValueError, match="group_size >= 2"):
-        rloo.fn(jnp.zeros(6), 1, rloo.make_config())
+    with pytest.raises(ValueError, match="group_size 4 does not divide"):
+        rloo.fn(jnp.zeros(6), 4, rloo.make_config())
+    # A group of one has no leave-one-out baseline: advantage 0, not an error mid-run.
+    alone, _ = rloo.fn(jnp.asarray([0.3, 0.9]), 1, rloo.make_config())
+    np.testing.assert_array_equal(np.asarray(alone), [0.0, 0.0])
 
 
 # ----------------------------------------------------------------------------------------

@@ -408,3 +408,15 @@ def test_policy_rollouts_replay_the_fork_and_match_the_closed_form():
     assert metrics["fork_tokens"] == 3 * 2 * (3 + 2 + 1)
     with pytest.raises(ValueError, match="without a completion function"):
         service.complete(["q"], seed=0)
+
+
+def test_policy_tokens_outside_turn_spans_keep_the_outcome_advantage():
+    spanned = played(["a", "b"])
+    bare = played(["b", "a"])
+    bare.turn_spans = []  # e.g. a record from a loop that does not keep turn spans
+    out = apply_rule(RoleConfig(step_credit="fault", advantage_estimator="dr_grpo"),
+                     [Group([spanned, bare], rewards=[1.0, 0.0])])
+    bare_adv = np.asarray(out.sequences[1].advantage)
+    policy = np.asarray(bare.loss_mask, bool)
+    np.testing.assert_allclose(bare_adv[policy], -0.5)
+    np.testing.assert_allclose(bare_adv[~policy], 0.0)

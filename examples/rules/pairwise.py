@@ -25,12 +25,13 @@ class PairwiseConfig:
 
 @advantage_estimators.register("pairwise", config=PairwiseConfig)
 def pairwise_advantages(rewards, group_size, cfg):
-    if group_size < 2 or rewards.shape[0] % group_size:
-        raise ValueError(f"pairwise needs groups of >= 2 dividing {rewards.shape[0]}")
+    if group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {rewards.shape[0]} rewards")
     rewards_gn = jnp.asarray(rewards, jnp.float32).reshape(-1, group_size)
     sign_gnn = jnp.sign(rewards_gn[:, :, None] - rewards_gn[:, None, :])
-    advantages_gn = cfg.scale * jnp.sum(sign_gnn, axis=2) / (group_size - 1)
-    off_diagonal = group_size * (group_size - 1)
+    others = max(group_size - 1, 1)  # a group of one gets advantage 0
+    advantages_gn = cfg.scale * jnp.sum(sign_gnn, axis=2) / others
+    off_diagonal = group_size * others
     ties = jnp.sum(sign_gnn == 0) - rewards_gn.size  # the diagonal always ties
     return advantages_gn.reshape(-1), {
         "tie_frac": ties / (rewards_gn.shape[0] * off_diagonal),

@@ -53,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
 from spade_jax.rl.batch import ROLES, TrainBatch
-from spade_jax.rl.update_rule import RoleConfig
+from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, RoleConfig
 
 __all__ = ["RoleConfig", "TrainConfig", "TrainState", "make_train_step", "train_step"]
 from spade_jax.rl.optim import (
@@ -75,8 +75,9 @@ class TrainConfig:
 
     Attributes:
       optimizer: AdamW / schedule / clipping / master dtype.
-      agent: rule and weight for role_id 0 sequences.
-      designer: rule and weight for role_id 1 sequences.
+      agent: the update rule (all its parts) and weight of role_id 0 sequences.
+      designer: the same for role_id 1; by default mean-centred advantages ("dr_grpo"),
+        which with the loop's skill groups and scale is the recipe's per-skill centring.
       microbatches: split the batch into this many microbatches and accumulate gradients
         (B must be divisible by it).
       compute_dtype: dtype the master parameters are cast to for the forward/backward pass
@@ -97,7 +98,7 @@ class TrainConfig:
 
     optimizer: OptimizerConfig = OptimizerConfig()
     agent: RoleConfig = RoleConfig()
-    designer: RoleConfig = RoleConfig()
+    designer: RoleConfig = DEFAULT_DESIGNER_RULE
     microbatches: int = 1
     compute_dtype: str = "float32"
     router_replay: bool = False

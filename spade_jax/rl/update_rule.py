@@ -127,6 +127,11 @@ class RoleConfig:
         raise KeyError(f"no rule part {name_field!r}; parts: {[p for p, _, _ in PARTS]}")
 
 
+# The designer's default rule: mean-centred advantages (with the loop's skill groups and
+# reward scale, the recipe's per-skill centring).
+DEFAULT_DESIGNER_RULE = RoleConfig(advantage_estimator="dr_grpo")
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """Samples of one prompt / one game that share an advantage baseline.
@@ -158,6 +163,13 @@ class RuleOutput:
 
 def _prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
     return {f"{prefix}/{k}": float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def _policy_tokens(episodes: Sequence[Any], length: int) -> np.ndarray:
+    mask = np.zeros((len(episodes), length), bool)
+    for i, ep in enumerate(episodes):
+        mask[i, : len(ep.loss_mask)] = np.asarray(ep.loss_mask, bool)
+    return mask
 
 
 def _group_advantages(role: RoleConfig, groups: Sequence[Group]):
@@ -210,6 +222,9 @@ def apply_rule(
     credit_fn, credit_cfg = role.part("step_credit")
     adv, credit_metrics = credit_fn(batch, outcome_b, credit_cfg, context)
     adv = np.asarray(adv, np.float64)
+    if adv.ndim == 2:  # policy tokens outside every turn span keep the outcome advantage
+        unspanned = (batch.token_step_bt < 0) & _policy_tokens(episodes, adv.shape[1])
+        adv = np.where(unspanned, outcome_b[:, None], adv)
     metrics.update(_prefixed("step_credit", credit_metrics))
     sequences = []
     for i, (ep, g) in enumerate(zip(episodes, group_b, strict=True)):

@@ -59,6 +59,10 @@ class ForkedEnv:
                 self.done_at_fork = True
         return "\n".join(transcript)
 
+    @property
+    def unwrapped(self) -> Any:
+        return getattr(self.env, "unwrapped", self.env)
+
     def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[str, dict]:
         del seed, options  # the fork's state is fixed by the episode's seed and actions
         return self.first_observation, {}

@@ -1,8 +1,9 @@
 """Every built-in rule part, selected per role with ``--set`` on the tiny experiment,
 trains: one process runs a few short updates that together use every registered name of
 every part for both roles (host-side parts on scripted episodes, then the real jitted step
-on a tiny model). And a rule from a file outside the package trains the tiny run through
-the CLI."""
+on a tiny model), and the same selections drive scripted SPADE rounds (the loop's groups,
+forks through its rollout service, a policy judge through its sampler). And a rule from a
+file outside the package trains the tiny run through the CLI."""
 
 from __future__ import annotations
 
@@ -151,3 +152,46 @@ def test_rule_from_a_file_outside_the_package_trains(tmp_path):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0]
     assert "train/agent/loss" in rows[0] or "train/loss" in rows[0], sorted(rows[0])
+
+
+@pytest.mark.slow
+def test_every_built_in_part_runs_in_scripted_spade_rounds():
+    """The loop hands each role's groups to that role's rule: every part's name, set with
+    --set on the tiny experiment, runs in two scripted rounds (no model)."""
+    import dataclasses
+
+    from test_spade_loop import ALL_VALID, ScriptedPolicy, _loop
+
+    from spade_jax.envs import EnvPool, SandboxConfig
+
+    class TurnPolicy(ScriptedPolicy):
+        """ScriptedPolicy whose episodes keep their turn span and action (one turn)."""
+
+        def run_episodes(self, specs, *, seed):
+            records = super().run_episodes(specs, seed=seed)
+            for rec in records:
+                rec.turn_spans, rec.actions = [(3, 5)], ["x"]
+            return records
+
+    runs = max(len(names) for names in BUILT_IN.values())
+    with EnvPool(SandboxConfig(call_deadline_s=2.0)) as pool:
+        for run in range(runs):
+            experiment = load_experiment("tiny", role_sets(run))
+            spade = dataclasses.replace(experiment.spade, contract="paper", rounds=2,
+                                        eval_every=0)
+            policy = TurnPolicy(ALL_VALID)
+            loop = _loop(pool, policy, spade,
+                         rules=(experiment.train.agent, experiment.train.designer))
+            metrics = [loop.run_round(0), loop.run_round(1)]
+            trained = [s for update in policy.updates for s in update]
+            assert {s.role for s in trained} == {"agent", "designer"}
+            for role_name, role in (("agent", experiment.train.agent),
+                                    ("designer", experiment.train.designer)):
+                keys = {k for m in metrics for k in m if k.startswith(f"rule/{role_name}/")}
+                assert f"rule/{role_name}/group_filter/kept_groups" in keys
+                if role.step_credit == "crr" and role_name == "agent":
+                    forks = sum(m.get("rule/agent/step_credit/forks", 0) for m in metrics)
+                    assert forks > 0  # forked through the loop's rollout service
+                if role.step_credit != "none":
+                    assert any(isinstance(s.advantage, np.ndarray) for s in trained
+                               if s.role == role_name)
