@@ -99,7 +99,9 @@ def test_fault_matches_numpy_and_conserves_the_outcome(temperature, mix):
     for i, ep in enumerate(episodes):
         for k, (start, end) in enumerate(ep.turn_spans):
             np.testing.assert_allclose(adv_bt[i, start:end], want_bs[i, k], rtol=1e-12)
-        assert np.all(adv_bt[i][np.asarray(ep.loss_mask + [0] * (adv_bt.shape[1] - len(ep.loss_mask))) == 0] == 0)
+        policy = np.zeros(adv_bt.shape[1], bool)
+        policy[: len(ep.loss_mask)] = np.asarray(ep.loss_mask, bool)
+        assert np.all(adv_bt[i][~policy] == 0)
         # Conservation: the steps' credits sum to S_i * A_i.
         step_credit = [adv_bt[i, start] for start, _ in ep.turn_spans]
         assert sum(step_credit) == pytest.approx(len(ep.actions) * outcome[i])
@@ -204,7 +206,8 @@ def test_crr_resampled_credit_estimates_the_advantage():
     rule = rl.step_credits.get("crr")
     cfg = rule.make_config(forks=forks, turns_per_episode=t, max_forks=t * forks, clip=10.0)
     adv_bt, metrics = rule.fn(batch, np.zeros(1), cfg,
-                              StepContext(ScriptedRollouts(make_count_env, coin(q)), seed_parts=(0, 1)))
+                              StepContext(ScriptedRollouts(make_count_env, coin(q)),
+                                          seed_parts=(0, 1)))
     for k, (start, _) in enumerate(episode.turn_spans):
         closed_form = sum(episode.step_rewards[k:]) - (t - k) * q / t
         sigma = np.sqrt((t - k) * q * (1 - q)) / t / np.sqrt(forks)
@@ -239,7 +242,8 @@ def np_gmc_scale(logp, sampler, mask, group_id, radius):
     b = logp.shape[0]
     scale = np.ones(b)
     for i in range(b):
-        members = [j for j in range(b) if j == i or (group_id[i] >= 0 and group_id[j] == group_id[i])]
+        members = [j for j in range(b)
+                   if j == i or (group_id[i] >= 0 and group_id[j] == group_id[i])]
         sq = sum(((logp[j] - sampler[j]) ** 2 * mask[j]).sum() for j in members)
         count = sum(mask[j].sum() for j in members)
         rms = np.sqrt(sq / max(count, 1.0))

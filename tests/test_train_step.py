@@ -171,8 +171,9 @@ def reference_loss(params, graphdef, batch: TrainBatch):
     total, per_role = 0.0, {}
     for role_id, role in enumerate((AGENT, DESIGNER)):
         rows = np.flatnonzero(np.asarray(batch.role_id) == role_id)
-        loss, _ = role.part("policy_loss")[0](logp[rows], batch.old_logp[rows], batch.ref_logp[rows],
-                               batch.advantages[rows], batch.loss_mask[rows], role.loss)
+        loss_fn, _ = role.part("policy_loss")
+        loss, _ = loss_fn(logp[rows], batch.old_logp[rows], batch.ref_logp[rows],
+                          batch.advantages[rows], batch.loss_mask[rows], role.loss)
         total += role.weight * loss
         per_role[role_id] = (loss, logp[rows])
     # The load-balancing loss is not additive over rows; the step defines it as the mean
