@@ -124,9 +124,12 @@ def test_every_built_in_part_trains_per_role_when_set_on_the_tiny_experiment():
 
 PAIRWISE_SETS = ["--set", "train.agent.advantage_estimator=pairwise",
                  "--set", "train.agent.advantage.scale=2.0"]
-SHRINK = ["--set", "warm_start.steps=2", "--set", "spade.rounds=1",
-          "--set", "spade.eval_every=100", "--set", "designer_sampler.max_new_tokens=32",
-          "--set", "agent.max_turn_tokens=8", "--set", "checkpoint_every=100"]
+# One round on the project's seed programs (the fixed-pool designer: no warm start needed
+# for valid games), so the agent's groups exist and reach the rule.
+SHRINK = ["--set", "warm_start.steps=0", "--set", "spade.rounds=1",
+          "--set", "spade.eval_every=100", "--set", "spade.designer_mode=fixed_pool",
+          "--set", "spade.hint_mode=none", "--set", "agent.max_turn_tokens=8",
+          "--set", "checkpoint_every=100"]
 
 
 @pytest.mark.slow
@@ -152,9 +155,11 @@ def test_rule_from_a_file_outside_the_package_trains(tmp_path):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0]
     # The rule ran on the agent's groups (its own metric) and the update trained on them.
-    assert 0.0 <= rows[0]["rule/agent/advantage/tie_frac"] <= 1.0
-    assert rows[0]["rule/agent/group_filter/kept_groups"] >= 1
-    assert rows[0]["train/agent/sequences"] >= 1 and np.isfinite(rows[0]["train/loss"])
+    row = rows[0]
+    assert 0.0 <= row["rule/agent/advantage/tie_frac"] <= 1.0
+    assert row["rule/agent/group_filter/kept_groups"] == row["valid_envs"] >= 1
+    assert row["train/agent/sequences"] == row["batch/agent"] >= 2
+    assert row["train/skipped"] == 0 and np.isfinite(row["train/loss"])
 
 
 @pytest.mark.slow
