@@ -413,6 +413,8 @@ def test_worked_example_in_docs_registers_and_runs(tmp_path, monkeypatch):
     (tmp_path / "my_rules" / "__init__.py").write_text("")
     (tmp_path / "my_rules" / "pairwise.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
+    saved = dict(rl.advantage_estimators._rules)  # another test may have loaded the example
+    rl.advantage_estimators._rules.pop("pairwise", None)
     rl.load_rule_modules(["my_rules.pairwise"])
     try:
         rule = rl.advantage_estimators.get("pairwise")
@@ -423,7 +425,8 @@ def test_worked_example_in_docs_registers_and_runs(tmp_path, monkeypatch):
         np.testing.assert_allclose(np.asarray(advantages), expected, rtol=1e-6)
         assert float(metrics["tie_frac"]) == pytest.approx(4 / 24)
     finally:
-        rl.advantage_estimators._rules.pop("pairwise", None)
+        rl.advantage_estimators._rules.clear()
+        rl.advantage_estimators._rules.update(saved)
         sys.modules.pop("my_rules.pairwise", None)
         sys.modules.pop("my_rules", None)
 
