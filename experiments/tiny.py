@@ -58,7 +58,7 @@ def get_config() -> ExperimentConfig:
             hint_mode="self", hint_max_tokens=24, designer_reward="blend",
             contract="paper",  # the warm-start seed programs use the paper's contract
             docs_per_prompt=1, max_doc_chars=64, memory_examples=1, memory_train_envs=1,
-            eval_every=2, prompt_style="compact",
+            eval_every=2, prompt_style="compact", probe_episodes=2,
         ),
         # Two short seed programs under prompts of every skill and with corpus documents:
         # a 1M-parameter policy learns to emit one of them whatever the prompt says.

@@ -195,8 +195,11 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
         return records
 
     loop.play = recording_play
-    saved = design_module.validate_program, design_module.make_env
-    design_module.validate_program, design_module.make_env = fake_validate, fake_make_env
+    def fake_validate_programs(sources, hints=None, **kwargs):
+        return [fake_validate(source) for source in sources]
+
+    saved = design_module.validate_programs, design_module.make_env
+    design_module.validate_programs, design_module.make_env = fake_validate_programs, fake_make_env
     out: dict[str, Any] = {"errors": []}
     try:
         for round_index in range(rounds):
@@ -205,7 +208,7 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
             except RuntimeError as e:
                 out["errors"].append([round_index, str(e)])
     finally:
-        design_module.validate_program, design_module.make_env = saved
+        design_module.validate_programs, design_module.make_env = saved
     out.update(
         local_verdicts=local_verdicts, local_returns=local_returns, batches=batches,
         kept=[o["kept"] for o in outcomes], games=[o["games"] for o in outcomes],

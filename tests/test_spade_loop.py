@@ -25,6 +25,7 @@ from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, Document,
 from spade_jax.spade.loop import HintedEnv, SpadeLoop
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord, MemoryConfig
 from spade_jax.spade.prompts import HINT_WRITER_SYSTEM_PROMPT, format_designer_output
+from spade_jax.spade.reward import make_designer_reward
 
 VALID = seed_programs.SEED_PROGRAMS[0]
 OTHER = seed_programs.SEED_PROGRAMS[2]
@@ -48,9 +49,10 @@ class ByteTokenizer:
         return "".join(chr(i - 1) for i in ids if i > 0)
 
 
-def scripted_return(seed: int, hinted: bool) -> float:
-    """A pure function of the episode seed (returns in [-1, 1], the hint arm better)."""
-    table = (1.0, 1.0, 0.5, 0.0) if hinted else (1.0, 0.0, 0.5, -1.0, 0.0)
+def scripted_return(seed: int, hinted: bool, loss: float = -1.0) -> float:
+    """A pure function of the episode seed (returns in [loss, 1], the hint arm better;
+    the recipe's games may score a loss -1, the paper contract's returns lie in [0, 1])."""
+    table = (1.0, 1.0, 0.5, 0.0) if hinted else (1.0, 0.0, 0.5, loss, 0.0)
     return table[seed % len(table)]
 
 
@@ -58,8 +60,8 @@ class ScriptedPolicy:
     """Designer replies cycle through ``texts`` (per attempt, by prompt position); the
     hint writer answers HINT_TEXT; episode returns come from ``scripted_return``."""
 
-    def __init__(self, texts, hint=HINT_TEXT):
-        self.texts, self.hint = texts, hint
+    def __init__(self, texts, hint=HINT_TEXT, loss=-1.0):
+        self.texts, self.hint, self.loss = texts, hint, loss
         self.design_calls, self.hint_calls, self.episode_log, self.updates = [], [], [], []
         self.episode_seeds = []
 
@@ -81,7 +83,7 @@ class ScriptedPolicy:
         for spec in specs:
             hinted = isinstance(spec.env, HintedEnv)
             obs, _ = spec.env.reset(seed=spec.seed)
-            ret = scripted_return(spec.seed, hinted)
+            ret = scripted_return(spec.seed, hinted, self.loss)
             step_log.append({"env_id": spec.env_id, "hinted": hinted, "return": ret, "obs": obs,
                              "program": getattr(spec.env.unwrapped, "source", None)})
             rec = EpisodeRecord(env_id=spec.env_id, seed=spec.seed, observations=[obs])
@@ -173,9 +175,13 @@ def _agent(seqs):
     return [s for s in seqs if s.role == "agent"]
 
 
-def test_designer_sample_of_step_k_is_trained_at_k_plus_delay_on_the_window(pool):
+@pytest.mark.parametrize("rule", ["numpy", "blend"])
+def test_designer_sample_of_step_k_is_trained_at_k_plus_delay_on_the_window(pool, rule):
+    """With this test's NumPy re-derivation of the blend rule and with the registered
+    ``blend`` rule: the same independently computed advantages."""
     policy = ScriptedPolicy(ALL_VALID)
-    loop = _loop(pool, policy, WINDOW)
+    loop = _loop(pool, policy, WINDOW,
+                 rule=NumpyBlend() if rule == "numpy" else make_designer_reward("blend"))
     for step in range(WINDOW.rounds):
         loop.run_round(step)
     # Windows at 0 and 4; designer samples of round 0 trained at round 4 (delay), those of
@@ -347,6 +353,16 @@ def test_memory_fills_under_any_rule_and_replays_refresh_statistics(pool):
     assert record.win_rate_no_hint == pytest.approx(np.mean(np.array(replay) > 0))
     loop.run_round(1)  # window 0's games are scored (delay 1) and enter memory
     assert len(memory) == 1 + 4
+    # Reward levels of each program, probed in the sandbox at the regeneration round
+    # (16.5): re-probed here with the same seeds, independently of the loop.
+    from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels
+
+    probe = ProbeConfig(episodes=config.probe_episodes, max_turns=25,
+                        time_budget_s=config.probe_time_budget_s)
+    for index, program in enumerate([VALID.source, OTHER.source, VALID.source, OTHER.source]):
+        want = probe_program_levels(program, seed=0, step=0, index=index, pool=pool,
+                                    contract="paper", config=probe)
+        assert memory[f"r0_s{index}_m0"].reward_levels == int(want.reward_levels) >= 1
     for env_id in (g for g in memory._records if g != "old"):
         rec = memory[env_id]
         log = [e for step in policy.episode_log[:2] for e in step if e["env_id"] == env_id]
@@ -422,8 +438,9 @@ def test_one_scripted_round_per_ablation_and_baseline(pool, name):
     """16.8: each ablation's tiny config runs scripted rounds that produce a real batch."""
     experiment = load_experiment(f"{name}:tiny")
     spade = dataclasses.replace(experiment.spade, contract="paper", rounds=2, eval_every=0)
-    policy = ScriptedPolicy(ALL_VALID)
-    loop = _loop(pool, policy, spade, corpus=spade.use_corpus,
+    policy = ScriptedPolicy(ALL_VALID, loss=-1.0 if spade.contract == "reference" else 0.0)
+    rule = make_designer_reward(spade.designer_reward, spade.designer_reward_config)
+    loop = _loop(pool, policy, spade, corpus=spade.use_corpus, rule=rule,
                  rules=(experiment.train.agent, experiment.train.designer))
     if spade.designer_mode == "fixed_pool":
         loop.fixed_pool = [(p.source, p.hint, p.skill) for p in seed_programs.SEED_PROGRAMS[:3]]
@@ -540,3 +557,55 @@ def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="spade.skills must be one of"):
         SpadeConfig(skills="nine")
     assert SpadeConfig(designer_delay=0).designer_delay == 0  # 0 = no delay
+
+
+def test_adaptive_baseline_resumes_with_its_win_rates(pool):
+    """The RLVE baseline's per-task win rates travel in the loop's state: a resumed run
+    draws the same tasks as an uninterrupted one (they were lost on a resume before)."""
+    from spade_jax.spade.baselines import make_baseline
+
+    experiment = load_experiment("baseline_fixed_env_rlve:tiny")
+    spade = dataclasses.replace(experiment.spade, rounds=3, eval_every=0)
+
+    def run(steps, state=None):
+        policy = ScriptedPolicy(ALL_VALID, loss=0.0)
+        loop = _loop(pool, policy, spade, corpus=False)
+        loop.baseline = make_baseline(experiment)
+        if state is not None:
+            loop.load_state_dict(json.loads(json.dumps(state)))
+        for step in steps:
+            loop.run_round(step)
+        return loop, [[e["env_id"] for e in log] for log in policy.episode_log]
+
+    straight, tasks = run(range(3))
+    first, _ = run(range(2))
+    resumed, resumed_tasks = run([2], first.state_dict())
+    assert resumed_tasks == tasks[2:]
+    assert straight.baseline.win_rate != make_baseline(experiment).win_rate  # it adapted
+    assert resumed.baseline.win_rate == straight.baseline.win_rate
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_8b", "qwen3_4b"])
+def test_paper_scale_experiments_set_the_recipes_numbers(name):
+    from spade_jax.spade.prompts import REFERENCE_AGENT_FIRST_TURN_TEMPLATE
+
+    config = load_experiment(name)
+    s, agent = config.spade, config.agent
+    assert (s.rounds, s.envs_per_round, s.regeneration_interval, s.plays_per_game,
+            s.hint_plays, s.designer_delay, s.max_design_attempts) == (400, 24, 4, 8, 16, 4, 5)
+    assert s.envs_per_round * s.plays_per_game == 192  # the recipe's global batch
+    assert (s.skills, s.skills_per_window, s.hint_mode, s.hint_temperature,
+            s.hint_max_tokens) == ("main", 3, "self", 0.3, 4096)
+    assert (s.designer_reward, s.designer_groups, s.invalid_penalty, s.contract,
+            s.memory_capacity) == ("blend", "skill", None, "reference", 200)
+    agent_rule, designer_rule = config.train.agent, config.train.designer
+    assert (agent_rule.advantage_estimator, agent_rule.advantage.eps) == ("grpo", 1e-8)
+    assert designer_rule.advantage_estimator == "dr_grpo"  # per-skill centring, no std
+    for sampler in (config.designer_sampler, agent.sampler):
+        assert (sampler.temperature, sampler.top_p, sampler.top_k) == (0.6, 0.95, 20)
+    assert (agent.max_turns, agent.max_turn_tokens, agent.max_episode_tokens) == (25, 8192, 32768)
+    assert (agent.action_format, agent.first_turn_template, agent.system_prompt,
+            agent.enable_thinking) == ("boxed", REFERENCE_AGENT_FIRST_TURN_TEMPLATE, None, False)
+    designer_tokens, thinking = (20_000, True) if name == "qwen3_8b" else (16384, False)
+    assert (config.designer_sampler.max_new_tokens, s.designer_thinking) == (designer_tokens,
+                                                                            thinking)

@@ -37,10 +37,10 @@ def run_baseline_round(loop: Any, step: int) -> dict[str, float]:
     for rec in records:
         by_env[rec.env_id].append(rec.return_)
     loop.baseline.feedback(by_env)
-    loop.learnable.record_round([float(np.mean(np.asarray(v) > 0)) for v in by_env.values()])
+    share = loop.learnable.record_step([float(np.mean(v)) for v in by_env.values()])
     return {
         "return_no_hint_mean": float(np.mean([r.return_ for r in records])) if records else 0.0,
-        "learnable_share": loop.learnable.share(),
+        "learnable_share": share,
         "batch/agent": float(len(seqs)),
         **loop.pop_rule_metrics(),
         **{f"train/{k}": v for k, v in update_metrics.items()},

@@ -46,7 +46,7 @@ class SpadeConfig:
       max_design_attempts: rejection sampling: attempts per designer sample until its
         program validates (recipe 5). Only valid attempts become games.
       invalid_penalty: None (recipe): invalid attempts are never trained. A float: every
-        final invalid attempt is trained with this designer reward (the paper text's -1).
+        invalid attempt is trained with this designer reward (the paper text's -1).
       hint_mode: "self" (recipe): after a game validates, the policy writes a short
         strategy hint from its source in a separate untrained call; "designer": the hint
         the designer wrote next to the program; "none": no hint arm.
@@ -87,6 +87,9 @@ class SpadeConfig:
         (CPU-sized policies); the reference contract has one prompt family (no hint asked).
       designer_thinking: the chat template's thinking switch for designer prompts (the
         recipe: on for Qwen3-8B's designer only; the agent's is ``agent.enable_thinking``).
+      probe_episodes / probe_time_budget_s: scripted sandbox episodes per new program (and
+        their wall-clock budget) measuring the reward levels the PROGRAM can emit (the
+        paper's reward-level metrics); 0 = not measured.
     """
 
     rounds: int = 400
@@ -124,6 +127,8 @@ class SpadeConfig:
     eval_every: int = 20
     prompt_style: str = "full"
     designer_thinking: bool = False
+    probe_episodes: int = 4
+    probe_time_budget_s: float = 10.0
 
     def __post_init__(self):
         for name in ("rounds", "envs_per_round", "regeneration_interval", "plays_per_game",
@@ -132,7 +137,8 @@ class SpadeConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"spade.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("hint_plays", "designer_delay", "docs_per_prompt", "memory_examples",
-                     "memory_train_envs", "eval_every", "max_doc_chars", "skills_per_window"):
+                     "memory_train_envs", "eval_every", "max_doc_chars", "skills_per_window",
+                     "probe_episodes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"spade.{name} must be >= 0, got {getattr(self, name)}")
         if self.envs_per_round % self.designer_group_size:

@@ -20,11 +20,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from spade_jax.envs import make_env, validate_program
+from spade_jax.envs import make_env, validate_programs
 from spade_jax.seeding import Phase, derive_seed, rng
 from spade_jax.spade import agreement
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler, Document
+from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import (
     DESIGNER_SYSTEM_PROMPTS,
@@ -166,7 +167,9 @@ class Designer:
             batch = [Attempt(s, m, slots[s].skill, slots[s].prompt_ids, list(t), list(lp))
                      for (s, m), t, lp in zip(wanted, tokens, logprobs, strict=True)]
             self.validate(batch, [f"r{step}_s{a.slot}_m{a.member}_a{attempt_index}"
-                                  for a in batch])
+                                  for a in batch],
+                          [derive_seed(self.seed, step, Phase.VALIDATION, attempt_index, a.slot,
+                                       a.member) for a in batch])
             attempts += batch
             accepted.update({(a.slot, a.member): a for a in batch if a.verdict.ok})
             wanted = [(a.slot, a.member) for a in batch if not a.verdict.ok]
@@ -182,27 +185,36 @@ class Designer:
             samples += [_sample(a, None) for a in attempts if not a.verdict.ok]
         return games, samples, attempts
 
-    def validate(self, batch: list[Attempt], names: list[str]) -> None:
-        """Parses and validates every attempt; process 0's verdicts on every host."""
-        local = [self._check(a) for a in batch]
+    def validate(self, batch: list[Attempt], names: list[str], seeds: list[int]) -> None:
+        """Parses and validates every attempt (validations run in parallel, each with its
+        seeded validation seed); process 0's verdicts on every host."""
+        local = self._check(batch, seeds)
         verdicts = agreement.agree_verdicts("validation", names, local,
-                                            lambda i: self._check(batch[i]))
+                                            lambda i: self._check([batch[i]], [seeds[i]])[0])
         for att, verdict in zip(batch, verdicts, strict=True):
             att.verdict = verdict
 
-    def _check(self, att: Attempt) -> Verdict:
+    def _check(self, batch: list[Attempt], seeds: list[int]) -> list[Verdict]:
         cfg = self.config
+        verdicts = [self._parse(att) for att in batch]
+        todo = [i for i, verdict in enumerate(verdicts) if verdict.ok]
+        hints = [batch[i].parsed.hint if cfg.hint_mode == "designer" else None for i in todo]
+        reports = validate_programs(
+            [batch[i].parsed.program for i in todo], hints, pool=self.pool,
+            contract=cfg.contract, max_turns=self.max_turns, seeds=[seeds[i] for i in todo])
+        for i, report in zip(todo, reports, strict=True):
+            if not report.ok:
+                code = report.reason.split(":", 1)[0].strip() or "invalid"
+                verdicts[i] = Verdict(Outcome.INVALID, code)
+        return verdicts
+
+    def _parse(self, att: Attempt) -> Verdict:
         if att.parsed is None:
             text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
-            parsed = parse_designer_output(text, require_hint=cfg.hint_mode == "designer")
+            parsed = parse_designer_output(text, require_hint=self.config.hint_mode == "designer")
             if not isinstance(parsed, DesignerOutput):
                 return Verdict(Outcome.PARSE_ERROR, parsed.code)
             att.parsed = parsed
-        hint = att.parsed.hint if cfg.hint_mode == "designer" else None
-        report = validate_program(att.parsed.program, hint=hint, pool=self.pool,
-                                  contract=cfg.contract, max_turns=self.max_turns)
-        if not report.ok:
-            return Verdict(Outcome.INVALID, report.reason.split(":", 1)[0].strip() or "invalid")
         return VALID
 
     # ---- fixed pool ----------------------------------------------------------------------
@@ -240,6 +252,20 @@ class Designer:
             for game, ids in zip(todo, tokens, strict=True):
                 game.hint = parse_hint(self.tokenizer.decode(ids, skip_special_tokens=True))
             todo = [g for g in todo if g.hint is None]
+
+    def probe_levels(self, games: list[Game], step: int) -> None:
+        """The reward levels each program can emit, probed in the sandbox with seeded
+        scripted play ((seed, round, PROBE, game)); ``probe_episodes`` 0 turns it off."""
+        cfg = self.config
+        if not cfg.probe_episodes:
+            return
+        probe = ProbeConfig(episodes=cfg.probe_episodes, max_turns=self.max_turns,
+                            time_budget_s=cfg.probe_time_budget_s)
+        for index, game in enumerate(games):
+            levels = probe_program_levels(game.program, seed=self.seed, step=step, index=index,
+                                          pool=self.pool, contract=cfg.contract, config=probe)
+            game.reward_levels = levels.reward_levels
+            game.strict_partial_levels = levels.strict_partial_levels
 
     def open_envs(self, program: str, count: int) -> tuple[list[Any], Verdict]:
         """``count`` fresh sandboxed copies of a program (a fresh worker per episode),

@@ -37,7 +37,7 @@ import gymnasium
 import numpy as np
 
 from spade_jax import distributed
-from spade_jax.envs import EnvPool
+from spade_jax.envs import EnvPool, arm_order
 from spade_jax.rl.batch import TrainSequence
 from spade_jax.rl.episodes import StepContext
 from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, apply_rule
@@ -46,13 +46,16 @@ from spade_jax.rollout.forks import PolicyRollouts
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_stats, step_metrics
-from spade_jax.spade._reward_standins import env_reward_scale
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, Generate
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import agent_first_observation
-from spade_jax.spade.reward import DesignerRewardRule, ScoredEnvironment
+from spade_jax.spade.reward import (
+    DesignerRewardRule,
+    ScoredEnvironment,
+    env_reward_scale,
+)
 from spade_jax.spade.window import (
     DesignerSample,
     Game,
@@ -95,6 +98,10 @@ class FixedEnvBaseline(Protocol):
 
     def feedback(self, returns_by_env: dict[str, list[float]]) -> None: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 class SpadeLoop:
     """Run state of self-play (windows, pending designer samples, memory, corpus cursor,
@@ -136,6 +143,7 @@ class SpadeLoop:
             "windows": [w.to_json() for w in self.windows.values()],
             "pending": [p.to_json() for p in self.pending],
             "pool_cursor": self.pool_cursor,
+            "baseline": self.baseline.state_dict() if self.baseline else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,6 +156,8 @@ class SpadeLoop:
         self.windows = {int(w["start"]): Window.from_json(w) for w in state["windows"]}
         self.pending = [Pending.from_json(p) for p in state["pending"]]
         self.pool_cursor = int(state["pool_cursor"])
+        if self.baseline is not None and state.get("baseline") is not None:
+            self.baseline.load_state_dict(state["baseline"])
 
     # ---- the round -----------------------------------------------------------------------
     def run_round(self, step: int) -> dict[str, float]:
@@ -194,6 +204,7 @@ class SpadeLoop:
             games, samples, attempts = self.designer.design(step)
         if cfg.hint_mode == "self":
             self.designer.write_hints(games, step)
+        self.designer.probe_levels(games, step)
         self.windows[step] = Window(step, games)
         self.pending.append(Pending(step, samples if cfg.train_designer else []))
         return attempts
@@ -215,9 +226,13 @@ class SpadeLoop:
             if not verdict.ok:
                 game.verdict = verdict
                 continue
-            for j, env in enumerate(envs):
-                hinted = j < n_hint
-                phase, play = (Phase.HINT_ARM, j) if hinted else (Phase.AGENT, j - n_hint)
+            # Copies are assigned to the arms in a seeded interleaving, so neither arm
+            # always gets the first-opened workers.
+            order = arm_order(n_hint, cfg.plays_per_game,
+                              derive_seed(self.seed, step, Phase.ARM_ORDER, index))
+            for env, (arm, play) in zip(envs, order, strict=True):
+                hinted = arm == "hint"
+                phase = Phase.HINT_ARM if hinted else Phase.AGENT
                 specs.append(EpisodeSpec(env=HintedEnv(env, game.hint) if hinted else env,
                                          env_id=game.env_id,
                                          seed=derive_seed(self.seed, step, phase, index, play)))
@@ -419,8 +434,6 @@ class SpadeLoop:
             game, stats = item.game, item.stats
             if game.env_id in self.memory:
                 continue
-            # TODO(reward levels from the program, issue 16.5): probe the program here with
-            # env_stats' probe function once it lands, and store its levels in the record.
             self.memory.add(EnvironmentRecord(
                 env_id=game.env_id, program_source=game.program, hint=game.hint or "",
                 skill=game.skill, round_index=item.window_start,
@@ -431,7 +444,9 @@ class SpadeLoop:
                 win_rate_no_hint=stats.solve_rate,
                 mean_return_hint=float(np.clip(stats.hint_mean, -1, 1)),
                 mean_return_no_hint=float(np.clip(stats.mean_return, -1, 1)),
-                designer_reward=float(item.result.total), corpus_doc_ids=game.doc_ids))
+                designer_reward=float(item.result.total), corpus_doc_ids=game.doc_ids,
+                reward_levels=_count(game.reward_levels),
+                strict_partial_levels=_count(game.strict_partial_levels)))
 
     def _retire_windows(self, step: int) -> None:
         """Drops windows that are neither current nor awaited by pending samples."""
@@ -481,3 +496,8 @@ def _designer_episode(sample: DesignerSample) -> EpisodeRecord:
     rec.append(list(sample.output_ids), policy=True, logprobs=list(sample.output_logprobs))
     rec.turn_spans.append((len(sample.prompt_ids), len(rec.token_ids)))
     return rec
+
+
+def _count(value: float) -> int:
+    """A probed level count as the memory stores it (0: not measured)."""
+    return int(value) if np.isfinite(value) else 0

@@ -225,11 +225,7 @@ def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokeniz
         return out.tokens, out.logprobs
 
     def episodes_fn(specs, *, seed):
-        # STAND-IN until helper "multiproc"'s run_episodes(seed=) lands: the call's base
-        # seed goes in through the agent sampler's seed.
-        agent = dataclasses.replace(
-            config.agent, sampler=dataclasses.replace(config.agent.sampler, seed=seed))
-        return run_episodes(policy(), tokenizer, specs, agent, mesh=mesh)
+        return run_episodes(policy(), tokenizer, specs, config.agent, mesh=mesh, seed=seed)
 
     return generate_fn, episodes_fn
 
@@ -313,6 +309,23 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     elif config.warm_start.steps:
         holder["state"] = _warm_start(config, tokenizer, graphdef, holder["state"], loop)
 
+    try:
+        _train_rounds(config, loop, ckpt, holder, start_round, workdir,
+                      evaluate=lambda r: _held_out_eval(config, policy(), tokenizer, r))
+    finally:
+        pool.close()
+    if distributed.is_primary():  # metrics.jsonl exists on process 0 only
+        from spade_jax.spade.report import write_report
+
+        write_report(workdir, title=f"SPADE run: {config.name}")
+
+
+def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointManager,
+                  holder: dict[str, Any], start_round: int, workdir: Any,
+                  evaluate: Callable[[int], dict[str, float]]) -> None:
+    """The rounds from ``start_round``: one loop round each, held-out evaluation every
+    ``eval_every``, metrics, and checkpoints (every ``checkpoint_every``, the last, a new
+    best)."""
     writer = MetricsWriter(workdir)
     progress = Progress(config.spade.rounds, start_step=start_round, every_seconds=0.0,
                         print_fn=lambda _: None)
@@ -321,7 +334,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
             t0 = time.perf_counter()
             metrics = loop.run_round(round_index)
             if config.spade.eval_every and (round_index + 1) % config.spade.eval_every == 0:
-                metrics.update(_held_out_eval(config, policy(), tokenizer, round_index))
+                metrics.update(evaluate(round_index))
             metrics["time/round"] = time.perf_counter() - t0
             writer.write(round_index, metrics)
             line = progress.update(round_index + 1, {k: metrics[k] for k in
@@ -341,11 +354,6 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     finally:
         ckpt.wait()
         writer.close()
-        pool.close()
-    if distributed.is_primary():  # metrics.jsonl exists on process 0 only
-        from spade_jax.spade.report import write_report
-
-        write_report(workdir, title=f"SPADE run: {config.name}")
 
 
 def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:

@@ -53,6 +53,12 @@ def design_metrics(attempts: Sequence[Any], window: Window, regeneration: bool) 
                                             if not a.verdict.ok).items():
         m[f"invalid/{label}"] = float(count)
     m["hints_written"] = float(sum(g.hint is not None for g in window.games))
+    # Reward levels of the new PROGRAMS (sandbox probes; the paper's metric).
+    levels = [g.reward_levels for g in window.games if math.isfinite(g.reward_levels)]
+    partial = [g.strict_partial_levels for g in window.games
+               if math.isfinite(g.strict_partial_levels)]
+    m["program_reward_levels_mean"] = _mean(levels)
+    m["program_strict_partial_levels_mean"] = _mean(partial)
     sources = [g.program for g in window.games]
     try:
         m["vendi_per_n"] = normalized_vendi_score(_FEATURISER(sources)) if sources else NAN
@@ -65,8 +71,10 @@ def window_metrics(window: Window, step: int) -> dict[str, float]:
     """The current window's games as measured so far (matched-timing regret, win rate)."""
     stats = [game_stats(g) for g in window.games if g.verdict.ok and g.returns_by_offset[0]]
     regrets = np.array([s.regret for s in stats])
-    openings = [g.opening_observation for g in window.games if g.opening_observation]
-    levels = [env_stats.reward_levels(sum(g.returns_by_offset, [])) for g in window.games
+    reveals = [env_stats.physics_formula_reveal(g.opening_observation, source=g.program,
+                                                skill=g.skill)
+               for g in window.games if g.opening_observation]
+    levels = [env_stats.agent_return_levels(sum(g.returns_by_offset, [])) for g in window.games
               if any(g.returns_by_offset)]
     return {
         "window/offset": float(step - window.start),
@@ -77,10 +85,11 @@ def window_metrics(window: Window, step: int) -> dict[str, float]:
         "return_hint_mean": _mean([s.hint_mean for s in stats if s.plays]),
         "win_rate_mean": _mean([s.mean_return for s in stats]),
         "solve_rate_mean": _mean([s.solve_rate for s in stats]),
-        # Labelled for what they are: distinct returns the AGENT obtained, not the levels
-        # a program can emit (issue 16.5: program-probed levels replace these).
+        # Labelled for what they are: distinct returns the AGENT obtained (the program's
+        # own levels are the probed program_reward_levels_mean).
         "agent_return_levels_mean": _mean(levels),
-        "formula_reveal_rate": _mean([env_stats.formula_reveal(o) for o in openings]),
+        # Over physics-style environments only (NaN when the window has none).
+        "formula_reveal_rate": env_stats.formula_reveal_rate(reveals),
     }
 
 
@@ -118,11 +127,12 @@ def round_metrics(loop: Any, *, step: int, window: Window, attempts: Sequence[An
     m.update(window_metrics(window, step))
     m.update(play_metrics(records))
     m.update(scored_metrics(scored))
-    step_rates = [float(np.mean(np.array(g.returns_by_offset[step - window.start]) > 0))
-                  for g in window.games if g.verdict.ok and g.returns_by_offset[step - window.start]]
-    loop.learnable.record_round(step_rates)
-    share = loop.learnable.share()
-    m["learnable_share"] = share if not math.isnan(share) else NAN
+    # Win rate of a game in this round = its mean episode score (the recipe's); the logged
+    # share pools the last ``learnable_window`` rounds.
+    offset = step - window.start
+    m["learnable_share"] = loop.learnable.record_step(
+        [float(np.mean(g.returns_by_offset[offset])) for g in window.games
+         if g.verdict.ok and g.returns_by_offset[offset]])
     m["batch/agent"], m["batch/designer"] = float(num_agent), float(num_designer)
     m["designer/pending"] = float(sum(len(p.samples) for p in loop.pending))
     m["tokens/designer_generated"] = float(sum(len(a.output_ids) for a in attempts))

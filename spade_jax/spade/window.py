@@ -75,6 +75,10 @@ class Game:
     hint_returns: list[float] = dataclasses.field(default_factory=list)
     opening_observation: str = ""
     verdict: Verdict = VALID  # LOAD_ERROR once a copy failed to open: never played again
+    # Reward levels of the PROGRAM, probed in the sandbox with seeded scripted play at the
+    # regeneration round (NaN: not probed, or the probe could not play it).
+    reward_levels: float = float("nan")
+    strict_partial_levels: float = float("nan")
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
