@@ -393,7 +393,7 @@ def scripted_run_episodes(policy):
 
 
 def test_policy_rollouts_replay_the_fork_and_match_the_closed_form():
-    from spade_jax.rollout.forks import PolicyRollouts
+    from spade_jax.rl.forks import PolicyRollouts
 
     run, seen = scripted_run_episodes(always("a"))
     service = PolicyRollouts(run_episodes=run, make_env=make_count_env)

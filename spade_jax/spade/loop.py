@@ -40,9 +40,9 @@ from spade_jax import distributed
 from spade_jax.envs import EnvPool, arm_order
 from spade_jax.rl.batch import TrainSequence
 from spade_jax.rl.episodes import StepContext
+from spade_jax.rl.forks import PolicyRollouts
 from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, apply_rule
 from spade_jax.rollout.agent_loop import EpisodeSpec
-from spade_jax.rollout.forks import PolicyRollouts
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_stats, step_metrics

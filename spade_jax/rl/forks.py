@@ -1,4 +1,4 @@
-"""The rollout side of forked continuations: a :class:`spade_jax.rl.episodes.RolloutService`
+"""Forked continuations for step-level rules: a :class:`spade_jax.rl.episodes.RolloutService`
 backed by the policy's own batched agent loop.
 
     service = PolicyRollouts(run_episodes=lambda specs, seed: run_episodes(model, tok, specs,
