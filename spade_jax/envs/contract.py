@@ -76,18 +76,23 @@ Rules (a program that breaks one is rejected before any agent sees it):
 """
 
 
+def _allowed_block(allowed_imports: frozenset[str]) -> str:
+    """The allow-list as an indented, wrapped paragraph of the contract texts."""
+    return textwrap.fill(
+        ", ".join(sorted(m for m in allowed_imports if m != "__future__")),
+        width=88,
+        initial_indent="    ",
+        subsequent_indent="    ",
+    )
+
+
 def render_contract(
     allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS,
     max_observation_chars: int = 16384,
     step_cap: int = 64,
 ) -> str:
     """The contract text with a concrete allow-list and caps filled in."""
-    allowed = textwrap.fill(
-        ", ".join(sorted(m for m in allowed_imports if m != "__future__")),
-        width=88,
-        initial_indent="    ",
-        subsequent_indent="    ",
-    )
+    allowed = _allowed_block(allowed_imports)
     return _CONTRACT_TEMPLATE.format(
         allowed=allowed, max_observation_chars=max_observation_chars, step_cap=step_cap
     )
@@ -252,12 +257,7 @@ def render_reference_contract(
     checks."""
     if type(max_turns) is not int or max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
-    allowed = textwrap.fill(
-        ", ".join(sorted(m for m in allowed_imports if m != "__future__")),
-        width=88,
-        initial_indent="    ",
-        subsequent_indent="    ",
-    )
+    allowed = _allowed_block(allowed_imports)
     return _REFERENCE_TEMPLATE.format(
         max_turns=max_turns, allowed=allowed, max_observation_chars=max_observation_chars
     )
