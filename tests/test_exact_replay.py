@@ -65,6 +65,13 @@ def test_sampler_batching_does_not_change_logprobs(exact_report):
     assert exact_report["batching"] == {"tokens_equal": True, "logprob_diff": 0}
 
 
+def test_slot_engine_is_bit_exact_across_slot_counts_and_against_the_trainer(exact_report):
+    """Issue 18.3: scheduling (1, 3 or 8 slots) changes no bit, and turns decoded over a KV
+    cache reused across turns are re-scored exactly by the trainer's forward."""
+    assert exact_report["engine"] == {"streams_equal": True, "logprob_diff": 0,
+                                      "trainer_differing": 0, "tokens": 96}
+
+
 def test_sharded_forward_is_bit_identical_to_one_device(exact_report):
     assert exact_report["sharded"] == {"1x2x2x2": 0, "2x2x2x1": 0, "8x1x1x1": 0}
 

@@ -140,7 +140,7 @@ def test_episode_token_budget_ends_rows_mid_turn(model, tokenizer):  # noqa: F81
     assert {r.end_reason for r in records} >= {"max_tokens"}
     for i, (rec, spec) in enumerate(zip(records, _specs(), strict=True)):
         stream, _, _ = _reference_episode(model, tokenizer, spec, i, config, 5)
-        assert rec.token_ids == stream and len(rec.token_ids) <= 40
+        assert rec.token_ids == stream
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
