@@ -177,3 +177,27 @@ def test_engine_matches_the_sampler_on_eos_budgets_and_prompt_lengths(model, tok
         reasons.add(results[j].reason)
     assert reasons == {"eos", "max_tokens"}
     assert engine.cache_len == 64  # grown from 16 by doubling
+
+
+def test_moe_impl_auto_is_the_backends_fastest_and_explicit_values_win():
+    """Issue 18.4: "auto" (the default) becomes "blocked" on CPU and the grouped-matmul
+    dispatch on TPU / GPU when the model is built; an explicit choice is kept."""
+    from flax import nnx
+
+    from spade_jax.models import ModelConfig, ModelOptions, Qwen3
+    from spade_jax.models.qwen3 import auto_moe_impl
+
+    assert ModelOptions().moe_impl == "auto"
+    assert [auto_moe_impl(b) for b in ("cpu", "tpu", "gpu")] == [
+        "blocked", "expert_parallel", "expert_parallel"]
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=16,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=8)
+    built = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+    assert built.options.moe_impl == auto_moe_impl() == "blocked"  # the test box is a CPU
+    explicit = nnx.eval_shape(lambda: Qwen3(cfg, ModelOptions(moe_impl="ragged"),
+                                            rngs=nnx.Rngs(0)))
+    assert explicit.options.moe_impl == "ragged"
+    with pytest.raises(ValueError, match="moe_impl must be 'auto' or one of"):
+        ModelOptions(moe_impl="fast")

@@ -48,8 +48,11 @@ class ModelOptions:
       dtype: activation / matmul dtype ("float32" or "bfloat16"). Norms, RoPE tables,
         router softmax, attention softmax and logits are always computed in fp32.
       param_dtype: storage dtype of the parameters.
-      moe_impl: MoE dispatch, a key of ``moe.DISPATCH`` ("ragged" grouped matmul, default;
-        "dense" all-experts reference; "blocked" block-sorted, fast on CPU).
+      moe_impl: MoE dispatch, a key of ``moe.DISPATCH`` ("ragged" grouped matmul; "dense"
+        all-experts reference; "blocked" block-sorted, fast on CPU; "expert_parallel"
+        all_to_all over the mesh's expert axis, "ragged" without one) or "auto" (the
+        default): resolved when the model is built by :func:`auto_moe_impl` for the
+        backend ("blocked" on CPU, "expert_parallel" on TPU / GPU).
       remat: what the backward pass recomputes per decoder layer, a key of
         ``REMAT_POLICIES``: "none" (keep every activation), "full" (keep only the layer's
         input), "dots" (keep matmul outputs), "dots_no_batch" (keep weight matmuls, recompute
@@ -75,18 +78,19 @@ class ModelOptions:
 
     dtype: str = "float32"
     param_dtype: str = "float32"
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     remat: bool | str = False
     attention_chunk: int = 0
     scan_layers: bool = False
     batch_invariant: bool = False
 
     def __post_init__(self):
+        if self.moe_impl != "auto" and self.moe_impl not in moe.DISPATCH:
+            raise ValueError(f"moe_impl must be 'auto' or one of {sorted(moe.DISPATCH)}, "
+                             f"got {self.moe_impl!r}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
-        if self.moe_impl not in moe.DISPATCH:
-            raise ValueError(f"moe_impl must be one of {sorted(moe.DISPATCH)}, got {self.moe_impl!r}")
         if self.attention_chunk < 0:
             raise ValueError(f"attention_chunk must be >= 0 (0 = no chunking), "
                              f"got {self.attention_chunk}")
@@ -108,6 +112,17 @@ class ModelOptions:
     @property
     def storage_dtype(self):
         return _DTYPES[self.param_dtype]
+
+
+def auto_moe_impl(backend: str | None = None) -> str:
+    """The MoE dispatch fastest on ``backend`` (default: JAX's default backend).
+
+    CPU: "blocked" (XLA:CPU runs ``ragged_dot`` as a loop of full matmuls; measured in
+    ``benchmarks/model_forward.py`` and ``benchmarks/sampler.py``). TPU / GPU: grouped
+    matmuls, "expert_parallel" (all_to_all over the mesh's expert axis when the rules
+    give it one, else exactly "ragged")."""
+    backend = backend or jax.default_backend()
+    return "blocked" if backend == "cpu" else "expert_parallel"
 
 
 @struct.dataclass
@@ -497,6 +512,8 @@ class Qwen3(nnx.Module):
 
     def __init__(self, config: ModelConfig, options: ModelOptions | None = None, *, rngs: nnx.Rngs):
         options = options or ModelOptions()
+        if options.moe_impl == "auto":  # explicit values win; "auto" is fixed at build time
+            options = dataclasses.replace(options, moe_impl=auto_moe_impl())
         if options.batch_invariant:
             numerics.warn_if_inexact()
         self.config, self.options = config, options
