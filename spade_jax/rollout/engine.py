@@ -299,7 +299,8 @@ class SlotEngine:
                 home.append(r)
             src.append(unique[key])
         shards = _batch_shards(self.mesh)
-        u, k = _batch_bucket(len(home), shards), _batch_bucket(len(requests), shards)
+        # One bucket for both row counts (U <= K): fewer shapes to compile.
+        u = k = _batch_bucket(len(requests), shards)
         t = max(self.config.prompt_bucket_min, _next_pow2(max(len(r.tokens) for r in home)))
         ids_ut = np.zeros((u, t), np.int32)
         for j, r in enumerate(home):
