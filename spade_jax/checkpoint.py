@@ -19,6 +19,17 @@ which Orbax can restore; any newer step that fails is moved aside to
 step used instead, so the run resumes from the previous checkpoint and can save that
 step number again.
 
+Best checkpoint: with ``CheckpointConfig.best_metric`` set, a save may carry a ``score``
+(the run's held-out evaluation). Besides the newest ``keep`` steps, the step with the best
+score is kept however old it gets (Orbax's ``LatestN`` + ``BestN`` preservation policies;
+the score is stored in the step directory, so the choice survives restarts), and
+:meth:`CheckpointManager.best_step` names it. :meth:`CheckpointManager.is_new_best` tells
+the loop when an evaluated state beats every kept one, so it can save that state even off
+the regular ``save_every_steps`` grid.
+
+``directory`` may be local or remote (``gs://...``): Orbax writes through ``etils.epath``
+and TensorStore, the manifest through ``etils.epath``.
+
 Preemption: TPU VMs get SIGTERM shortly before they are taken away. :class:`PreemptionGuard`
 turns SIGTERM into a flag that :meth:`CheckpointManager.should_save` honours at the next
 step boundary; the loop then saves, waits and exits::
@@ -39,6 +50,7 @@ step boundary; the loop then saves, waits and exits::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -54,6 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from spade_jax import storage
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +89,9 @@ class CheckpointConfig:
       async_save: write in a background thread while training continues.
       checksum: record and verify SHA-256 of every file; False records sizes only (cheaper
         for very large checkpoints on remote storage; still catches truncation).
+      best_metric: name of the score that ranks checkpoints (e.g. "eval/mean/pass@1"); the
+        best-scoring step is kept besides the newest ``keep``. None: keep the newest only.
+      best_mode: "max" (higher is better) or "min".
     """
 
     directory: str | epath.PathLike
@@ -82,12 +99,16 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = True
     checksum: bool = True
+    best_metric: str | None = None
+    best_mode: str = "max"
 
     def __post_init__(self) -> None:
         if self.save_every_steps < 1:
             raise ValueError(f"save_every_steps must be >= 1, got {self.save_every_steps}")
         if self.keep < 2:
             raise ValueError(f"keep must be >= 2 so a corrupt checkpoint has a fallback, got {self.keep}")
+        if self.best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
 
 
 class RestoredCheckpoint(NamedTuple):
@@ -203,7 +224,8 @@ def _step_files(step_dir: epath.Path) -> list[epath.Path]:
 def write_manifest(
     step_dir: epath.PathLike, step: int, checksum: bool, config_hash: str | None
 ) -> None:
-    """Records every file of a finalised step; written last and atomically (tmp + rename)."""
+    """Records every file of a finalised step; written last and atomically (locally tmp +
+    rename; an object-store object only appears once complete)."""
     step_dir = epath.Path(step_dir)
     files = {}
     for path in _step_files(step_dir):
@@ -212,9 +234,7 @@ def write_manifest(
             entry["sha256"] = _file_sha256(path)
         files[str(path.relative_to(step_dir))] = entry
     manifest = {"step": step, "config_hash": config_hash, "written_at": time.time(), "files": files}
-    tmp_path = step_dir / f".{MANIFEST_NAME}.tmp"
-    tmp_path.write_text(json.dumps(manifest, indent=1))
-    tmp_path.rename(step_dir / MANIFEST_NAME)
+    storage.write_bytes_atomic(step_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
 
 
 def _has_checksums(step_dir: epath.Path) -> bool:
@@ -253,6 +273,32 @@ def manifest_problem(step_dir: epath.PathLike, step: int) -> str | None:
 # ----------------------------------------------------------------------------------------
 
 
+def _orbax_options(cfg: CheckpointConfig) -> ocp.CheckpointManagerOptions:
+    """Keep the newest ``cfg.keep`` steps, and with ``best_metric`` the best-scoring one."""
+    common = dict(enable_async_checkpointing=cfg.async_save, cleanup_tmp_directories=True,
+                  create=True)
+    if cfg.best_metric is None:
+        return ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, **common)
+    policies = ocp.checkpoint_managers
+    rank = functools.partial(_metric_or_worst, cfg.best_metric, cfg.best_mode)
+    keep = policies.AnyPreservationPolicy([
+        policies.LatestN(n=cfg.keep),
+        policies.BestN(get_metric_fn=rank, reverse=cfg.best_mode == "min", n=1,
+                       keep_checkpoints_without_metrics=False),
+    ])
+    # best_fn switches on Orbax's writing of per-step metrics; retention is `keep` alone.
+    return ocp.CheckpointManagerOptions(preservation_policy=keep, best_fn=rank,
+                                        best_mode=cfg.best_mode, **common)
+
+
+def _metric_or_worst(name: str, mode: str, metrics: Mapping[str, Any] | None) -> float:
+    """A step's score for ranking; a step saved without one ranks below every scored one."""
+    value = (metrics or {}).get(name)
+    if value is None or not np.isfinite(value):
+        return -np.inf if mode == "max" else np.inf
+    return float(value)
+
+
 class CheckpointManager:
     """Saves ``(step, state pytree, run_state dict)`` and restores the newest valid one."""
 
@@ -267,20 +313,50 @@ class CheckpointManager:
         self.directory = epath.Path(cfg.directory)
         self.guard = guard
         self.config_hash = config_hash
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep,
-            enable_async_checkpointing=cfg.async_save,
-            cleanup_tmp_directories=True,
-            create=True,
-        )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=(_STATE_ITEM, _RUN_STATE_ITEM)
+            self.directory, options=_orbax_options(cfg),
+            item_names=(_STATE_ITEM, _RUN_STATE_ITEM),
         )
         self._manifest_lock = threading.Lock()
         self._manifest_thread: threading.Thread | None = None
         self._manifest_error: BaseException | None = None
         self._pending_manifest_steps: list[int] = []
+        self._best = self._best_on_disk()
         self.preempted = False
+
+    # -- best checkpoint ------------------------------------------------------------------
+
+    def score(self, metrics: Mapping[str, Any]) -> float | None:
+        """``metrics[best_metric]`` as a float when present and finite, else None (no
+        ranking configured, or not evaluated this step)."""
+        name = self.cfg.best_metric
+        if name is None or name not in metrics:
+            return None
+        value = float(metrics[name])
+        return value if np.isfinite(value) else None
+
+    def is_new_best(self, score: float | None) -> bool:
+        """True when ``score`` beats every saved step's (always for the first score)."""
+        if score is None or self.cfg.best_metric is None:
+            return False
+        return self._best is None or self.is_better(score, self._best[1])
+
+    def best_step(self) -> int | None:
+        """The kept step with the best score; None when no saved step has one."""
+        return None if self._best is None else self._best[0]
+
+    def _best_on_disk(self) -> tuple[int, float] | None:
+        if self.cfg.best_metric is None:
+            return None
+        best = None
+        for step in self._manager.all_steps():
+            score = self.score(self._manager.metrics(step) or {})
+            if score is not None and (best is None or self.is_better(score, best[1])):
+                best = (step, score)
+        return best
+
+    def is_better(self, score: float, than: float) -> bool:
+        return score > than if self.cfg.best_mode == "max" else score < than
 
     # -- saving -------------------------------------------------------------------------
 
@@ -294,8 +370,10 @@ class CheckpointManager:
             self.preempted = True
         return self.preempted or step % self.cfg.save_every_steps == 0
 
-    def save(self, step: int, state: Any, run_state: Mapping[str, Any]) -> None:
-        """Starts saving; returns once the arrays are copied off the devices (async)."""
+    def save(self, step: int, state: Any, run_state: Mapping[str, Any],
+             score: float | None = None) -> None:
+        """Starts saving; returns once the arrays are copied off the devices (async).
+        ``score``: this state's ``best_metric`` value, when it was evaluated."""
         self._raise_manifest_error()
         run_state = dict(run_state)
         try:
@@ -312,8 +390,14 @@ class CheckpointManager:
                     _RUN_STATE_ITEM: ocp.args.JsonSave(run_state),
                 }
             ),
+            # Every step gets a (possibly empty) metrics dict when ranking is on: Orbax
+            # warns about a missing one, and _metric_or_worst ranks {} last.
+            metrics=None if self.cfg.best_metric is None else (
+                {} if score is None else {self.cfg.best_metric: float(score)}),
             force=True,
         )
+        if self.is_new_best(score):
+            self._best = (step, float(score))
         with self._manifest_lock:
             self._pending_manifest_steps.append(step)
         if jax.process_count() == 1 and self.cfg.async_save:
@@ -433,6 +517,7 @@ class CheckpointManager:
             self._move_aside(step)
         if rejected:
             self._manager.reload()
+            self._best = self._best_on_disk()
         if restored is not None:
             self._check_config_hash(restored.step)
             log.info("restored checkpoint step %d from %s", restored.step, self.directory)

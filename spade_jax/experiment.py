@@ -172,6 +172,10 @@ class ExperimentConfig:
     baseline: BaselineSpec = dataclasses.field(default_factory=BaselineSpec)
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
+    # Kept besides the newest keep_checkpoints: the step with the best value of this logged
+    # metric (the held-out eval's mean over suites; "" = keep the newest only).
+    best_checkpoint_metric: str = "eval/mean/pass@1"
+    best_checkpoint_mode: str = "max"  # "max" or "min"
 
 
 def experiment_path(name: str) -> Path:

@@ -9,6 +9,10 @@ Non-finite floats are written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infi
 A resumed run appends to the same file, so a step can appear twice; readers keep the
 last value. TensorBoard events go to ``<run_dir>/tensorboard/``. On a multi-host run only
 process 0 writes or prints.
+
+``run_dir`` may be remote (``gs://...``): both files are then written in a local mirror
+(:class:`spade_jax.storage.MirroredDir`) and uploaded after every record, since an object
+store cannot append; a resumed run downloads ``metrics.jsonl`` first and continues it.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, TextIO
 
 import jax
 import numpy as np
+
+from spade_jax import storage
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +85,23 @@ class MetricsConfig:
 class MetricsWriter:
     """Appends scalar metrics to ``metrics.jsonl`` and TensorBoard; no-op off process 0."""
 
-    def __init__(self, run_dir: str | Path, cfg: MetricsConfig = MetricsConfig()) -> None:
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: storage.PathLike, cfg: MetricsConfig = MetricsConfig()) -> None:
+        self.run_dir = storage.as_path(run_dir)
         self.cfg = cfg
         self.active = jax.process_index() == 0
         self._jsonl: TextIO | None = None
         self._tensorboard: Any = None
+        self._mirror: storage.MirroredDir | None = None
         if not self.active:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (self.run_dir / METRICS_FILE).open("a", buffering=1)  # line-buffered
+        self._mirror = storage.MirroredDir(self.run_dir, resume=(METRICS_FILE,))
+        local = self._mirror.local
+        self._jsonl = (local / METRICS_FILE).open("a", buffering=1)  # line-buffered
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
             self._tensorboard = SummaryWriter(
-                str(self.run_dir / TENSORBOARD_DIR), flush_secs=cfg.tensorboard_flush_secs
+                str(local / TENSORBOARD_DIR), flush_secs=cfg.tensorboard_flush_secs
             )
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -115,12 +122,17 @@ class MetricsWriter:
         if self._tensorboard is not None:
             for name, value in values.items():
                 self._tensorboard.add_scalar(name, value, int(step))
+        if self._mirror is not None and self._mirror.remote:
+            self.flush()  # one upload per record: a killed run loses no logged step
 
     def flush(self) -> None:
+        """Writes buffered records out (and uploads them when ``run_dir`` is remote)."""
         if self._jsonl is not None:
             self._jsonl.flush()
         if self._tensorboard is not None:
             self._tensorboard.flush()
+        if self._mirror is not None:
+            self._mirror.sync()
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -129,6 +141,9 @@ class MetricsWriter:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        if self._mirror is not None:
+            self._mirror.close()
+            self._mirror = None
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -137,11 +152,11 @@ class MetricsWriter:
         self.close()
 
 
-def read_metrics(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def read_metrics(path: storage.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Reads a ``metrics.jsonl`` (file or run directory) into ``{name: (steps, values)}``,
     sorted by step. A repeated step keeps its last value (a resumed run re-logs the steps
     after its checkpoint); a torn last line (a killed writer) is skipped with a warning."""
-    path = Path(path)
+    path = storage.as_path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.exists():

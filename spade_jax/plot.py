@@ -3,20 +3,23 @@
 Reads ``RUN_DIR/metrics.jsonl`` and writes one PNG per metric group into
 ``RUN_DIR/plots/`` (or ``--out``). A metric's group is the part of its name before the
 first ``/`` (``loss/pg_loss`` -> ``loss.png``); names without a ``/`` go to ``misc.png``.
-Each metric of a group gets its own panel; non-finite values leave gaps.
+Each metric of a group gets its own panel; non-finite values leave gaps. ``RUN_DIR`` and
+``--out`` may be remote (``gs://...``, through ``etils.epath``).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import re
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
+from spade_jax import storage
 from spade_jax.metrics import read_metrics
 
 UNGROUPED = "misc"
@@ -34,7 +37,8 @@ def _file_name(group: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", group) + ".png"
 
 
-def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, smooth: int = 1) -> list[Path]:
+def plot_run(run_dir: storage.PathLike, out_dir: storage.PathLike | None = None,
+             smooth: int = 1) -> list[epath.Path]:
     """Writes one PNG per metric group and returns their paths."""
     import matplotlib
 
@@ -45,8 +49,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, smooth: int
         raise ValueError(f"smooth must be >= 1, got {smooth}")
     metrics = read_metrics(run_dir)
     if not metrics:
-        raise ValueError(f"{Path(run_dir)} has no metrics to plot")
-    out_dir = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
+        raise ValueError(f"{run_dir} has no metrics to plot")
+    out_dir = storage.as_path(out_dir if out_dir is not None else storage.as_path(run_dir) / "plots")
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for group, names in group_metrics(list(metrics)).items():
@@ -67,16 +71,18 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, smooth: int
             ax.axis("off")
         fig.tight_layout()
         path = out_dir / _file_name(group)
-        fig.savefig(path, dpi=90)
+        png = io.BytesIO()  # rendered in memory: the target may be an object store
+        fig.savefig(png, format="png", dpi=90)
         plt.close(fig)
+        storage.write_bytes_atomic(path, png.getvalue())
         written.append(path)
     return written
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spade_jax.plot", description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", type=Path, help="run directory containing metrics.jsonl")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (RUN_DIR/plots)")
+    parser.add_argument("run_dir", help="run directory containing metrics.jsonl (or gs://...)")
+    parser.add_argument("--out", default=None, help="output folder (RUN_DIR/plots)")
     parser.add_argument("--smooth", type=int, default=1, help="moving-average window")
     args = parser.parse_args(argv)
     try:

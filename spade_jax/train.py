@@ -7,6 +7,8 @@
 Builds the tokenizer, policy, sandbox pool, trainer and SPADE loop from the experiment
 file, resumes from the newest intact checkpoint in ``workdir`` if there is one, runs the
 rounds, and writes ``metrics.jsonl``, TensorBoard events, checkpoints and ``report.md``.
+``--workdir`` may be a local directory or a URL such as ``gs://bucket/run`` (every file of
+the run goes there through ``etils.epath``; see docs/scale_out.md).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("experiment", "tiny", "Experiment name (experiments/<name>.py) or path.")
-flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, report.")
+flags.DEFINE_string("workdir", None, "Run directory (local or gs://): checkpoints, metrics, report.")
 flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).")
 flags.DEFINE_string("hf_checkpoint", None, "Shortcut for --set model.hf_checkpoint=DIR.")
 flags.DEFINE_bool("dry_run", False, "Print the resolved config and exit.")
@@ -61,18 +63,26 @@ def main(argv: list[str]) -> int:
     distributed.maybe_initialize()  # multi-host TPU VM: join the job before JAX runs anything
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required")
-    workdir = Path(FLAGS.workdir)
+    from spade_jax import storage
+
+    workdir = storage.absolute(FLAGS.workdir)  # a gs:// URL stays one (never ./gs:/...)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         print(f"error: cannot create --workdir {FLAGS.workdir}: {e.strerror}", file=sys.stderr)
         return 2
-    _setup_logging(workdir)
+    log_file = _setup_logging(workdir)
     from spade_jax.spade.run import run_experiment
 
     start = time.time()
-    run_experiment(config, workdir)
-    log.info("done in %.1f min; report: %s", (time.time() - start) / 60, workdir / "report.md")
+    try:
+        run_experiment(config, workdir)
+        log.info("done in %.1f min; report: %s", (time.time() - start) / 60,
+                 workdir / "report.md")
+    finally:
+        if log_file is not None:  # uploads a remote train.log a last time
+            logging.getLogger().removeHandler(log_file)
+            log_file.close()
     return 0
 
 
@@ -97,10 +107,36 @@ def _workdir_problem(workdir: str) -> str | None:
     return None
 
 
-def _setup_logging(workdir: Path) -> None:
+class _MirroredLogFile(logging.FileHandler):
+    """``train.log`` in the run directory. A remote one is written locally and uploaded
+    (whole: object stores cannot append) at most every ``sync_every_s`` and on close; a
+    resumed run downloads it first and appends."""
+
+    def __init__(self, workdir, sync_every_s: float = 30.0) -> None:
+        from spade_jax import storage
+
+        self.mirror = storage.MirroredDir(workdir, resume=("train.log",))
+        self.sync_every_s = sync_every_s
+        self._last_sync = time.monotonic()
+        super().__init__(self.mirror.local / "train.log")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        super().emit(record)
+        if self.mirror.remote and time.monotonic() - self._last_sync >= self.sync_every_s:
+            self._last_sync = time.monotonic()
+            self.flush()
+            self.mirror.sync()
+
+    def close(self) -> None:
+        super().close()
+        self.mirror.close()
+
+
+def _setup_logging(workdir) -> logging.Handler | None:
     """INFO to stderr and ``workdir/train.log`` on process 0. Other hosts of a multi-host
     job print WARNING and above to their own stderr only: N copies of every progress line
-    would bury process 0's, and their appends would interleave in a shared train.log."""
+    would bury process 0's, and their appends would interleave in a shared train.log.
+    Returns the train.log handler (to close at the end), None off process 0."""
     from absl import logging as absl_logging
 
     from spade_jax import distributed
@@ -109,14 +145,15 @@ def _setup_logging(workdir: Path) -> None:
     if not distributed.is_primary():
         root.setLevel(logging.WARNING)
         absl_logging.set_verbosity(absl_logging.WARNING)
-        return
+        return None
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     root.setLevel(logging.INFO)
-    handler = logging.FileHandler(workdir / "train.log")  # absl already logs to stderr
+    handler = _MirroredLogFile(workdir)  # absl already logs to stderr
     handler.setFormatter(fmt)
     root.addHandler(handler)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return handler
 
 
 if __name__ == "__main__":

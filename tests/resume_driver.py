@@ -2,6 +2,8 @@
 
     python tests/resume_driver.py RUN_DIR TOTAL_STEPS [--kill-after N] [--forget-data-rng]
 
+RUN_DIR may be local or gs:// (test_gcs_paths.py runs it against a GCS emulator).
+
 Everything but the weight initialisation is the production path: a Qwen3-MoE from ``spade_jax.models`` (one dense and one
 MoE layer), ``make_train_step`` with router replay, two microbatches, both roles (GRPO with
 a KL term and GSPO), the load-balancing loss, and a warmup + cosine AdamW schedule from
@@ -23,15 +25,16 @@ final TrainState (params, optimizer state, step, rng) and the data RNG state go 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import nnx
 
 from spade_jax import checkpoint as ckpt_lib
@@ -127,7 +130,7 @@ def flat_leaves(tree) -> dict[str, np.ndarray]:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=epath.Path)
     parser.add_argument("total_steps", type=int)
     parser.add_argument("--kill-after", type=int, default=None,
                         help="SIGKILL this process once step N's checkpoint is committed")
@@ -176,7 +179,9 @@ def main(argv: list[str]) -> None:
             print(f"CHECKPOINTED {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
-    np.savez(args.run_dir / "final.npz", **flat_leaves(state))
+    final = io.BytesIO()
+    np.savez(final, **flat_leaves(state))
+    (args.run_dir / "final.npz").write_bytes(final.getvalue())
     (args.run_dir / "final_data_rng.json").write_text(
         json.dumps(ckpt_lib.numpy_rng_to_json(data_rng)))
 

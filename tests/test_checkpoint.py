@@ -435,3 +435,48 @@ def test_config_validation():
 
 if __name__ == "__main__":
     toy_main(sys.argv[1:])
+
+
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_best_checkpoint_survives_keep_n(tmp_path, mode):
+    """keep=2 plus the best-scoring step: scores arrive on some saves only (evaluation
+    rounds); the best is kept however old, across a restart, and replaced only by a better
+    one. Its arrays restore as saved."""
+    sign = 1.0 if mode == "max" else -1.0
+    scores = {2: 0.5, 4: 0.2, 7: 0.9}  # in "max" terms; step 2 stays best until step 7
+    ckpt = _manager(tmp_path, keep=2, best_metric="eval/mean/pass@1", best_mode=mode)
+    assert ckpt.score({"eval/mean/pass@1": float("nan")}) is None
+    assert ckpt.score({"loss": 1.0}) is None
+    for step in range(1, 6):
+        score = ckpt.score({"eval/mean/pass@1": sign * scores[step]}) if step in scores else None
+        ckpt.save(step, _small_state(float(step)), {"step": step}, score=score)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 4, 5] and ckpt.best_step() == 2
+    ckpt.close()
+
+    ckpt = _manager(tmp_path, keep=2, best_metric="eval/mean/pass@1", best_mode=mode)
+    assert ckpt.best_step() == 2  # read back from the step directories
+    assert not ckpt.is_new_best(sign * 0.4) and ckpt.is_new_best(sign * 0.6)
+    assert not ckpt.is_new_best(None)
+    restored = ckpt.restore(2)
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.full((64, 32), 2.0))
+    for step in (6, 7, 8, 9):
+        score = sign * scores[step] if step in scores else None
+        ckpt.save(step, _small_state(float(step)), {"step": step}, score=score)
+    ckpt.wait()
+    assert ckpt.all_steps() == [7, 8, 9] and ckpt.best_step() == 7
+    ckpt.close()
+
+    # Without a metric configured: plain keep-N, scores ignored.
+    plain = _manager(tmp_path / "plain", keep=2)
+    for step in range(1, 5):
+        plain.save(step, _small_state(float(step)), {}, score=10.0 if step == 1 else None)
+    plain.wait()
+    assert plain.all_steps() == [3, 4] and plain.best_step() is None
+    assert not plain.is_new_best(1.0)
+    plain.close()
+
+
+def test_best_mode_is_validated():
+    with pytest.raises(ValueError, match="best_mode"):
+        ckpt_lib.CheckpointConfig("/tmp/x", best_mode="highest")

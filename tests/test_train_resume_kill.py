@@ -11,6 +11,7 @@ resumes the real step in-process without a kill.)
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from etils import epath
 
 from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
 
@@ -44,12 +46,15 @@ def _env(cache_dir: Path) -> dict[str, str]:
     return env
 
 
-def _start(run_dir: Path, *args: str) -> subprocess.Popen:
-    """The driver for 6 steps; all runs share ``<tmp>/jax_cache``. (Concurrent runs only
-    read it here; a torn read of an entry being written would only cost a recompile.)"""
+def _start(run_dir, *args: str, steps: int = 6, cache_dir: Path | None = None,
+           extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The driver for ``steps`` steps; all runs share ``<tmp>/jax_cache`` (or
+    ``cache_dir``). (Concurrent runs only read it here; a torn read of an entry being
+    written would only cost a recompile.) ``run_dir`` may be a gs:// URL."""
+    env = _env(cache_dir or run_dir.parent / "jax_cache")
     return subprocess.Popen(
-        [sys.executable, str(DRIVER), str(run_dir), "6", *args],
-        env=_env(run_dir.parent / "jax_cache"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, str(DRIVER), str(run_dir), str(steps), *args],
+        env={**env, **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )
 
@@ -68,8 +73,9 @@ def _losses(stdout: str) -> dict[int, str]:
     return {int(s): loss for s, loss in re.findall(r"^STEP (\d+) loss=(\S+)$", stdout, re.M)}
 
 
-def _load(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as data:
+def _load(path) -> dict[str, np.ndarray]:
+    """An .npz file, local or gs://."""
+    with np.load(io.BytesIO(epath.Path(path).read_bytes())) as data:
         return {name: data[name] for name in data.files}
 
 

@@ -300,14 +300,16 @@ def load_policy(
         return ScriptedPolicy.from_file(arg)
     if not checkpoint:
         raise ValueError("give --checkpoint (a model dir) or --policy=scripted:FILE.json")
-    path = Path(checkpoint)
+    from spade_jax import storage
+
+    path = storage.as_path(checkpoint)  # local or gs://
     if not (path / "config.json").is_file():
         raise ValueError(f"--checkpoint {path} has no config.json (need an Orbax or HF model dir)")
     if (path / "params").is_dir():
         from spade_jax.models.orbax_io import load_orbax
 
         model, _ = load_orbax(path)
-    elif any(path.glob("*.safetensors")):
+    elif any(p.name.endswith(".safetensors") for p in path.iterdir()):
         from spade_jax.models import load_hf
 
         model, _ = load_hf(path)

@@ -167,7 +167,9 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any] | str | Path) -> ModelConfig:
         """Builds a config from a Hugging Face config dict, config.json path or model dir."""
         if not isinstance(hf, dict):
-            path = Path(hf)
+            from etils import epath  # local or gs://
+
+            path = epath.Path(hf)
             if path.is_dir():
                 path = path / "config.json"
             if not path.exists():

@@ -8,7 +8,8 @@ whole model.
 Expert weights are accepted in both layouts found in the wild: per-expert tensors as on
 the Hub (``mlp.experts.{e}.gate_proj.weight``) and the fused layout of recent
 ``transformers`` (``mlp.experts.gate_up_proj`` [E, 2F, D], ``mlp.experts.down_proj``
-[E, D, F]). Export always writes the Hub layout.
+[E, D, F]). Export always writes the Hub layout. Checkpoint directories may be local or
+remote (``gs://...``, through ``etils.epath``).
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spade_jax import sharding
+from spade_jax import sharding, storage
 from spade_jax.models.config import ModelConfig
 from spade_jax.models.qwen3 import ModelOptions, Qwen3
 from spade_jax.models.safetensors_io import (
@@ -216,7 +216,7 @@ def abstract_model(config: ModelConfig, options: ModelOptions | None = None) -> 
 
 
 def load_hf(
-    path: str | Path,
+    path: storage.PathLike,
     dtype=jnp.float32,
     *,
     mesh: jax.sharding.Mesh | None = None,
@@ -226,7 +226,7 @@ def load_hf(
     """Loads a Hugging Face checkpoint directory into a :class:`Qwen3`.
 
     Args:
-      path: directory with config.json and one or many ``*.safetensors``.
+      path: directory with config.json and one or many ``*.safetensors`` (local or gs://).
       dtype: parameter and activation dtype (jnp.float32 or jnp.bfloat16).
       mesh: place each parameter straight into its sharding on this mesh.
       rules: logical-axis rules for ``mesh``.
@@ -234,7 +234,7 @@ def load_hf(
     Returns:
       (model, config).
     """
-    path = Path(path)
+    path = storage.as_path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     config = ModelConfig.from_hf(path)
@@ -304,27 +304,44 @@ def hf_tensors(model: Qwen3) -> Iterator[tuple[str, np.ndarray]]:
             yield from mapping.export(np.asarray(jax.device_get(part)))
 
 
-def save_hf(model: Qwen3, config: ModelConfig, path: str | Path,
+def save_hf(model: Qwen3, config: ModelConfig, path: storage.PathLike,
             max_shard_bytes: int = 5 * 1024**3) -> None:
     """Writes config.json + safetensors shards that ``transformers`` loads."""
-    path = Path(path)
     if jax.process_index() != 0:
         for _ in hf_tensors(model):  # take part in the gathers, write nothing
             pass
         return
+    write_hf(hf_tensors(model), config, path,
+             dtype=jnp.dtype(model.options.storage_dtype).name, max_shard_bytes=max_shard_bytes)
+
+
+def write_hf(tensors: Iterator[tuple[str, np.ndarray]], config: ModelConfig,
+             path: storage.PathLike, *, dtype: str,
+             max_shard_bytes: int = 5 * 1024**3) -> list[str]:
+    """Writes a Hugging Face checkpoint directory (local or gs://) from a stream of
+    (HF name, array): each shard file is written as soon as it is full, so at most two
+    shards are in memory at once (the second tells whether the first is the only one,
+    which is then named ``model.safetensors``). Returns the files written."""
+    path = storage.as_path(path)
     path.mkdir(parents=True, exist_ok=True)
-    hf_config = config.to_hf()
-    hf_config["torch_dtype"] = hf_config["dtype"] = jnp.dtype(model.options.storage_dtype).name
-    shards = list(shard_tensors(hf_tensors(model), max_shard_bytes))
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = ("model.safetensors" if len(shards) == 1
-                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        write_safetensors(path / fname, shard)
-        for name, arr in shard:
+    shards = shard_tensors(tensors, max_shard_bytes)
+    current, following = next(shards, []), next(shards, None)
+    weight_map, total, files, number = {}, 0, [], 1
+    while current:
+        fname = ("model.safetensors" if number == 1 and following is None
+                 else f"model-{number:05d}.safetensors")
+        write_safetensors(path / fname, current)
+        for name, arr in current:
             weight_map[name] = fname
             total += arr.nbytes
-    if len(shards) > 1:
+        files.append(fname)
+        current, following = following or [], next(shards, None) if following else None
+        number += 1
+    if len(files) > 1:
         (path / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        files.append("model.safetensors.index.json")
+    hf_config = config.to_hf()
+    hf_config["torch_dtype"] = hf_config["dtype"] = dtype
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return files + ["config.json"]

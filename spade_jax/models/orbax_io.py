@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from spade_jax import sharding
+from spade_jax import sharding, storage
 from spade_jax.models.config import ModelConfig
 from spade_jax.models.hf_io import abstract_model
 from spade_jax.models.qwen3 import ModelOptions, Qwen3
 from spade_jax.models.safetensors_io import CheckpointError
 
 
-def save_orbax(model: Qwen3, config: ModelConfig, path: str | Path) -> None:
-    """Writes ``config.json`` and ``params/`` (blocks until the write is complete)."""
-    path = Path(path).absolute()
+def save_orbax(model: Qwen3, config: ModelConfig, path: storage.PathLike) -> None:
+    """Writes ``config.json`` and ``params/`` (blocks until the write is complete); ``path``
+    may be local or gs://."""
+    path = storage.absolute(path)
     if (path / "params").exists():
         raise FileExistsError(f"{path / 'params'} already exists; choose an empty --out_dir")
     path.mkdir(parents=True, exist_ok=True)
@@ -38,15 +38,16 @@ def save_orbax(model: Qwen3, config: ModelConfig, path: str | Path) -> None:
 
 
 def load_orbax(
-    path: str | Path,
+    path: storage.PathLike,
     dtype=jnp.float32,
     *,
     mesh: jax.sharding.Mesh | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
     options: ModelOptions | None = None,
 ) -> tuple[Qwen3, ModelConfig]:
-    """Restores a model written by :func:`save_orbax`, straight into its shardings."""
-    path = Path(path).absolute()
+    """Restores a model written by :func:`save_orbax` (local or gs://), straight into its
+    shardings."""
+    path = storage.absolute(path)
     if not (path / "config.json").exists() or not (path / "params").is_dir():
         raise CheckpointError(f"{path} is not an Orbax model checkpoint (needs config.json and params/)")
     config = ModelConfig.from_hf(path / "config.json")

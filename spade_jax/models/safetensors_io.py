@@ -2,6 +2,8 @@
 
 Why not the ``safetensors`` package directly: we need bfloat16 as numpy (ml_dtypes), lazy
 per-tensor reads from many shards, and errors that name the corrupt file and tensor.
+Files may be local (read through a memory map) or remote (``gs://...`` through
+``etils.epath``: the header, then each tensor's byte range, is read on demand).
 The format: 8-byte little-endian header length, a JSON header mapping each tensor name to
 {dtype, shape, data_offsets: [begin, end]} relative to the end of the header, then bytes.
 """
@@ -11,10 +13,11 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from spade_jax import storage
 
 _DTYPES = {
     "F64": np.dtype(np.float64),
@@ -39,11 +42,13 @@ class CheckpointError(ValueError):
 class SafetensorsFile:
     """Lazy view of one .safetensors file; tensors are read on demand."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: storage.PathLike):
+        self.path = storage.as_path(path)
+        self.remote = storage.is_remote(self.path)
+        self._handle = None  # remote only: kept open, so the client's read-ahead is reused
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
+            size = self.path.stat().length
+            with self.path.open("rb") as f:
                 raw_len = f.read(8)
                 if len(raw_len) < 8:
                     raise CheckpointError(f"{self.path}: truncated (no header length)")
@@ -76,6 +81,17 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the client may be gone already
+            pass
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]
 
@@ -83,6 +99,14 @@ class SafetensorsFile:
         dtype, shape, begin, end = self._entries[name]
         if end == begin:
             return np.zeros(shape, dtype)
+        if self.remote:  # a ranged read of this tensor's bytes, on one handle per file
+            if self._handle is None:
+                self._handle = self.path.open("rb")
+            self._handle.seek(self._data_start + begin)
+            data = self._handle.read(end - begin)
+            if len(data) != end - begin:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is truncated")
+            return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
         mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start + begin,
                        shape=(end - begin,))
         return np.array(mm.view(dtype).reshape(shape))  # copy: detach from the file
@@ -91,9 +115,12 @@ class SafetensorsFile:
 class TensorIndex:
     """All tensors of a checkpoint directory (one or many shards), by name."""
 
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        files = sorted(self.directory.glob("*.safetensors"))
+    def __init__(self, directory: storage.PathLike):
+        self.directory = storage.as_path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} does not exist")
+        files = sorted((p for p in self.directory.iterdir() if p.name.endswith(".safetensors")),
+                       key=lambda p: p.name)
         if not files:
             raise CheckpointError(f"no *.safetensors files in {self.directory}")
         index_path = self.directory / "model.safetensors.index.json"
@@ -129,9 +156,10 @@ class TensorIndex:
         return self._files[self._where[name]].get(name)
 
 
-def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
+def write_safetensors(path: storage.PathLike, tensors: Iterable[tuple[str, np.ndarray]],
                       metadata: dict[str, str] | None = None) -> None:
-    """Writes tensors (streamed once for the header, once for the bytes) to ``path``."""
+    """Writes tensors (streamed once for the header, once for the bytes) to ``path``, local
+    (through a temporary file and a rename) or remote (one upload)."""
     tensors = list(tensors)
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
@@ -143,13 +171,16 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]
         offset += arr.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as f:
+    path = storage.as_path(path)
+    remote = storage.is_remote(path)
+    tmp = path if remote else path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, arr in tensors:
             f.write(np.ascontiguousarray(arr).tobytes())
-    tmp.replace(path)
+    if not remote:
+        tmp.replace(path)
 
 
 def shard_tensors(

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
+from spade_jax import storage
 from spade_jax.metrics import read_metrics
 from spade_jax.plot import plot_run
 
@@ -39,9 +40,10 @@ def _fmt(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
-def write_report(run_dir: str | Path, title: str = "SPADE run") -> Path:
-    """Writes ``run_dir/report.md`` (and PNGs under ``run_dir/plots``); returns its path."""
-    run_dir = Path(run_dir)
+def write_report(run_dir: storage.PathLike, title: str = "SPADE run") -> epath.Path:
+    """Writes ``run_dir/report.md`` (and PNGs under ``run_dir/plots``); returns its path.
+    ``run_dir`` may be remote (``gs://...``)."""
+    run_dir = storage.as_path(run_dir)
     metrics = read_metrics(run_dir)
     if not metrics:
         raise ValueError(f"{run_dir} has no metrics.jsonl to report on")
@@ -71,7 +73,7 @@ def write_report(run_dir: str | Path, title: str = "SPADE run") -> Path:
         lines += [f"| `{n}` | {_fmt(float(metrics[n][1][-1]))} |" for n in evals]
     lines += ["", "## Curves", ""] + [f"![{p.stem}](plots/{p.name})" for p in pngs]
     path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
+    storage.write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
     return path
 
 

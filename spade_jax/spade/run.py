@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spade_jax import distributed, sharding
+from spade_jax import distributed, sharding, storage
 from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, PreemptionGuard
 from spade_jax.envs import EnvPool
 from spade_jax.experiment import (
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 
 # ---- components ------------------------------------------------------------------------
-def build_tokenizer(spec: TokenizerSpec, workdir: Path):
+def build_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
     """``spec.path`` when given (on every host); otherwise the sentencepiece model in
     ``workdir/tokenizer``, trained there on the first run.
 
@@ -86,16 +86,19 @@ def build_tokenizer(spec: TokenizerSpec, workdir: Path):
     return load_tokenizer(local)
 
 
-def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: Path):
+def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
     from spade_jax.tokenizers import load_tokenizer, project_text_files, train_sentencepiece
 
-    prefix = workdir / "tokenizer" / "spm"
-    if (prefix.parent / "spm.model").exists():
-        return load_tokenizer(prefix.parent / "spm.model")
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    files = project_text_files() + [_seed_program_text(prefix.parent)]
+    directory = storage.as_path(workdir) / "tokenizer"
+    if (directory / "spm.model").exists():
+        return load_tokenizer(directory / "spm.model")
+    # sentencepiece writes local files: train in a local mirror, then upload (gs:// workdir)
+    mirror = storage.MirroredDir(directory)
+    files = project_text_files() + [_seed_program_text(mirror.local)]
     log.info("training a %d-piece sentencepiece tokenizer on %d project files", spec.vocab_size, len(files))
-    return train_sentencepiece(files, str(prefix), vocab_size=spec.vocab_size)
+    tokenizer = train_sentencepiece(files, str(mirror.local / "spm"), vocab_size=spec.vocab_size)
+    mirror.sync()
+    return tokenizer
 
 
 def _seed_program_text(directory: Path) -> Path:
@@ -207,8 +210,9 @@ def _abstract(blob_like: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- the run -----------------------------------------------------------------------------
-def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
-    workdir = Path(workdir)
+def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
+    """Runs (or resumes) ``config`` in ``workdir``: a local directory or ``gs://...``."""
+    workdir = storage.absolute(workdir)
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2, default=str))
@@ -217,6 +221,10 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     tokenizer = build_tokenizer(config.tokenizer, workdir)
     mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
     model = build_model(config.model, tokenizer, config.seed, mesh)
+    if distributed.is_primary():  # what `python -m spade_jax.export` rebuilds the policy from
+        from spade_jax.export import write_model_spec
+
+        write_model_spec(workdir, model)
     log.info("policy: %s, %s parameters", model.config.architecture,
              f"{model.config.param_count():,}")
     train_config = _with_sampler_temperatures(config)
@@ -270,8 +278,10 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
     )
 
     ckpt = CheckpointManager(
-        CheckpointConfig(str((workdir / "checkpoints").absolute()),
-                         save_every_steps=config.checkpoint_every, keep=config.keep_checkpoints),
+        CheckpointConfig(workdir / "checkpoints", save_every_steps=config.checkpoint_every,
+                         keep=config.keep_checkpoints,
+                         best_metric=config.best_checkpoint_metric or None,
+                         best_mode=config.best_checkpoint_mode),
         guard=PreemptionGuard.install(), config_hash=config_hash(config))
     start_round = 0
     restored = ckpt.restore_latest(_abstract(_saveable(holder["state"])))
@@ -299,9 +309,12 @@ def run_experiment(config: ExperimentConfig, workdir: Path) -> None:
             if line:
                 log.info(line)
             last = round_index + 1 == config.spade.rounds
-            if ckpt.should_save(round_index + 1) or last:
+            # The held-out score when evaluated this round, else None; process 0's on every
+            # host, since whether to save (a collective) depends on it.
+            score = distributed.agree_json(ckpt.score(metrics))
+            if ckpt.should_save(round_index + 1) or last or ckpt.is_new_best(score):
                 ckpt.save(round_index + 1, _saveable(holder["state"]),
-                          {"round": round_index, "loop": loop.state_dict()})
+                          {"round": round_index, "loop": loop.state_dict()}, score=score)
             if ckpt.preempted:
                 log.warning("preempted: checkpoint saved after round %d, exiting", round_index)
                 break

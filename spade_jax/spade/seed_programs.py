@@ -178,7 +178,9 @@ def load_program_pool(
     a bad path. Raises ValueError for a directory with no programs, and for an empty or
     non-UTF-8 program or hint file. The error names the file.
     """
-    root = pathlib.Path(directory)
+    from etils import epath  # the pool may be local or remote (gs://...)
+
+    root = epath.Path(directory)
     if not root.exists():
         raise FileNotFoundError(f"program pool directory {root} does not exist")
     if not root.is_dir():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pathlib
 
 from spade_jax.tokenizers.chat_template import (
     ChatTemplate,
@@ -20,9 +19,12 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer | SentencePieceTokeni
     A directory with ``tokenizer.json`` (or that file itself) -> :class:`HFTokenizer`; a
     directory with ``tokenizer.model`` or exactly one ``*.model`` (or that file) ->
     :class:`SentencePieceTokenizer`. A ``chat_template.jinja`` or ``tokenizer_config.json``
-    ``chat_template`` next to it is used; otherwise the built-in Qwen3 template.
+    ``chat_template`` next to it is used; otherwise the built-in Qwen3 template. ``path``
+    may be remote (``gs://...``): its tokenizer files are read from a local copy.
     """
-    path = pathlib.Path(path)
+    from spade_jax import storage
+
+    path = storage.tokenizer_copy(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path {path} does not exist")
     if path.is_file():
