@@ -304,11 +304,13 @@ def main() -> None:
         decode={"loop": decode_checks(scan=False), "scan": decode_checks(scan=True)},
         replay={"invariant": replay_checks(True), "default": replay_checks(False, False)},
         batching=batching_checks(),
-        engine=engine_checks(),
         sharded=sharded_checks(),
     )
     json.dump(report, sys.stdout)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["engine"]:  # its own process: the main report is near its timeout
+        json.dump(engine_checks(), sys.stdout)
+    else:
+        main()
