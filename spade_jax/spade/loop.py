@@ -371,7 +371,8 @@ class SpadeLoop:
                 cand.designer_return = penalty
                 cand.reason = cand.reason or "no_episodes"
                 continue
-            cand.reward = self.reward_rule.score(cand.returns_hint or None, cand.returns_no_hint,
+            # One no-hint step per candidate until the loop keeps regeneration windows.
+            cand.reward = self.reward_rule.score(cand.returns_hint, [cand.returns_no_hint],
                                                  skill=cand.skill)
             cand.designer_return = float(cand.reward.total)
 

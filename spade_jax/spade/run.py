@@ -264,8 +264,9 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
                     else seed_programs.SEED_PROGRAMS)
         fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
     reward_name = config.spade.designer_reward
-    reward_rule = (make_designer_reward(reward_name, config=config.spade.reward,
-                                        success_threshold=config.spade.success_threshold)
+    reward_rule = (make_designer_reward(reward_name, {
+        **dataclasses.asdict(config.spade.reward),
+        "success_threshold": config.spade.success_threshold})
                    if reward_name == "hint_regret" else make_designer_reward(reward_name))
     corpus_sampler = build_corpus_sampler(config)
     _check_corpus_agrees(corpus_sampler)
