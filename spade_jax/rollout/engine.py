@@ -97,6 +97,7 @@ class _Static:
     use_top_p: bool
     router_hook: Callable | None
     batch_invariant: bool
+    mesh: Any = None  # handed to the model (its expert-parallel MoE dispatch)
 
 
 class _Scalars(struct.PyTreeNode):
@@ -149,7 +150,7 @@ def _record(state: SlotState, token_b, logprob_b, running_b) -> SlotState:
 def _step(model, state: SlotState, scalars: _Scalars, static: _Static) -> SlotState:
     running_b = ~state.done_b
     out = model(state.last_token_b[:, None], attention_mask_bt=running_b[:, None],
-                cache=state.cache, router_hook=static.router_hook)
+                cache=state.cache, router_hook=static.router_hook, mesh=static.mesh)
     token_b, logprob_b = _draw(out.logits[:, -1], state.seed_b, state.num_generated_b,
                                scalars, static)
     return _record(state.replace(cache=out.cache), token_b, logprob_b, running_b)
@@ -186,7 +187,7 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, s
                         index=jnp.where(fresh_u, 0, part.index))
     mask_ut = jnp.arange(ids_ut.shape[1])[None, :] < len_u[:, None]
     out = model(ids_ut, attention_mask_bt=mask_ut, cache=part, router_hook=static.router_hook,
-                return_logits=False)
+                return_logits=False, mesh=static.mesh)
     last_u = jnp.maximum(len_u - 1, 0)
     hidden_u1d = jnp.take_along_axis(out.hidden, last_u[:, None, None], axis=1)
     logits_kv = jnp.take(model.lm_head(hidden_u1d)[:, 0], src_k, axis=0)
@@ -232,7 +233,8 @@ class SlotEngine:
         self.static = _Static(
             greedy=config.greedy, top_k=config.top_k,
             use_top_p=config.top_p < 1 and not config.greedy, router_hook=router_hook,
-            batch_invariant=getattr(getattr(model, "options", None), "batch_invariant", False))
+            batch_invariant=getattr(getattr(model, "options", None), "batch_invariant", False),
+            mesh=mesh)
         self.scalars = _Scalars(temperature=jnp.float32(config.temperature),
                                 top_p=jnp.float32(config.top_p))
         self.new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
