@@ -1,6 +1,6 @@
 """Sampler throughput vs transformers ``generate`` and vs a matmul roofline, one table.
 
-    python benchmarks/sampler.py                      # B = 1, 16, 64; 32-token prompts, 128 new
+    python benchmarks/sampler.py                      # B = 16, 64; 32-token prompts, 128 new
     python benchmarks/sampler.py --batches=1,4 --new_tokens=16 --skip_hf   # quick smoke run
 
 Both sides run the same random weights: the 17.5M-parameter Qwen3-MoE preset
@@ -17,6 +17,7 @@ attention score/value FLOPs over the cached context (prompt bucket + tokens so f
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -86,10 +87,11 @@ def time_hf(hf_model, prompts, new_tokens: int) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--batches", default="16,64")
     parser.add_argument("--prompt_len", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=128)
-    parser.add_argument("--moe_impl", default="blocked", choices=["blocked", "ragged", "dense"])
+    parser.add_argument("--moe_impl", default="auto",
+                        choices=["auto", "blocked", "ragged", "dense"])
     parser.add_argument("--cache_dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--skip_hf", action="store_true")
@@ -98,6 +100,7 @@ def main(argv=None) -> None:
 
     cfg = preset("bench_moe_17m")
     model = Qwen3(cfg, ModelOptions(moe_impl=args.moe_impl), rngs=nnx.Rngs(0))
+    args.moe_impl = model.options.moe_impl  # "auto" resolved for this backend
     hf_model = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -113,7 +116,8 @@ def main(argv=None) -> None:
     print(f"model bench_moe_17m: {cfg.param_count() / 1e6:.1f}M params, "
           f"{cfg.param_count(active=True) / 1e6:.1f}M active; {per_token / 1e6:.1f} MFLOP/token; "
           f"matmul roofline {roofline / 1e9:.1f} GFLOP/s; devices {jax.devices()[0].platform} "
-          f"x{jax.device_count()}; moe_impl={args.moe_impl}, cache={args.cache_dtype}")
+          f"x{jax.device_count()}; moe_impl={args.moe_impl}, cache={args.cache_dtype}; "
+          f"load average {os.getloadavg()[0]:.1f} (2 cores)")
     print(f"{'B':>4} {'sampler tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'GFLOP/s':>9} "
           f"{'% roofline':>10}")
     rs = np.random.RandomState(0)

@@ -42,7 +42,8 @@ class ModelSpec:
       preset: named architecture (``spade_jax.models.PRESETS``) initialised at random.
       architecture: an explicit architecture initialised at random (tiny CPU runs).
       dtype: parameter / activation dtype of the policy ("float32" or "bfloat16").
-      moe_impl: MoE dispatch, a key of ``spade_jax.models.moe.DISPATCH``.
+      moe_impl: MoE dispatch, a key of ``spade_jax.models.moe.DISPATCH``, or "auto" (the
+        backend's fastest, chosen when the model is built: ``ModelOptions.moe_impl``).
       remat: backward-pass recompute policy per decoder layer: False/"none", True/"full",
         "dots" or "dots_no_batch" (``spade_jax.models.qwen3.REMAT_POLICIES``).
       scan_layers: stacked layers run by ``jax.lax.scan`` (compile time independent of
@@ -59,7 +60,7 @@ class ModelSpec:
     preset: str = ""
     architecture: ModelConfig | None = None
     dtype: str = "bfloat16"
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     remat: bool | str = False
     scan_layers: bool = False
     attention_chunk: int = 0

@@ -50,8 +50,11 @@ class ModelOptions:
       dtype: activation / matmul dtype ("float32" or "bfloat16"). Norms, RoPE tables,
         router softmax, attention softmax and logits are always computed in fp32.
       param_dtype: storage dtype of the parameters.
-      moe_impl: MoE dispatch, a key of ``moe.DISPATCH`` ("ragged" grouped matmul, default;
-        "dense" all-experts reference; "blocked" block-sorted, fast on CPU).
+      moe_impl: MoE dispatch, a key of ``moe.DISPATCH`` ("ragged" grouped matmul; "dense"
+        all-experts reference; "blocked" block-sorted, fast on CPU; "expert_parallel"
+        all_to_all over the mesh's expert axis, "ragged" without one) or "auto" (the
+        default): resolved when the model is built by :func:`auto_moe_impl` for the
+        backend ("blocked" on CPU, "expert_parallel" on TPU / GPU).
       remat: what the backward pass recomputes per decoder layer, a key of
         ``REMAT_POLICIES``: "none" (keep every activation), "full" (keep only the layer's
         input), "dots" (keep matmul outputs), "dots_no_batch" (keep weight matmuls, recompute
@@ -77,18 +80,19 @@ class ModelOptions:
 
     dtype: str = "float32"
     param_dtype: str = "float32"
-    moe_impl: str = "ragged"
+    moe_impl: str = "auto"
     remat: bool | str = False
     attention_chunk: int = 0
     scan_layers: bool = False
     batch_invariant: bool = False
 
     def __post_init__(self):
+        if self.moe_impl != "auto" and self.moe_impl not in moe.DISPATCH:
+            raise ValueError(f"moe_impl must be 'auto' or one of {sorted(moe.DISPATCH)}, "
+                             f"got {self.moe_impl!r}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
-        if self.moe_impl not in moe.DISPATCH:
-            raise ValueError(f"moe_impl must be one of {sorted(moe.DISPATCH)}, got {self.moe_impl!r}")
         if self.attention_chunk < 0:
             raise ValueError(f"attention_chunk must be >= 0 (0 = no chunking), "
                              f"got {self.attention_chunk}")
@@ -112,23 +116,39 @@ class ModelOptions:
         return _DTYPES[self.param_dtype]
 
 
+def auto_moe_impl(backend: str | None = None) -> str:
+    """The MoE dispatch fastest on ``backend`` (default: JAX's default backend).
+
+    CPU: "blocked" (XLA:CPU runs ``ragged_dot`` as a loop of full matmuls; measured in
+    ``benchmarks/model_forward.py`` and ``benchmarks/sampler.py``). TPU / GPU: grouped
+    matmuls, "expert_parallel" (all_to_all over the mesh's expert axis when the rules
+    give it one, else exactly "ragged")."""
+    backend = backend or jax.default_backend()
+    return "blocked" if backend == "cpu" else "expert_parallel"
+
+
 @struct.dataclass
 class KVCache:
     """Preallocated keys/values per layer and which slots hold real tokens.
 
-    ``index`` is the next slot to write; every sequence in the batch shares it (prompts
-    are left-padded, and ``valid_bs`` masks the padding). ``k``/``v`` are a tuple of L
-    arrays, or one stacked [L, B, S, K, H] array for a model with ``scan_layers``.
+    ``index`` is the next slot to write. A scalar ``[]`` index is shared by the batch
+    (prompts are left-padded, and ``valid_bs`` masks the padding). A per-row ``[B]`` index
+    lets every row sit at its own length (the rollout engine's slots, whose episodes keep
+    their cache from turn to turn): row b writes its T new tokens at slots
+    ``index[b] .. index[b] + T - 1`` (slots past the end are dropped) and advances by its
+    count of real tokens, so a row's padding goes on the right and is overwritten later.
+    ``k``/``v`` are a tuple of L arrays, or one stacked [L, B, S, K, H] array for a model
+    with ``scan_layers``.
     """
 
     k: tuple[jax.Array, ...] | jax.Array  # L x [B, S, K, H], or [L, B, S, K, H] stacked
     v: tuple[jax.Array, ...] | jax.Array
     valid_bs: jax.Array  # [B, S] bool
-    index: jax.Array  # [] int32
+    index: jax.Array  # [] int32, or [B] int32 per row
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
-             stacked: bool = False) -> KVCache:
+             stacked: bool = False, per_row: bool = False) -> KVCache:
         shape = (batch, max_len, config.num_kv_heads, config.head_dim)
         if stacked:
             k = jnp.zeros((config.num_layers, *shape), dtype)
@@ -137,7 +157,11 @@ class KVCache:
             k = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
             v = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         return cls(k=k, v=v, valid_bs=jnp.zeros((batch, max_len), bool),
-                   index=jnp.zeros((), jnp.int32))
+                   index=jnp.zeros((batch,) if per_row else (), jnp.int32))
+
+    @property
+    def per_row(self) -> bool:
+        return self.index.ndim == 1
 
     @property
     def stacked(self) -> bool:
@@ -158,7 +182,51 @@ class KVCache:
         else:
             k = tuple(jnp.take(x, rows_b, axis=0) for x in self.k)
             v = tuple(jnp.take(x, rows_b, axis=0) for x in self.v)
-        return self.replace(k=k, v=v, valid_bs=jnp.take(self.valid_bs, rows_b, axis=0))
+        index = jnp.take(self.index, rows_b, axis=0) if self.per_row else self.index
+        return self.replace(k=k, v=v, valid_bs=jnp.take(self.valid_bs, rows_b, axis=0),
+                            index=index)
+
+    def put_rows(self, rows_k: jax.Array, part: KVCache) -> KVCache:
+        """This cache with ``part``'s rows written at batch rows ``rows_k`` (a per-row cache;
+        rows out of range are dropped, so padding entries may point past the batch)."""
+        def put(dst, src, axis):
+            at = (slice(None),) * axis + (rows_k,)
+            return dst.at[at].set(src.astype(dst.dtype), mode="drop")
+
+        if self.stacked:
+            k, v = put(self.k, part.k, 1), put(self.v, part.v, 1)
+        else:
+            k = tuple(put(x, y, 0) for x, y in zip(self.k, part.k, strict=True))
+            v = tuple(put(x, y, 0) for x, y in zip(self.v, part.v, strict=True))
+        return self.replace(k=k, v=v, valid_bs=put(self.valid_bs, part.valid_bs, 0),
+                            index=put(self.index, part.index, 0))
+
+    def pad_to(self, max_len: int) -> KVCache:
+        """The same cache with ``max_len`` slots (new slots empty and invalid)."""
+        extra = max_len - self.valid_bs.shape[1]
+        if extra < 0:
+            raise ValueError(f"cannot shrink a cache of {self.valid_bs.shape[1]} slots to {max_len}")
+
+        def pad(x, axis):
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, extra)
+            return jnp.pad(x, widths)
+
+        seq = 2 if self.stacked else 1
+        k = pad(self.k, seq) if self.stacked else tuple(pad(x, seq) for x in self.k)
+        v = pad(self.v, seq) if self.stacked else tuple(pad(x, seq) for x in self.v)
+        return self.replace(k=k, v=v, valid_bs=pad(self.valid_bs, 1))
+
+
+def write_slots(cache_bs: jax.Array, new_bt: jax.Array, index: jax.Array) -> jax.Array:
+    """``new_bt`` written into ``cache_bs`` along axis 1 from ``index``: one shared slot for
+    a scalar index, slot ``index[b]`` for row b with a [B] index (out-of-range slots dropped)."""
+    new_bt = new_bt.astype(cache_bs.dtype)
+    if index.ndim == 0:
+        return jax.lax.dynamic_update_slice(cache_bs, new_bt, (0, index) + (0,) * (new_bt.ndim - 2))
+    b, t = new_bt.shape[:2]
+    slots_bt = index[:, None] + jnp.arange(t, dtype=index.dtype)
+    return cache_bs.at[jnp.arange(b)[:, None], slots_bt].set(new_bt, mode="drop")
 
 
 @struct.dataclass
@@ -263,9 +331,8 @@ class Attention(nnx.Module):
 
         if kv is not None:  # write this step's keys/values into the cache, attend to all slots
             k_cache, v_cache = kv
-            start = (0, write_index, 0, 0)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k_btkh.astype(k_cache.dtype), start)
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v_btkh.astype(v_cache.dtype), start)
+            k_cache = write_slots(k_cache, k_btkh, write_index)
+            v_cache = write_slots(v_cache, v_btkh, write_index)
             kv = (k_cache, v_cache)
             k_bskh, v_bskh = k_cache.astype(dt), v_cache.astype(dt)
         else:
@@ -439,7 +506,8 @@ class Qwen3(nnx.Module):
       input_ids_bt: [B, T] int token ids.
       positions_bt: [B, T] RoPE positions (default: cache index + arange(T)).
       attention_mask_bt: [B, T] 1 for real tokens, 0 for padding (default: all ones).
-      cache: a :class:`KVCache`; the new tokens are written at ``cache.index``.
+      cache: a :class:`KVCache`; the new tokens are written at ``cache.index`` (shared, or
+        per row: see :class:`KVCache`).
       router_hook: pure ``f(logits_btE fp32, layer_idx) -> logits_btE`` applied before
         softmax/top-k in every MoE layer (router steering plugs in here).
       routing_replay: per layer [B, T, X] expert indices to use instead of top-k.
@@ -451,6 +519,8 @@ class Qwen3(nnx.Module):
 
     def __init__(self, config: ModelConfig, options: ModelOptions | None = None, *, rngs: nnx.Rngs):
         options = options or ModelOptions()
+        if options.moe_impl == "auto":  # explicit values win; "auto" is fixed at build time
+            options = dataclasses.replace(options, moe_impl=auto_moe_impl())
         if options.batch_invariant:
             numerics.warn_if_inexact()
         self.config, self.options = config, options
@@ -495,19 +565,20 @@ class Qwen3(nnx.Module):
         mask_bt = (jnp.ones((b, t), bool) if attention_mask_bt is None
                    else jnp.asarray(attention_mask_bt).astype(bool))
         start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+        # Slot of each query: [1, T] with a shared index, [B, T] with per-row indices.
+        query_slot_bt = jnp.reshape(start, (-1, 1)) + jnp.arange(t, dtype=jnp.int32)
         if positions_bt is None:
-            positions_bt = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+            positions_bt = jnp.broadcast_to(query_slot_bt, (b, t))
         if routing_replay is not None and len(routing_replay) != cfg.num_layers:
             raise ValueError(f"routing_replay needs {cfg.num_layers} entries, got {len(routing_replay)}")
 
         # Attention mask over key slots: causal by slot index, and only real tokens.
-        query_slot_t = start + jnp.arange(t)
         if cache is None:
             key_valid_bs = mask_bt
         else:
-            key_valid_bs = jax.lax.dynamic_update_slice(cache.valid_bs, mask_bt, (0, start))
+            key_valid_bs = write_slots(cache.valid_bs, mask_bt, start)
         key_slot_s = jnp.arange(key_valid_bs.shape[1])
-        mask_bts = (key_slot_s[None, :] <= query_slot_t[:, None])[None] & key_valid_bs[:, None, :]
+        mask_bts = (key_slot_s[None, None, :] <= query_slot_bt[:, :, None]) & key_valid_bs[:, None, :]
 
         x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0).astype(dt)
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
@@ -532,12 +603,15 @@ class Qwen3(nnx.Module):
         logits = self.lm_head(hidden_btd) if return_logits else None
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=kv[0], v=kv[1], valid_bs=key_valid_bs, index=start + t)
+            # A per-row index advances by the row's real tokens (its padding is on the right).
+            advance = jnp.sum(mask_bt, axis=1, dtype=jnp.int32) if cache.per_row else t
+            new_cache = KVCache(k=kv[0], v=kv[1], valid_bs=key_valid_bs, index=start + advance)
         return ModelOutput(logits, hidden_btd, router_logits, selected, new_cache)
 
-    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None,
+                   per_row: bool = False) -> KVCache:
         return KVCache.init(self.config, batch, max_len, dtype or self.options.compute_dtype,
-                            stacked=self.options.scan_layers)
+                            stacked=self.options.scan_layers, per_row=per_row)
 
 
 def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy):

@@ -9,16 +9,23 @@ sampler generates the assistant turn; the parser turns its text into an action;
 env terminates/truncates or a turn / token budget is hit. Different episodes may run
 different environment programs in one batch.
 
-Overlap: active episodes are split into two halves. While one half's environments step on
-host threads (sandboxed envs wait on worker processes; in-process envs run Python while
-JAX releases the GIL during compute), the other half's turn is being generated, so the
-accelerator is not idle while environments step.
+Engine (``rollout.engine``): a fixed number of decode slots; an episode takes a slot for its
+life, and its KV cache stays there from turn to turn, so a turn prefills only the tokens
+added since the last one (the end of the previous turn, the observation, the template
+pieces). There is no per-turn barrier: a row whose turn ends hands its action to an env
+thread at once (sandboxed envs wait on worker processes; in-process envs run Python while
+JAX releases the GIL during compute) while the other slots keep decoding, and its next turn
+is prefilled into its slot as soon as the env result is in. A new episode takes the slot of
+one that ended. Turn t of episode i draws with ``derive_seed(seed, i, t)``, so records do
+not depend on the slot count, arrival order or batch composition.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import heapq
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -28,8 +35,9 @@ import jax
 from flax import nnx
 
 from spade_jax import distributed
+from spade_jax.rollout.engine import Finished, Request, SlotEngine
 from spade_jax.rollout.records import EpisodeRecord
-from spade_jax.rollout.sampler import SamplerConfig, sample
+from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.seeding import derive_seed
 
 _PROBE_USER, _PROBE_ASSISTANT = "x", "y"
@@ -50,8 +58,11 @@ class AgentLoopConfig:
       sampler: temperature / top-p / top-k / buckets; its max_new_tokens is replaced by the
         per-turn budget, and its seed is the base of the batch's sampler calls when
         ``run_episodes`` gets no ``seed`` (call i draws with ``derive_seed(base, i)``).
-      overlap_env_steps: pipeline two half-batches so env steps overlap generation.
+      overlap_env_steps: no effect, kept so old configs load: env steps always overlap
+        the decoding of the other slots (the slot engine replaced the two half-batches).
       env_threads: host threads stepping environments.
+      decode_slots: decode slots of the engine (0 = one per episode). Fewer slots bound
+        the KV cache; an episode waits for a free slot (one whose episode ended).
       action_format: how the default `ActionParser` reads a reply: "text" (the visible
         reply) or "boxed" (the content of the last ``\\boxed{...}``, sent re-wrapped as
         ``\\boxed{...}``, as the recipe's games expect).
@@ -71,8 +82,12 @@ class AgentLoopConfig:
     env_threads: int = 8
     action_format: str = "text"
     first_turn_template: str = "{observation}"
+    decode_slots: int = 0
 
     def __post_init__(self):
+        if self.decode_slots < 0:
+            raise ValueError(f"decode_slots must be >= 0 (0 = one per episode), "
+                             f"got {self.decode_slots}")
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens", "env_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -323,21 +338,24 @@ def run_episodes(
     router_hook: Callable | None = None,
     mesh: Any = None,
     seed: int | None = None,
+    stats: dict | None = None,
 ) -> list[EpisodeRecord]:
     """Runs every episode to its end; returns their records in input order.
 
-    seed: base of this batch's sampling noise: sampler call i (one per half-batch turn)
-      draws with ``derive_seed(seed, i)``, recorded per turn in ``sampler_seeds``. Pass a
-      different seed per batch, e.g. ``derive_seed(experiment_seed, step, Phase.AGENT, k)``:
-      two batches with one seed draw the same noise. None = ``config.sampler.seed``.
+    seed: base of this batch's sampling noise: turn t of episode i draws with
+      ``derive_seed(seed, i, t)`` (recorded per turn in ``sampler_seeds``), whatever slot it
+      runs in and whoever shares the batch. Pass a different seed per batch, e.g.
+      ``derive_seed(experiment_seed, step, Phase.AGENT, k)``: two batches with one seed draw
+      the same noise. None = ``config.sampler.seed``.
+    stats: if given, filled with the engine's counters (prefill tokens, decode steps, busy
+      slot-steps, slots, cache length, ticks) for cost accounting and benchmarks.
 
-    Multi-host: every host passes the same global ``episodes`` (and calls the sampler
-    with the same global batch), but steps only its share (:func:`episode_owner`); the
+    Multi-host: every host passes the same global ``episodes`` (and makes the same engine
+    calls on the same global batch), but steps only its share (:func:`episode_owner`); the
     env of an episode another host owns is never touched and may be None. The records
     returned are the same on every host.
     """
     config = config or AgentLoopConfig()
-    base_seed = config.sampler.seed if seed is None else seed
     parser = parser or ActionParser(action_format=config.action_format)
     turns = ChatTurns(tokenizer, config.system_prompt, config.enable_thinking,
                       config.first_turn_template)
@@ -347,64 +365,132 @@ def run_episodes(
         resets = _outcomes(_run_envs(pool, _reset, list(enumerate(eps)), shard), shard)
         for i, ep in enumerate(eps):
             _absorb_reset(ep, resets[i], turns)
-        indexed = list(enumerate(eps))
-        halves = ([indexed[0::2], indexed[1::2]] if config.overlap_env_steps and len(eps) > 1
-                  else [indexed])
-        pending: dict[int, tuple[list, dict[int, concurrent.futures.Future]]] = {}
-        sampler_call = 0
-        while any(ep.active for ep in eps) or pending:
-            for h, half in enumerate(halves):
-                if h in pending:  # this half's env steps ran while the other half generated
-                    stepped, futures = pending.pop(h)
-                    outcomes = _outcomes(futures, shard)
-                    for i, ep in stepped:
-                        _absorb_step(ep, outcomes[i], turns, config)
-                live = [ep for _, ep in half if ep.active]
-                if not live:
-                    continue
-                _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh,
-                             derive_seed(base_seed, sampler_call))
-                sampler_call += 1
-                stepping = [(i, ep) for i, ep in half if ep.active]
-                if stepping:
-                    pending[h] = stepping, _run_envs(pool, _step, stepping, shard)
+        engine = None
+        if any(ep.active for ep in eps):
+            slots = min(len(eps), config.decode_slots or len(eps))
+            longest = max(len(ep.record.token_ids) for ep in eps)
+            engine = SlotEngine(
+                model, slots, dataclasses.replace(config.sampler,
+                                                  max_new_tokens=config.max_turn_tokens),
+                stop_tokens=sorted(turns.eos_ids), router_hook=router_hook, mesh=mesh,
+                cache_len=longest + config.max_turn_tokens)
+            _Scheduler(eps, engine, pool, shard, turns, config, parser, tokenizer,
+                       config.sampler.seed if seed is None else seed).run()
     for ep in eps:
         ep.record.cost.context_tokens = len(ep.record.token_ids)
+    if stats is not None and engine is not None:
+        stats.update(engine.stats, slots=engine.num_slots)
     return [ep.record for ep in eps]
 
 
-def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mesh, seed):
-    """Generates one assistant turn for every live episode (one batched sampler call
-    drawing with ``seed``)."""
-    for ep in live:
-        if len(ep.record.token_ids) >= config.max_episode_tokens:
-            ep.active, ep.record.end_reason, ep.record.truncated = False, "max_tokens", True
-    live = [ep for ep in live if ep.active]
-    if not live:
-        return
-    budgets = [min(config.max_turn_tokens, config.max_episode_tokens - len(ep.record.token_ids))
-               for ep in live]
-    sampler_config = dataclasses.replace(config.sampler, max_new_tokens=config.max_turn_tokens,
-                                         seed=seed)
-    result = sample(model, [ep.record.token_ids for ep in live], sampler_config,
-                    stop_tokens=sorted(turns.eos_ids), router_hook=router_hook, mesh=mesh,
-                    max_new_per_seq=budgets)
-    for ep, tokens, logprobs, reason in zip(live, result.tokens, result.logprobs,
-                                            result.done_reasons, strict=True):
+class _Scheduler:
+    """Drives the slot engine in ticks: admit waiting turns into slots, decode a chunk, end
+    the turns that finished (their env steps start at once on the thread pool), then take
+    the env results that have arrived. Each episode keeps its slot, and so its KV cache,
+    from its first turn to its end; the next turn prefills only what was added.
+
+    Every decision depends only on values all hosts share (the gathered env outcomes and
+    device state), taken in episode order, so every host makes the same engine calls."""
+
+    def __init__(self, eps, engine: SlotEngine, pool, shard: _EnvShard, turns: ChatTurns,
+                 config: AgentLoopConfig, parser, tokenizer, base_seed: int):
+        self.eps, self.engine, self.pool, self.shard = eps, engine, pool, shard
+        self.turns, self.config, self.parser, self.tokenizer = turns, config, parser, tokenizer
+        self.base_seed = base_seed
+        self.ready = collections.deque(i for i, ep in enumerate(eps) if ep.active)
+        self.free = list(range(engine.num_slots))  # a heap: lowest slot first
+        self.slot_of: dict[int, int] = {}
+        self.episode_in: dict[int, int] = {}  # slot -> episode generating there
+        self.cached: dict[int, int] = {}  # episode -> stream tokens in its slot's cache
+        self.turn_seed: dict[int, int] = {}
+        self.stepping: set[int] = set()  # episodes whose env step is out (on some host)
+        self.futures: dict[int, concurrent.futures.Future] = {}  # this host's env steps
+        self.chunk = config.sampler.chunk_steps or 32
+        self.ticks = 0
+
+    def run(self) -> None:
+        while self.ready or self.engine.generating or self.stepping:
+            self.ticks += 1
+            self._admit()
+            if self.engine.generating:
+                self.engine.decode(self.chunk)
+                for done in self.engine.finished():
+                    self._end_turn(done)
+            self._take_env_results(block=not self.engine.generating)
+        self.engine.stats["ticks"] = self.ticks
+
+    def _release(self, i: int) -> None:
+        heapq.heappush(self.free, self.slot_of.pop(i))
+
+    def _admit(self) -> None:
+        config, requests, waiting = self.config, [], collections.deque()
+        for i in self.ready:
+            rec = self.eps[i].record
+            if len(rec.token_ids) >= config.max_episode_tokens:
+                self._end(i, "max_tokens", truncated=True)
+                continue
+            fresh = i not in self.slot_of
+            if fresh and not self.free:
+                waiting.append(i)
+                continue
+            if fresh:
+                self.slot_of[i], self.cached[i] = heapq.heappop(self.free), 0
+            budget = min(config.max_turn_tokens, config.max_episode_tokens - len(rec.token_ids))
+            self.turn_seed[i] = derive_seed(self.base_seed, i, rec.cost.turns)
+            slot = self.slot_of[i]
+            self.episode_in[slot] = i
+            self.engine.ensure_cache(len(rec.token_ids) + budget)
+            requests.append(Request(slot, rec.token_ids[self.cached[i]:], fresh, budget,
+                                    self.turn_seed[i]))
+        self.ready = waiting
+        self.engine.admit(requests)
+
+    def _end(self, i: int, reason: str, truncated: bool = False) -> None:
+        ep = self.eps[i]
+        ep.active, ep.record.end_reason = False, reason
+        ep.record.truncated = ep.record.truncated or truncated
+        if i in self.slot_of:
+            self._release(i)
+
+    def _end_turn(self, done: Finished) -> None:
+        i = self.episode_in.pop(done.slot)
+        ep, config = self.eps[i], self.config
         rec = ep.record
         start = len(rec.token_ids)
-        rec.append(tokens, policy=True, logprobs=logprobs)
+        rec.append(done.tokens, policy=True, logprobs=done.logprobs)
+        self.cached[i] = len(rec.token_ids) - 1  # the last token drawn was never fed
         rec.turn_spans.append((start, len(rec.token_ids)))
-        rec.turn_done_reasons.append(reason)
-        rec.sampler_seeds.append(seed)
+        rec.turn_done_reasons.append(done.reason)
+        rec.sampler_seeds.append(self.turn_seed[i])
         rec.cost.turns += 1
-        rec.cost.tokens_generated += len(tokens)
-        action, ok = parser(tokenizer.decode(tokens, skip_special_tokens=True))
+        rec.cost.tokens_generated += len(done.tokens)
+        action, ok = self.parser(self.tokenizer.decode(done.tokens, skip_special_tokens=True))
         rec.cost.parse_failures += 0 if ok else 1
         rec.actions.append(action)
         ep.pending_action = action
-        if reason != "eos" and len(rec.token_ids) >= config.max_episode_tokens:
-            ep.active, rec.end_reason, rec.truncated = False, "max_tokens", True
+        if done.reason != "eos" and len(rec.token_ids) >= config.max_episode_tokens:
+            self._end(i, "max_tokens", truncated=True)
+            return
+        self.stepping.add(i)
+        self.futures.update(_run_envs(self.pool, _step, [(i, ep)], self.shard))
+
+    def _take_env_results(self, block: bool) -> None:
+        """Absorbs the env steps finished on any host (all-gathered), in episode order.
+        ``block`` (nothing is generating): wait for at least one of this host's steps."""
+        if block and self.futures:
+            concurrent.futures.wait(list(self.futures.values()),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        finished = {i: f for i, f in self.futures.items() if f.done()}
+        for i in finished:
+            del self.futures[i]
+        outcomes = _outcomes(finished, self.shard)
+        for i in sorted(outcomes):
+            self.stepping.discard(i)
+            _absorb_step(self.eps[i], outcomes[i], self.turns, self.config)
+            if self.eps[i].active:
+                self.ready.append(i)
+            elif i in self.slot_of:
+                self._release(i)
 
 
 def _absorb_reset(ep: _Episode, outcome: Outcome, turns: ChatTurns) -> None:

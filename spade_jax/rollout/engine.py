@@ -1,0 +1,356 @@
+"""Slot engine: continuous batching over a fixed set of decode slots, each holding one
+sequence's KV cache from request to request (turn to turn of an episode).
+
+    engine = SlotEngine(model, num_slots=8, config=SamplerConfig(max_new_tokens=64), ...)
+    engine.admit([Request(slot=0, tokens=prompt, fresh=True, limit=64, seed=s)])
+    engine.decode(32)
+    for done in engine.finished(): ...
+
+How it runs:
+  * The cache has a per-row write index (``KVCache.index`` of shape [B]): slot b's stream
+    occupies cache slots 0 .. index[b] - 1 at RoPE positions 0 .. index[b] - 1, the
+    positions the trainer's forward gives the same stream.
+  * ``admit`` prefills only the tokens a request adds to its slot's stream (a fresh request:
+    the whole prompt; a continuing one: what came after its last cached token) into the
+    slots named, in one jitted call over the admitted rows only, and draws their first
+    token. Fresh requests with the same prompt are prefilled once and the result copied
+    into each of their slots (prefix sharing).
+  * ``decode`` runs up to n one-token steps of every slot in a ``lax.while_loop``; rows that
+    are done (waiting for their next request, or empty) are masked: they write nothing
+    valid and do not advance.
+  * A row's draw at its step n uses ``fold_in(fold_in(key(seed), 0), n)`` with the seed of
+    its request: the key :func:`spade_jax.rollout.sampler.sample` gives a one-prompt call
+    with that seed. A request's tokens therefore depend on its seed and its stream only,
+    not on its slot, the slot count, or which rows share the batch (log-probs: to float
+    rounding, bit for bit with a batch-invariant model).
+
+Slot-contiguous, not paged: the cache row of a slot is one [S, K, H] block per layer, so a
+decode step reads it with no gather (paged attention on XLA gathers every page of every
+row per token); the price is that a slot's length is the longest stream's, grown by
+doubling when a request needs more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from spade_jax import sharding
+from spade_jax.models import KVCache
+from spade_jax.rollout import sampling
+from spade_jax.rollout.sampler import (
+    _CACHE_DTYPES,
+    _EOS,
+    _MAX_TOKENS,
+    _RUNNING,
+    DONE_REASONS,
+    SamplerConfig,
+    _batch_bucket,
+    _batch_shards,
+    _next_pow2,
+    _round_up,
+    _to_device,
+    _to_host,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One turn to generate in a slot.
+
+    slot: the decode slot (its cache holds the stream so far unless ``fresh``).
+    tokens: the tokens to append to the slot's stream before generating (fresh: the prompt).
+    fresh: start an empty stream (a new sequence takes the slot).
+    limit: new tokens at most.
+    seed: the request's PRNG seed (``derive_seed(...)`` of who asks).
+    """
+
+    slot: int
+    tokens: Sequence[int]
+    fresh: bool
+    limit: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """A request's result: generated tokens (a stop token that ended it included), their
+    log-probs and the done reason ("eos" or "max_tokens")."""
+
+    slot: int
+    tokens: list[int]
+    logprobs: list[float]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    router_hook: Callable | None
+    batch_invariant: bool
+    mesh: Any = None  # handed to the model (its expert-parallel MoE dispatch)
+
+
+class _Scalars(struct.PyTreeNode):
+    temperature: jax.Array
+    top_p: jax.Array
+
+
+class SlotState(struct.PyTreeNode):
+    """Device state of every slot (B slots, N new-token buffer, M stop ids)."""
+
+    cache: KVCache  # per-row index
+    last_token_b: jax.Array  # [B] int32, the token to feed next
+    tokens_bn: jax.Array  # [B, N] int32 tokens of the current request
+    logprobs_bn: jax.Array  # [B, N] fp32
+    num_generated_b: jax.Array  # [B] int32
+    done_b: jax.Array  # [B] bool: not generating (finished, waiting or empty)
+    reason_b: jax.Array  # [B] int32 index into DONE_REASONS
+    limit_b: jax.Array  # [B] int32
+    seed_b: jax.Array  # [B] int32 PRNG seed of the request
+    stop_m: jax.Array  # [M] int32 stop ids shared by all rows (-1 = unused)
+
+
+def _draw(logits_bv, seed_b, step_b, scalars: _Scalars, static: _Static):
+    keys_b = jax.vmap(lambda s, n: jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(s), 0), n))(seed_b, step_b)
+    return sampling.sample_tokens(
+        logits_bv, keys_b, temperature=scalars.temperature, top_k=static.top_k,
+        top_p=scalars.top_p, greedy=static.greedy, use_top_p=static.use_top_p,
+        invariant=static.batch_invariant)
+
+
+def _record(state: SlotState, token_b, logprob_b, running_b) -> SlotState:
+    """Writes the drawn token of running rows into their next column; updates done."""
+    n = state.tokens_bn.shape[1]
+    rows_b = jnp.arange(token_b.shape[0])
+    col_b = jnp.where(running_b, state.num_generated_b, n)  # column n: dropped
+    num_b = state.num_generated_b + running_b.astype(jnp.int32)
+    hit_stop_b = running_b & jnp.any(token_b[:, None] == state.stop_m[None, :], axis=-1)
+    hit_limit_b = running_b & ~hit_stop_b & (num_b >= state.limit_b)
+    return state.replace(
+        tokens_bn=state.tokens_bn.at[rows_b, col_b].set(token_b, mode="drop"),
+        logprobs_bn=state.logprobs_bn.at[rows_b, col_b].set(logprob_b, mode="drop"),
+        num_generated_b=num_b,
+        done_b=state.done_b | hit_stop_b | hit_limit_b,
+        reason_b=jnp.where(hit_stop_b, _EOS, jnp.where(hit_limit_b, _MAX_TOKENS, state.reason_b)),
+        last_token_b=jnp.where(running_b, token_b, state.last_token_b),
+    )
+
+
+def _step(model, state: SlotState, scalars: _Scalars, static: _Static) -> SlotState:
+    running_b = ~state.done_b
+    out = model(state.last_token_b[:, None], attention_mask_bt=running_b[:, None],
+                cache=state.cache, router_hook=static.router_hook, mesh=static.mesh)
+    token_b, logprob_b = _draw(out.logits[:, -1], state.seed_b, state.num_generated_b,
+                               scalars, static)
+    return _record(state.replace(cache=out.cache), token_b, logprob_b, running_b)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
+def _decode(graphdef, params, state: SlotState, max_steps, scalars, *, static: _Static):
+    """Up to ``max_steps`` decode steps, fewer when every slot is done."""
+    model = nnx.merge(graphdef, params)
+
+    def keep_going(carry):
+        steps, _, s = carry
+        return (steps < max_steps) & ~jnp.all(s.done_b)
+
+    def body(carry):
+        steps, busy, s = carry
+        busy = busy + jnp.sum(~s.done_b, dtype=jnp.int32)
+        return steps + 1, busy, _step(model, s, scalars, static)
+
+    zero = jnp.zeros((), jnp.int32)
+    steps, busy, state = jax.lax.while_loop(keep_going, body, (zero, zero, state))
+    return state, jnp.stack([steps, busy])
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
+def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, src_k, slots_k,
+           limit_k, seed_k, scalars, *, static: _Static):
+    """Prefills U unique requests (row u extends the cache of slot ``home_u[u]``, emptied
+    first when ``fresh_u[u]``) and installs them in K slots (slot ``slots_k[k]`` gets the
+    result of row ``src_k[k]``), each drawing its first token with its own seed."""
+    model = nnx.merge(graphdef, params)
+    part = state.cache.take_rows(jnp.clip(home_u, 0, state.done_b.shape[0] - 1))
+    part = part.replace(valid_bs=part.valid_bs & ~fresh_u[:, None],
+                        index=jnp.where(fresh_u, 0, part.index))
+    mask_ut = jnp.arange(ids_ut.shape[1])[None, :] < len_u[:, None]
+    out = model(ids_ut, attention_mask_bt=mask_ut, cache=part, router_hook=static.router_hook,
+                return_logits=False, mesh=static.mesh)
+    last_u = jnp.maximum(len_u - 1, 0)
+    hidden_u1d = jnp.take_along_axis(out.hidden, last_u[:, None, None], axis=1)
+    logits_kv = jnp.take(model.lm_head(hidden_u1d)[:, 0], src_k, axis=0)
+    cache = state.cache.put_rows(slots_k, out.cache.take_rows(src_k))
+
+    k, n = src_k.shape[0], state.tokens_bn.shape[1]
+    rows = SlotState(  # the admitted rows' fresh request state
+        cache=None, last_token_b=jnp.zeros((k,), jnp.int32),
+        tokens_bn=jnp.zeros((k, n), jnp.int32), logprobs_bn=jnp.zeros((k, n), jnp.float32),
+        num_generated_b=jnp.zeros((k,), jnp.int32), done_b=jnp.zeros((k,), bool),
+        reason_b=jnp.full((k,), _RUNNING, jnp.int32), limit_b=limit_k, seed_b=seed_k,
+        stop_m=state.stop_m)
+    token_k, logprob_k = _draw(logits_kv, seed_k, rows.num_generated_b, scalars, static)
+    rows = _record(rows, token_k, logprob_k, jnp.ones((k,), bool))
+
+    def put(dst, src):
+        return dst.at[slots_k].set(src, mode="drop")
+
+    fields = [f.name for f in dataclasses.fields(SlotState) if f.name not in ("cache", "stop_m")]
+    return state.replace(cache=cache, **{f: put(getattr(state, f), getattr(rows, f))
+                                         for f in fields})
+
+
+@functools.partial(jax.jit, static_argnames=("max_len",))  # new shapes: nothing to donate to
+def _grow(state: SlotState, *, max_len: int) -> SlotState:
+    return state.replace(cache=state.cache.pad_to(max_len))
+
+
+class SlotEngine:
+    """Host side of the slot engine: which slots are generating, what they produced.
+
+    Multi-host: every process builds the engine with the same arguments and makes the same
+    ``admit`` / ``decode`` / ``finished`` calls with the same values (one global batch);
+    host reads of sharded state are all-gathered (:func:`sampler._to_host`).
+    """
+
+    def __init__(self, model: nnx.Module, num_slots: int, config: SamplerConfig, *,
+                 stop_tokens: Sequence[int], router_hook: Callable | None = None,
+                 mesh: jax.sharding.Mesh | None = None, cache_len: int = 256):
+        self.mesh, self.config = mesh, config
+        self.num_slots = _round_up(num_slots, _batch_shards(mesh))
+        self.graphdef, self.params = nnx.split(model)
+        self.static = _Static(
+            greedy=config.greedy, top_k=config.top_k,
+            use_top_p=config.top_p < 1 and not config.greedy, router_hook=router_hook,
+            batch_invariant=getattr(getattr(model, "options", None), "batch_invariant", False),
+            mesh=mesh)
+        self.scalars = _Scalars(temperature=jnp.float32(config.temperature),
+                                top_p=jnp.float32(config.top_p))
+        self.new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
+        cache_dtype = (_CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
+                       else model.options.compute_dtype)
+        stop_m = np.full((max(1, len(stop_tokens)),), -1, np.int32)
+        stop_m[:len(stop_tokens)] = list(stop_tokens)
+        with self._mesh():
+            self.state = self._init_state(model, cache_dtype, _next_pow2(cache_len), stop_m)
+        self.busy = np.zeros((self.num_slots,), bool)  # generating a request now
+        self.stats = {"prefill_tokens": 0, "prefill_rows": 0, "shared_prefills": 0,
+                      "prefill_calls": 0, "decode_calls": 0, "decode_steps": 0,
+                      "busy_slot_steps": 0, "cache_len": self.cache_len}
+
+    def _mesh(self):
+        import contextlib
+
+        return sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _init_state(self, model, cache_dtype, cache_len, stop_m) -> SlotState:
+        b, n = self.num_slots, self.new_buffer
+
+        @jax.jit
+        def init():
+            cache = model.init_cache(b, cache_len, cache_dtype, per_row=True).constrain()
+            return SlotState(
+                cache=cache, last_token_b=jnp.zeros((b,), jnp.int32),
+                tokens_bn=jnp.zeros((b, n), jnp.int32),
+                logprobs_bn=jnp.zeros((b, n), jnp.float32),
+                num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.ones((b,), bool),
+                reason_b=jnp.full((b,), _MAX_TOKENS, jnp.int32),
+                limit_b=jnp.ones((b,), jnp.int32), seed_b=jnp.zeros((b,), jnp.int32),
+                stop_m=jnp.asarray(stop_m))
+
+        return init()
+
+    @property
+    def cache_len(self) -> int:
+        return int(self.state.cache.valid_bs.shape[1])
+
+    def ensure_cache(self, length: int) -> None:
+        """Grows every slot's cache (to a power of two) so ``length`` tokens fit."""
+        if length > self.cache_len:
+            with self._mesh():
+                self.state = _grow(self.state, max_len=_next_pow2(length))
+            self.stats["cache_len"] = self.cache_len
+
+    def admit(self, requests: Sequence[Request]) -> None:
+        """Prefills the requests into their slots (one call); they start generating."""
+        if not requests:
+            return
+        for r in requests:
+            if self.busy[r.slot] or not 0 <= r.slot < self.num_slots:
+                raise ValueError(f"slot {r.slot} is busy or outside [0, {self.num_slots})")
+            if not r.tokens or not 1 <= r.limit <= self.config.max_new_tokens:
+                raise ValueError(f"request for slot {r.slot}: needs tokens and a limit in "
+                                 f"[1, {self.config.max_new_tokens}]")
+        unique: dict[Any, int] = {}  # fresh prompts are shared; a continuation is its own
+        home, src = [], []
+        for r in requests:
+            key = ("fresh", tuple(r.tokens)) if r.fresh else ("slot", r.slot)
+            if key not in unique:
+                unique[key] = len(home)
+                home.append(r)
+            src.append(unique[key])
+        shards = _batch_shards(self.mesh)
+        # One bucket for both row counts (U <= K): fewer shapes to compile.
+        u = k = _batch_bucket(len(requests), shards)
+        t = max(self.config.prompt_bucket_min, _next_pow2(max(len(r.tokens) for r in home)))
+        ids_ut = np.zeros((u, t), np.int32)
+        for j, r in enumerate(home):
+            ids_ut[j, :len(r.tokens)] = r.tokens
+        pad_u, pad_k = u - len(home), k - len(requests)
+        home_u = np.array([r.slot for r in home] + [self.num_slots] * pad_u, np.int32)
+        fresh_u = np.array([r.fresh for r in home] + [True] * pad_u)
+        len_u = np.array([len(r.tokens) for r in home] + [0] * pad_u, np.int32)
+        src_k = np.array(src + [0] * pad_k, np.int32)
+        slots_k = np.array([r.slot for r in requests] + [self.num_slots] * pad_k, np.int32)
+        limit_k = np.array([r.limit for r in requests] + [1] * pad_k, np.int32)
+        seed_k = np.array([r.seed for r in requests] + [0] * pad_k, np.int32)
+        args = [_to_device(a, self.mesh) for a in (home_u, fresh_u, ids_ut, len_u, src_k,
+                                                   slots_k, limit_k, seed_k)]
+        with self._mesh():
+            self.state = _admit(self.graphdef, self.params, self.state, *args, self.scalars,
+                                static=self.static)
+        self.busy[[r.slot for r in requests]] = True
+        self.stats["prefill_tokens"] += int(len_u.sum())
+        self.stats["prefill_rows"] += len(home)
+        self.stats["shared_prefills"] += len(requests) - len(home)
+        self.stats["prefill_calls"] += 1
+
+    @property
+    def generating(self) -> bool:
+        return bool(self.busy.any())
+
+    def decode(self, max_steps: int) -> int:
+        """Runs up to ``max_steps`` decode steps (fewer if every request finishes first)."""
+        with self._mesh():
+            self.state, counts = _decode(self.graphdef, self.params, self.state,
+                                         jnp.int32(max_steps), self.scalars, static=self.static)
+        steps, busy = (int(c) for c in _to_host(counts))
+        self.stats["decode_calls"] += 1
+        self.stats["decode_steps"] += steps
+        self.stats["busy_slot_steps"] += busy
+        return steps
+
+    def finished(self) -> list[Finished]:
+        """Results of the requests that finished since the last call, in slot order; their
+        slots keep their caches (for a continuation) and may be admitted again."""
+        done_b = _to_host(self.state.done_b)
+        slots = np.flatnonzero(self.busy & done_b)
+        if len(slots) == 0:
+            return []
+        fields = (self.state.tokens_bn, self.state.logprobs_bn, self.state.num_generated_b,
+                  self.state.reason_b)
+        tokens, logprobs, num, reason = (_to_host(x)[slots] for x in fields)
+        self.busy[slots] = False
+        return [Finished(int(s), tokens[j, :num[j]].tolist(), logprobs[j, :num[j]].tolist(),
+                         DONE_REASONS[int(reason[j])]) for j, s in enumerate(slots)]
