@@ -29,6 +29,7 @@ from flax import nnx
 
 from spade_jax import distributed
 from spade_jax.rollout.records import EpisodeRecord
+from spade_jax.rollout.routing import compact_routing, extend_routing
 from spade_jax.rollout.sampler import SamplerConfig, sample
 from spade_jax.seeding import derive_seed
 
@@ -389,9 +390,13 @@ def _policy_turn(model, tokenizer, live, turns, config, parser, router_hook, mes
     result = sample(model, [ep.record.token_ids for ep in live], sampler_config,
                     stop_tokens=sorted(turns.eos_ids), router_hook=router_hook, mesh=mesh,
                     max_new_per_seq=budgets)
-    for ep, tokens, logprobs, reason in zip(live, result.tokens, result.logprobs,
-                                            result.done_reasons, strict=True):
+    routes = result.selected_experts or [None] * len(live)
+    for ep, tokens, logprobs, reason, route in zip(live, result.tokens, result.logprobs,
+                                                   result.done_reasons, routes, strict=True):
         rec = ep.record
+        if route is not None:  # router replay: each token keeps the call that first fed it
+            rec.routing = extend_routing(
+                rec.routing, compact_routing(route, model.config.num_experts))
         start = len(rec.token_ids)
         rec.append(tokens, policy=True, logprobs=logprobs)
         rec.turn_spans.append((start, len(rec.token_ids)))

@@ -359,7 +359,8 @@ class SpadeLoop:
         usable = [r for r in records if any(r.loss_mask)]
         advantages = grouped_advantages([r.return_ for r in usable], [r.env_id for r in usable],
                                         self.config.agent_advantage, self.config.agent_advantage_eps)
-        return [TrainSequence(r.token_ids, r.loss_mask, r.logprobs, float(a), "agent")
+        return [TrainSequence(r.token_ids, r.loss_mask, r.logprobs, float(a), "agent",
+                              routing=r.routing)
                 for r, a in zip(usable, advantages, strict=True)]
 
     # ---- memory --------------------------------------------------------------------------
@@ -431,4 +432,4 @@ def _designer_sequence(sample: DesignerSample, advantage: float) -> TrainSequenc
     ids = sample.prompt_ids + sample.output_ids
     mask = [0] * len(sample.prompt_ids) + [1] * len(sample.output_ids)
     logprobs = [0.0] * len(sample.prompt_ids) + sample.output_logprobs
-    return TrainSequence(ids, mask, logprobs, advantage, "designer")
+    return TrainSequence(ids, mask, logprobs, advantage, "designer", routing=sample.routing)
