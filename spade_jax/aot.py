@@ -500,7 +500,22 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
             advantages=jax.ShapeDtypeStruct((b,), jnp.float32, sharding=rows),
             role_id=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows),
             attention_mask=jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows2),
+            # Router replay: per MoE layer the [B, T, X] int32 experts recorded at sampling.
+            routing_replay=tuple(
+                jax.ShapeDtypeStruct((b, t, arch.num_experts_per_tok), jnp.int32,
+                                     sharding=NamedSharding(mesh, PartitionSpec(
+                                         batch_axes or None, None, None)))
+                if arch.is_moe_layer(i) else None for i in range(arch.num_layers))
+            if train.router_replay else None,
         )
+        replay_note = ""
+        if train.router_replay:  # what a recorded token costs (docs/trainer.md)
+            from spade_jax.rollout.routing import bytes_per_token
+
+            moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+            recorded = bytes_per_token(moe_layers, arch.num_experts_per_tok, arch.num_experts)
+            in_batch = 4 * moe_layers * arch.num_experts_per_tok  # int32 in the TrainBatch
+            replay_note = f" replay {recorded} B/token recorded, {in_batch} B/token in the batch"
         step = jax.jit(functools.partial(train_step, graphdef=graphdef, config=train),
                        donate_argnums=0)
         with sharding.activate(mesh, rules):
@@ -508,7 +523,7 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         # The TPU compiler's cost analysis counts every trip of the microbatch scan (checked:
         # M=1 and M=4 report the same FLOPs for the same batch).
         programs.append(_program(
-            "train", f"B={b} T={t} M={train.microbatches}", compiled, seconds, resident=0,
+            "train", f"B={b} T={t} M={train.microbatches}{replay_note}", compiled, seconds, resident=0,
             tokens=b * t, **analytic_cost("train", arch, options, par, rows=b, length=t, keys=t,
                                           microbatches=train.microbatches)))
 
@@ -523,7 +538,8 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         n = _round_up(n, agent.sampler.new_tokens_bucket)
         cache_dtype = jnp.dtype(agent.sampler.cache_dtype or spec.dtype)
         static = sampler_lib._Static(
-            greedy=False, top_k=0, use_top_p=agent.sampler.top_p < 1, return_router=False,
+            greedy=False, top_k=0, use_top_p=agent.sampler.top_p < 1,
+            return_router=train.router_replay,  # the run's samplers record routing for replay
             cache_dtype=cache_dtype, cache_len=p + n, router_hook=None,
             batch_invariant=spec.batch_invariant)
         params_sds = state_sds.params

@@ -239,3 +239,26 @@ def test_replay_with_default_numerics_is_within_the_documented_bound():
     report = _driver("--default", exact=False)
     for path in ("episodes", "designer"):
         assert report[path]["max_gap_replay"] < 2e-5, report[path]  # docs/trainer.md
+
+
+def test_report_tabulates_and_plots_replay_telemetry(tmp_path):
+    from spade_jax.metrics import MetricsWriter
+    from spade_jax.spade.report import write_report
+
+    with MetricsWriter(tmp_path) as writer:
+        for step, (flip, free) in enumerate(((0.01, 0.10), (0.03, 0.20))):
+            writer.write(step, {"validity_rate": 1.0,
+                                "train/replay/agent/flip_rate": flip,
+                                "train/replay/agent/flip_rate_free": free,
+                                "train/replay/agent/logp_gap_replay": 1e-6,
+                                "train/replay/agent/logp_gap_free": 1e-3,
+                                "train/replay/agent/tis_clip_replay": 0.0,
+                                "train/replay/agent/tis_clip_free": 0.25,
+                                "train/replay/agent/ratio_dev_replay": 1e-6,
+                                "train/replay/agent/ratio_dev_free": 1e-3})
+    report = write_report(tmp_path).read_text()
+    assert "| agent | routing flip rate (token x layer) | 0.02 | 0.15 |" in report
+    assert "| agent | TIS clip fraction | 0 | 0.25 |" in report
+    assert "designer |" not in report  # no designer telemetry logged
+    assert "![router_replay](plots/router_replay.png)" in report
+    assert (tmp_path / "plots" / "router_replay.png").read_bytes()[:4] == b"\x89PNG"
