@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
@@ -60,6 +60,7 @@ from spade_jax.rl.optim import (
     learning_rate_schedule,
     make_optimizer,
 )
+from spade_jax.sharding import shard_batch, tree_shardings  # noqa: F401  (placement lives there)
 
 Array = jax.Array
 Metrics = dict[str, Array]
@@ -271,10 +272,12 @@ def policy_logprobs(
     router_replay: bool,
     logit_chunk: int = 0,
     temperature: float | Array = 1.0,
+    mesh: Mesh | None = None,
 ) -> tuple[Array, Array, list]:
     """Runs the policy on ``batch``: (logp [B, T], entropy [B, T], router logits per layer).
     Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew from;
-    ``temperature`` is a float or one value per row ([B])."""
+    ``temperature`` is a float or one value per row ([B]). ``mesh`` goes to the model (its
+    expert-parallel MoE dispatch)."""
     replay = None
     if router_replay:
         if batch.routing_replay is None:
@@ -285,6 +288,7 @@ def policy_logprobs(
         attention_mask_bt=batch.attention_mask,
         routing_replay=replay,
         return_logits=False,
+        mesh=mesh,
     )
     def lm_head(hidden_btd: Array) -> Array:
         logits_btv = model.lm_head(hidden_btd)
@@ -372,6 +376,7 @@ def microbatch_loss(
     role_share_r: Array,
     config: TrainConfig,
     loss_share_r: Array | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[Array, tuple[Metrics, Metrics]]:
     """Loss of one microbatch as in the module docstring, plus (weighted, token) metrics.
 
@@ -382,7 +387,8 @@ def microbatch_loss(
     compute = COMPUTE_DTYPES[config.compute_dtype]
     model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
     logp_bt, entropy_bt, router_logits = policy_logprobs(
-        model, batch, config.router_replay, config.logit_chunk, _row_temperatures(config, batch)
+        model, batch, config.router_replay, config.logit_chunk, _row_temperatures(config, batch),
+        mesh,
     )
     total = jnp.zeros((), jnp.float32)
     weighted: Metrics = {}
@@ -442,18 +448,13 @@ def _reduce_token_stats(stats_m: Metrics) -> Metrics:
     return out
 
 
-def _constrain_state(state: TrainState) -> TrainState:
-    """Pins params and optimizer state to their logical shardings (no-op without a mesh)."""
-    mesh = sharding.active_mesh()
-    if mesh is None:
-        return state
-    return jax.lax.with_sharding_constraint(state, tree_shardings(state, mesh))
-
-
 def train_step(
-    state: TrainState, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig
+    state: TrainState, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig,
+    mesh: Mesh | None = None,
 ) -> tuple[TrainState, Metrics]:
-    """One update on ``batch`` (pure; jit it with ``donate_argnums=0``)."""
+    """One update on ``batch`` (pure; jit it with ``donate_argnums=0``). With ``mesh`` the
+    new state is pinned to the parameters' logical shardings and the model's MoE dispatch
+    runs over it (call inside ``sharding.activate(mesh, rules)`` for the rules)."""
     optimizer = make_optimizer(config.optimizer)
     batch_m = _split_microbatches(batch, config.microbatches)
     scored_mr = _scored_rows_per_role(batch_m)
@@ -466,7 +467,7 @@ def train_step(
     def accumulate(grads_acc, inputs):
         microbatch, share_r, loss_share_r = inputs
         (loss, metrics), grads = grad_fn(state.params, graphdef, microbatch, share_r, config,
-                                         loss_share_r)
+                                         loss_share_r, mesh)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
         return grads_acc, (loss, metrics)
 
@@ -481,7 +482,7 @@ def train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if config.skip_nonfinite:
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-    new_state = _constrain_state(new_state)
+    new_state = sharding.constrain_tree(new_state, mesh)
 
     metrics: Metrics = {key: jnp.sum(value) for key, value in weighted_m.items()}
     metrics.update(_reduce_token_stats(stats_m))
@@ -500,20 +501,6 @@ def train_step(
 
 
 # ---- set-up: state, sharding, the jitted callable ----------------------------------------
-
-
-def tree_shardings(tree: Any, mesh: Mesh, rules: sharding.Rules | None = None) -> Any:
-    """NamedSharding per leaf: from ``axes`` metadata for nnx Variables (params and the Adam
-    moments that mirror them), replicated for everything else (step, counts, rng).
-    ``rules=None`` uses the rules made active by ``sharding.activate`` (else the defaults)."""
-
-    def one(leaf):
-        if isinstance(leaf, nnx.Variable):
-            spec = sharding.logical_to_spec(sharding.param_axes(leaf), rules, mesh)
-            return NamedSharding(mesh, spec)
-        return NamedSharding(mesh, PartitionSpec())
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def init_train_state(
@@ -549,26 +536,9 @@ def init_train_state(
     if mesh is None:
         return graphdef, jax.jit(fresh)(params)
     abstract = jax.eval_shape(fresh, params)
-    shardings = tree_shardings(abstract, mesh, rules)
-    params = jax.device_put(params, tree_shardings(params, mesh, rules))
+    shardings = sharding.tree_shardings(abstract, mesh, rules)
+    params = jax.device_put(params, sharding.tree_shardings(params, mesh, rules))
     return graphdef, jax.jit(fresh, out_shardings=shardings)(params)
-
-
-def shard_batch(
-    batch: TrainBatch, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES
-) -> TrainBatch:
-    """Places the batch on ``mesh`` with rows split over the data-parallel ("batch") axes."""
-    spec = sharding.logical_to_spec(("batch",), rules, mesh)
-    ways = 1
-    for axis in jax.tree.leaves(tuple(spec)):
-        ways *= mesh.shape[axis]
-    if batch.shape[0] % ways:
-        raise ValueError(f"batch of {batch.shape[0]} rows does not split over {ways} devices")
-
-    def put(x):
-        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec, *(None,) * (x.ndim - 1))))
-
-    return jax.tree.map(put, batch)
 
 
 class TrainStep:
@@ -584,7 +554,8 @@ class TrainStep:
     ) -> None:
         self.config, self.mesh, self.rules = config, mesh, rules
         self.jitted = jax.jit(
-            functools.partial(train_step, graphdef=graphdef, config=config), donate_argnums=0
+            functools.partial(train_step, graphdef=graphdef, config=config, mesh=mesh),
+            donate_argnums=0,
         )
 
     def _context(self):
@@ -606,7 +577,9 @@ class TrainStep:
             return self.jitted(state, batch)
 
     def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
-        """The lowered step (for cost analysis / HLO inspection)."""
+        """The lowered step (for cost analysis / HLO inspection). ``state`` and ``batch`` may
+        be abstract (``jax.ShapeDtypeStruct`` leaves carrying their shardings): the AOT
+        planner compiles the step this way without allocating anything."""
         self.check(batch)
         with self._context():
             return self.jitted.lower(state, batch)
@@ -618,7 +591,8 @@ def needs_reference(config: TrainConfig) -> bool:
 
 
 def reference_logprobs(
-    params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig
+    params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig,
+    mesh: Mesh | None = None,
 ) -> Array:
     """[B, T] log-probs of the batch's tokens under ``params`` (pure; no gradient), computed
     microbatch by microbatch as the step computes its own, at the rows' temperatures."""
@@ -628,7 +602,7 @@ def reference_logprobs(
     def one(microbatch: TrainBatch) -> Array:
         temperature = _row_temperatures(config, microbatch)
         logp_bt, _, _ = policy_logprobs(model, microbatch, config.router_replay,
-                                        config.logit_chunk, temperature)
+                                        config.logit_chunk, temperature, mesh)
         return logp_bt
 
     logp_mbt = jax.lax.map(one, _split_microbatches(batch, config.microbatches))
@@ -652,7 +626,7 @@ class ReferencePolicy:
         self.params = jax.tree.map(lambda p: jnp.array(p, dtype=compute, copy=True), params)
         self.mesh, self.rules = mesh, rules
         self.jitted = jax.jit(
-            functools.partial(reference_logprobs, graphdef=graphdef, config=config))
+            functools.partial(reference_logprobs, graphdef=graphdef, config=config, mesh=mesh))
 
     def annotate(self, batch: TrainBatch) -> TrainBatch:
         context = (sharding.activate(self.mesh, self.rules) if self.mesh

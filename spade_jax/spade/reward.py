@@ -28,7 +28,7 @@ anchor on the success share) and `ema_learning_potential`.
 Every rule has the same shape (`DesignerRewardRule`): `score(hint_returns,
 no_hint_returns_by_step, *, skill)` returns an object with `.total` and `as_metrics()`.
 A rule changes the reward only; the loop derives regret, win rate and regimes for memory
-and metrics itself (from `blend_reward`), never from the rule's object.
+and metrics itself from the window's returns, never from the rule's object.
 """
 
 from __future__ import annotations
