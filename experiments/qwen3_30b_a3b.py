@@ -57,9 +57,15 @@ def get_config() -> ExperimentConfig:
         train=TrainConfig(
             optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=0, schedule="constant",
                                       weight_decay=0.1, b1=0.9, b2=0.98, clip_norm=1.0),
-            agent=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+            # Advantages: agent GRPO over a game's plays (std eps 1e-8); designer centred
+            # per skill, no std (dr_grpo with spade.designer_groups="skill"), scaled.
+            agent=RoleConfig(advantage_estimator="grpo", advantage=dict(eps=1e-8),
+                             importance_correction="tis", importance=dict(clamp=2.0),
+                             policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
-            designer=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+            designer=RoleConfig(advantage_estimator="dr_grpo",
+                                importance_correction="tis", importance=dict(clamp=2.0),
+                                policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
             loss_aggregation="pooled",
             # Router replay (issue 22): the trainer runs each MoE layer on the experts the
@@ -72,8 +78,7 @@ def get_config() -> ExperimentConfig:
             hint_plays=16, designer_delay=4, designer_group_size=1, max_design_attempts=5,
             invalid_penalty=None, hint_mode="self", hint_temperature=0.3, hint_max_tokens=4096,
             skills="main", skills_per_window=3, designer_reward="blend",
-            designer_advantage="skill_centered", max_env_reward_scale=50.0,
-            agent_advantage="grpo", agent_advantage_eps=1e-8, contract="reference",
+            designer_groups="skill", max_env_reward_scale=50.0, contract="reference",
             docs_per_prompt=1, max_doc_chars=30_000,  # the recipe: one document, 6000 words
             memory_capacity=200, memory_examples=2, eval_every=20),
         corpus=CorpusSpec(domain="game"),

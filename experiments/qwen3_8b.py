@@ -26,8 +26,8 @@ def get_config() -> ExperimentConfig:
         # (cmd/games/train_spade_8b.sh: --kl-loss-coef 0.005, low_var_kl = k3).
         train=dataclasses.replace(
             base.train, microbatches=8,
-            agent=dataclasses.replace(base.train.agent, loss_config=dict(
+            agent=dataclasses.replace(base.train.agent, loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005)),
-            designer=dataclasses.replace(base.train.designer, loss_config=dict(
+            designer=dataclasses.replace(base.train.designer, loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005))),
     )

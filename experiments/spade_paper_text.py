@@ -15,6 +15,7 @@ def get_config(base: str = "qwen3_30b_a3b") -> ExperimentConfig:
         base, "spade_paper_text", spade__contract="paper", spade__regeneration_interval=1,
         spade__designer_delay=0,
         spade__hint_mode="designer", spade__designer_reward="hint_regret",
-        spade__invalid_penalty=-1.0, spade__designer_advantage="grpo",
+        spade__invalid_penalty=-1.0, spade__designer_groups="prompt",
+        train__designer__advantage_estimator="grpo",
         spade__designer_group_size=4, spade__max_design_attempts=1, spade__plays_per_game=16,
         spade__hint_plays=16)

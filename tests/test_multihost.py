@@ -124,7 +124,7 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
                          memory_train_envs=2, eval_every=0, regeneration_interval=1,
                          designer_delay=0, max_design_attempts=1, invalid_penalty=-1.0,
                          hint_mode="designer", designer_reward="hint_regret",
-                         designer_advantage="grpo", contract="paper")
+                         designer_groups="prompt", contract="paper")
     memory = EnvironmentMemory(MemoryConfig(seed=5))
     for i in range(3):
         memory.add(EnvironmentRecord(

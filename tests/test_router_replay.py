@@ -171,7 +171,8 @@ def test_telemetry_counts_flips_gaps_and_clips_against_numpy():
         seqs.append(TrainSequence(ids[b].tolist(), [0] * 4 + [1] * 8, old.tolist(), 1.0,
                                   role=b, routing=[r[b] for r in recorded]))
     batch = pack_sequences(seqs, PackConfig(buckets=(12,)))
-    config = TrainConfig(agent=RoleConfig(tis_clamp=1.5))
+    config = TrainConfig(agent=RoleConfig(importance_correction="tis",
+                                          importance=dict(clamp=1.5)))
     graphdef, params = nnx.split(model)
     got = jax.device_get(jax.jit(lambda p, bt: replay_telemetry(
         p, bt, graphdef=graphdef, config=config))(params, batch))

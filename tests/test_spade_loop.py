@@ -16,6 +16,8 @@ import pytest
 from spade_jax.envs import EnvPool, SandboxConfig
 from spade_jax.experiment import load_experiment
 from spade_jax.overrides import diff
+from spade_jax.rl.rules.grpo import GroupNormAdvantageConfig
+from spade_jax.rl.update_rule import RoleConfig
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.spade import seed_programs
 from spade_jax.spade.config import SpadeConfig
@@ -144,14 +146,15 @@ def _corpus(n=200):
                           "test")
 
 
-def _loop(pool, policy, config: SpadeConfig, corpus=True, seed=0, rule=None, memory=None):
+def _loop(pool, policy, config: SpadeConfig, corpus=True, seed=0, rule=None, memory=None,
+          rules=None):
     sampler = (CorpusSampler(_corpus(), CorpusSamplerConfig(seed=seed, documents_per_round=1))
                if corpus else None)
     return SpadeLoop(
         config, tokenizer=ByteTokenizer(), pool=pool, generate=policy.generate,
         run_episodes=policy.run_episodes, update=policy.update, corpus_sampler=sampler,
         memory=memory or EnvironmentMemory(MemoryConfig(seed=seed)),
-        reward_rule=rule or NumpyBlend(), seed=seed)
+        reward_rule=rule or NumpyBlend(), seed=seed, rules=rules)
 
 
 def _text(program, hint="designer hint"):
@@ -277,9 +280,9 @@ def test_paper_text_variant_trains_invalid_samples_with_the_penalty(pool):
     policy = ScriptedPolicy(texts)
     config = dataclasses.replace(
         WINDOW, rounds=2, regeneration_interval=1, designer_delay=0, hint_mode="designer",
-        max_design_attempts=1, invalid_penalty=-1.0, designer_advantage="grpo",
+        max_design_attempts=1, invalid_penalty=-1.0, designer_groups="prompt",
         designer_group_size=2)
-    loop = _loop(pool, policy, config)
+    loop = _loop(pool, policy, config, rules=(RoleConfig(), RoleConfig()))  # designer GRPO
     loop.run_round(0)
     designer = _designer(policy.updates[0])
     assert len(designer) == 4  # 2 prompts x 2 samples, valid and invalid alike
@@ -403,7 +406,9 @@ ABLATIONS = {  # experiment -> the fields it changes and their new values
     "spade_paper_text": {
         "spade.regeneration_interval": 1, "spade.designer_delay": 0,
         "spade.hint_mode": "designer", "spade.designer_reward": "hint_regret",
-        "spade.invalid_penalty": -1.0, "spade.designer_advantage": "grpo",
+        "spade.invalid_penalty": -1.0, "spade.designer_groups": "prompt",
+        "train.designer.advantage_estimator": "grpo",
+        "train.designer.advantage": GroupNormAdvantageConfig(),
         "spade.designer_group_size": 4, "spade.max_design_attempts": 1,
         "spade.plays_per_game": 16, "spade.hint_plays": 16, "spade.contract": "paper"},
     "baseline_fixed_env_grpo": {"spade.baseline": "fixed_env_grpo"},
@@ -418,19 +423,25 @@ def test_each_ablation_changes_exactly_what_it_names(name, base):
     variant = load_experiment(f"{name}:{base}")
     changed = diff(reference, variant)
     changed.pop("name")
-    want = {k: v for k, v in ABLATIONS[name].items() if getattr(
-        reference.spade, k.split(".", 1)[1]) != v}  # a base may already have the value
+    def value(config, path):
+        for part in path.split("."):
+            config = getattr(config, part)
+        return config
+
+    want = {k: v for k, v in ABLATIONS[name].items()
+            if value(reference, k) != v}  # a base may already have the value
     assert {k: new for k, (_, new) in changed.items()} == want
 
 
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
 def test_one_scripted_round_per_ablation_and_baseline(pool, name):
     """16.8: each ablation's tiny config runs scripted rounds that produce a real batch."""
-    spade = load_experiment(f"{name}:tiny").spade
-    spade = dataclasses.replace(spade, contract="paper", rounds=2, eval_every=0)
+    experiment = load_experiment(f"{name}:tiny")
+    spade = dataclasses.replace(experiment.spade, contract="paper", rounds=2, eval_every=0)
     policy = ScriptedPolicy(ALL_VALID, loss=-1.0 if spade.contract == "reference" else 0.0)
     rule = make_designer_reward(spade.designer_reward, spade.designer_reward_config)
-    loop = _loop(pool, policy, spade, corpus=spade.use_corpus, rule=rule)
+    loop = _loop(pool, policy, spade, corpus=spade.use_corpus, rule=rule,
+                 rules=(experiment.train.agent, experiment.train.designer))
     if spade.designer_mode == "fixed_pool":
         loop.fixed_pool = [(p.source, p.hint, p.skill) for p in seed_programs.SEED_PROGRAMS[:3]]
     if spade.baseline != "none":  # the experiment's own baseline (reasoning-gym tasks)
@@ -589,9 +600,11 @@ def test_paper_scale_experiments_set_the_recipes_numbers(name):
     assert s.envs_per_round * s.plays_per_game == 192  # the recipe's global batch
     assert (s.skills, s.skills_per_window, s.hint_mode, s.hint_temperature,
             s.hint_max_tokens) == ("main", 3, "self", 0.3, 4096)
-    assert (s.designer_reward, s.designer_advantage, s.invalid_penalty, s.contract,
-            s.memory_capacity, s.agent_advantage_eps) == (
-        "blend", "skill_centered", None, "reference", 200, 1e-8)
+    assert (s.designer_reward, s.designer_groups, s.invalid_penalty, s.contract,
+            s.memory_capacity) == ("blend", "skill", None, "reference", 200)
+    agent_rule, designer_rule = config.train.agent, config.train.designer
+    assert (agent_rule.advantage_estimator, agent_rule.advantage.eps) == ("grpo", 1e-8)
+    assert designer_rule.advantage_estimator == "dr_grpo"  # per-skill centring, no std
     for sampler in (config.designer_sampler, agent.sampler):
         assert (sampler.temperature, sampler.top_p, sampler.top_k) == (0.6, 0.95, 20)
     assert (agent.max_turns, agent.max_turn_tokens, agent.max_episode_tokens) == (25, 8192, 32768)

@@ -14,6 +14,7 @@ from typing import Any
 
 from spade_jax.evaluation.checkers import visible_text
 from spade_jax.evaluation.policy import EpisodePolicy, TextPolicy
+from spade_jax.rollout.hints import agent_first_observation
 from spade_jax.seeding import derive_seed
 
 
@@ -25,8 +26,6 @@ class _Prefixed:
         self.env, self.prefix, self.hint = env, prefix, hint
 
     def reset(self, *, seed: int | None = None, **kwargs: Any) -> tuple[str, dict]:
-        from spade_jax.spade.prompts import agent_first_observation
-
         observation, info = self.env.reset(seed=seed, **kwargs)
         shown = "\n\n".join(part for part in (self.prefix, observation) if part)
         return agent_first_observation(shown, self.hint), info

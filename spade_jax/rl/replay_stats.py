@@ -14,7 +14,7 @@ Per role (``replay/<role>/...``):
                    with and without replay (``..._max``: the largest);
   tis_clip_replay / tis_clip_free   share of policy tokens whose ratio pi_trainer /
                    pi_sampler is outside [0, C] (TIS would clip them; C = the role's
-                   ``tis_clamp``, or 2.0, the recipe's, when TIS is off);
+                   TIS clamp, or 2.0, the recipe's, when TIS is off);
   ratio_dev_replay / ratio_dev_free mean |ratio - 1| over policy tokens.
 Decisions are counted on real tokens that feed a next token (the last token of a
 sequence is never fed back, so it has no recorded route).
@@ -62,8 +62,17 @@ def _flips(router_logits: list, replay: tuple, k: int, fed_bt: Array) -> tuple[A
     return flips_b, jnp.sum(fed_bt, axis=1) * layers
 
 
+def telemetry_clamp(role) -> float:
+    """The role's TIS clamp C when its importance correction is "tis", else the recipe's."""
+    if role.importance_correction != "tis":
+        return DEFAULT_TELEMETRY_CLAMP
+    _, cfg = role.part("importance_correction")
+    clamp = cfg.get("clamp") if isinstance(cfg, dict) else getattr(cfg, "clamp", None)
+    return float(DEFAULT_TELEMETRY_CLAMP if clamp is None else clamp)
+
+
 def microbatch_sums(params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef,
-                    config: TrainConfig) -> dict[str, Array]:
+                    config: TrainConfig, mesh: Mesh | None = None) -> dict[str, Array]:
     """Per-role sums ([R] each) of one microbatch's telemetry (pure; no gradient)."""
     model = nnx.merge(graphdef, jax.tree.map(
         lambda p: p.astype(COMPUTE_DTYPES[config.compute_dtype]), params))
@@ -74,12 +83,12 @@ def microbatch_sums(params: nnx.State, batch: TrainBatch, *, graphdef: nnx.Graph
                else batch.attention_mask.astype(jnp.float32))
     fed_bt = real_bt * jnp.concatenate([real_bt[:, 1:], jnp.zeros_like(real_bt[:, :1])], 1)
     k = model.config.num_experts_per_tok
-    clamp_b = jnp.asarray([r.tis_clamp or DEFAULT_TELEMETRY_CLAMP for r in config.roles],
+    clamp_b = jnp.asarray([telemetry_clamp(r) for r in config.roles],
                           jnp.float32)[batch.role_id]
     sums: dict[str, Array] = {"tokens": mask_bt.sum(1) @ role_br}
     for mode, replay in (("replay", True), ("free", False)):
         logp_bt, _, router_logits = policy_logprobs(model, batch, replay, config.logit_chunk,
-                                                    temperature)
+                                                    temperature, mesh)
         flips_b, decisions_b = _flips(router_logits, batch.routing_replay, k, fed_bt)
         sums[f"flips_{mode}"], sums["decisions"] = flips_b @ role_br, decisions_b @ role_br
         gap_bt = jnp.abs(logp_bt - batch.old_logp) * mask_bt
@@ -93,10 +102,10 @@ def microbatch_sums(params: nnx.State, batch: TrainBatch, *, graphdef: nnx.Graph
 
 
 def replay_telemetry(params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef,
-                     config: TrainConfig) -> dict[str, Array]:
+                     config: TrainConfig, mesh: Mesh | None = None) -> dict[str, Array]:
     """The per-role telemetry of the module docstring for one batch (pure)."""
     sums_m = jax.lax.map(
-        functools.partial(microbatch_sums, params, graphdef=graphdef, config=config),
+        functools.partial(microbatch_sums, params, graphdef=graphdef, config=config, mesh=mesh),
         _split_microbatches(batch, config.microbatches))
     total = {key: (v.max(0) if key.startswith("gap_max") else v.sum(0))
              for key, v in sums_m.items()}
@@ -123,7 +132,7 @@ class ReplayTelemetry:
                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> None:
         self.mesh, self.rules = mesh, rules
         self.jitted = jax.jit(functools.partial(replay_telemetry, graphdef=graphdef,
-                                                config=config))
+                                                config=config, mesh=mesh))
 
     def __call__(self, params: nnx.State, batch: TrainBatch) -> dict[str, float]:
         if batch.routing_replay is None:

@@ -7,9 +7,9 @@ Per microbatch m (a strided slice of the batch, accumulated with ``lax.scan``):
     logp_bt      = log_softmax(lm_head(hidden_{b,t-1}))[input_ids_bt]   (0 at t = 0)
     mask^r_bt    = loss_mask_bt * [role_id_b == r]
     A^r_bt       = token_weighting_r(advantages, entropy, mask^r)
-    (TIS on r:)  w_bt = clip(exp(sg(logp_bt) - old_logp_bt), 0, C_r);  A^r_bt *= w_bt;
-                 the rule's old_logp := sg(logp)
-    loss^r_m     = policy_loss_r(logp, old_logp, ref_logp, A^r, mask^r)
+    old^r, A^r   = importance_correction_r(logp, old_logp, A^r, mask^r, group_id)
+                   ("none": old_logp, A^r unchanged; "tis": sg(logp), A^r * clip(ratio, 0, C))
+    loss^r_m     = policy_loss_r(logp, old^r, ref_logp, A^r, mask^r)
     loss_m       = sum_r  w_r * (n^r_m / n^r) * loss^r_m  + aux_coef * aux_m / M   per_role
                  = sum_r  w_r * (n^r_m / N)   * loss^r_m  + aux_coef * aux_m / M   pooled
 
@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +51,6 @@ from jax.sharding import Mesh
 
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
-from spade_jax.rl import registry, terms
 from spade_jax.rl.batch import ROLES, TrainBatch
 from spade_jax.rl.optim import (
     MASTER_DTYPES,
@@ -60,88 +58,15 @@ from spade_jax.rl.optim import (
     learning_rate_schedule,
     make_optimizer,
 )
+from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, RoleConfig
 from spade_jax.sharding import shard_batch, tree_shardings  # noqa: F401  (placement lives there)
 
 Array = jax.Array
 Metrics = dict[str, Array]
+# RoleConfig (a role's whole update rule) lives in rl.update_rule; re-exported here.
+__all__ = ["RoleConfig", "TrainConfig", "TrainState", "make_train_step", "train_step"]
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LOSS_AGGREGATIONS = ("per_role", "pooled")
-
-
-def _resolve(rule: registry.RegisteredRule, given: Any, role_field: str) -> Any:
-    if given is None:
-        return rule.make_config()
-    if isinstance(given, dict):
-        return rule.make_config(**given)
-    if isinstance(given, rule.config_cls):
-        return given
-    raise TypeError(
-        f"{role_field} must be None, a dict of overrides or a {rule.config_cls.__name__}, "
-        f"got {type(given).__name__}"
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleConfig:
-    """How one role's sequences are trained (both roles update the same weights).
-
-    Attributes:
-      policy_loss: name in ``rl.policy_losses``.
-      loss_config: None (the rule's defaults), a dict of overrides, or the rule's config.
-      token_weighting: name in ``rl.token_weightings`` ("none": advantages unchanged).
-      weighting_config: as ``loss_config``, for the token weighting.
-      weight: w_r, this role's weight in the summed loss (0 trains the role not at all).
-      temperature: this role's sampling temperature, when it differs from
-        ``TrainConfig.temperature`` (None): log-probs are of softmax(logits / T_role), so the
-        ratio compares like with like when the roles sample at different temperatures.
-      tis_clamp: C of truncated importance sampling (the recipe: 2.0), or None (off). On:
-        each token's policy term is weighted by ``w = clip(pi_trainer / pi_sampler, 0, C)``
-        and the rule's ratio is taken against the trainer's own pre-update log-probs
-        instead of the sampler's (docs/trainer.md, "Truncated importance sampling").
-
-    Changing ``policy_loss`` (``token_weighting``) with ``--set`` resets ``loss_config``
-    (``weighting_config``) to the new rule's defaults: one rule's settings mean nothing to
-    another. Set ``train.<role>.loss_config.<field>`` after it to change them.
-    """
-
-    OVERRIDE_RESETS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "policy_loss": ("loss_config",),
-        "token_weighting": ("weighting_config",),
-    }
-
-    policy_loss: str = "grpo"
-    loss_config: Any = None
-    token_weighting: str = "none"
-    weighting_config: Any = None
-    weight: float = 1.0
-    temperature: float | None = None
-    tis_clamp: float | None = None
-
-    def __post_init__(self) -> None:
-        loss_rule = registry.policy_losses.get(self.policy_loss)
-        weighting_rule = registry.token_weightings.get(self.token_weighting)
-        object.__setattr__(self, "loss_config", _resolve(loss_rule, self.loss_config, "loss_config"))
-        object.__setattr__(
-            self,
-            "weighting_config",
-            _resolve(weighting_rule, self.weighting_config, "weighting_config"),
-        )
-        if not self.weight >= 0:
-            raise ValueError(f"role weight must be >= 0, got {self.weight}")
-        if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(f"role temperature must be > 0 or None, got {self.temperature}")
-        if self.tis_clamp is not None:
-            if isinstance(self.tis_clamp, bool) or not self.tis_clamp > 0:
-                raise ValueError(f"tis_clamp must be > 0 or None (off), got {self.tis_clamp!r}")
-            object.__setattr__(self, "tis_clamp", float(self.tis_clamp))
-
-    @property
-    def loss_fn(self) -> registry.PolicyLoss:
-        return registry.policy_losses.get(self.policy_loss).fn
-
-    @property
-    def weighting_fn(self) -> registry.TokenWeighting:
-        return registry.token_weightings.get(self.token_weighting).fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +75,9 @@ class TrainConfig:
 
     Attributes:
       optimizer: AdamW / schedule / clipping / master dtype.
-      agent: rule and weight for role_id 0 sequences.
-      designer: rule and weight for role_id 1 sequences.
+      agent: the update rule (all its parts) and weight of role_id 0 sequences.
+      designer: the same for role_id 1; by default mean-centred advantages ("dr_grpo"),
+        which with the loop's skill groups and scale is the recipe's per-skill centring.
       microbatches: split the batch into this many microbatches and accumulate gradients
         (B must be divisible by it).
       compute_dtype: dtype the master parameters are cast to for the forward/backward pass
@@ -172,7 +98,7 @@ class TrainConfig:
 
     optimizer: OptimizerConfig = OptimizerConfig()
     agent: RoleConfig = RoleConfig()
-    designer: RoleConfig = RoleConfig()
+    designer: RoleConfig = DEFAULT_DESIGNER_RULE
     microbatches: int = 1
     compute_dtype: str = "float32"
     router_replay: bool = False
@@ -318,16 +244,19 @@ def role_loss(
     """One role's rule on its rows: (loss, rule metrics, token statistics as sums/maxes)."""
     rows_b = (batch.role_id == role_id).astype(jnp.float32)
     mask_bt = batch.loss_mask.astype(jnp.float32) * rows_b[:, None]
-    advantages_bt, weighting_metrics = role.weighting_fn(
-        batch.advantages, entropy_bt, mask_bt, role.weighting_config
+    weighting_fn, weighting_config = role.part("token_weighting")
+    advantages_bt, weighting_metrics = weighting_fn(
+        batch.advantages, entropy_bt, mask_bt, weighting_config
     )
-    old_logp_bt, tis_metrics = batch.old_logp, {}
-    if role.tis_clamp is not None:
-        advantages_bt, old_logp_bt, tis_metrics = _with_truncated_importance(
-            role.tis_clamp, logp_bt, batch.old_logp, advantages_bt, mask_bt
-        )
-    loss, loss_metrics = role.loss_fn(
-        logp_bt, old_logp_bt, batch.ref_logp, advantages_bt, mask_bt, role.loss_config
+    correction_fn, correction_config = role.part("importance_correction")
+    group_id = batch.group_id if batch.group_id is not None else jnp.full(
+        batch.role_id.shape, -1, jnp.int32)
+    corrected, correction_metrics = correction_fn(
+        logp_bt, batch.old_logp, advantages_bt, mask_bt, group_id, correction_config
+    )
+    loss_fn, loss_config = role.part("policy_loss")
+    loss, loss_metrics = loss_fn(
+        logp_bt, corrected.old_logp, batch.ref_logp, corrected.advantages, mask_bt, loss_config
     )
     gap_bt = jnp.abs(jax.lax.stop_gradient(logp_bt) - batch.old_logp)
     gap_sum, tokens = _masked_mean_parts(gap_bt, mask_bt)
@@ -338,26 +267,7 @@ def role_loss(
         "entropy_sum": entropy_sum,
         "tokens": tokens,
     }
-    return loss, {**loss_metrics, **weighting_metrics, **tis_metrics}, token_stats
-
-
-def _with_truncated_importance(
-    clamp: float, logp_bt: Array, sampler_logp_bt: Array, advantages_bt: Array, mask_bt: Array
-) -> tuple[Array, Array, Metrics]:
-    """The recipe's TIS (docs/trainer.md): (advantages x w, the ratio's new reference, metrics).
-
-    pi_old of the rule's ratio becomes the trainer's own log-probs before this update. One
-    update per batch, so those are the current parameters' log-probs: ``sg(logp)`` (ratio 1,
-    gradient of log pi). The sampler's log-probs enter only through ``w``. Multiplying the
-    advantage by ``w >= 0`` equals multiplying the token's policy term ``max(-A r,
-    -A clip(r))`` by ``w`` (positively homogeneous in A); a KL term stays unweighted.
-    """
-    tis = terms.truncated_importance_weights(logp_bt, sampler_logp_bt, clamp)
-    metrics = {
-        "tis/weight_mean": terms.masked_token_mean(tis.weight, mask_bt),
-        "tis/clip_frac": terms.masked_token_mean(tis.clipped, mask_bt),
-    }
-    return advantages_bt * tis.weight, jax.lax.stop_gradient(logp_bt), metrics
+    return loss, {**loss_metrics, **weighting_metrics, **correction_metrics}, token_stats
 
 
 def _row_temperatures(config: TrainConfig, batch: TrainBatch) -> float | Array:
@@ -587,7 +497,7 @@ class TrainStep:
 
 def needs_reference(config: TrainConfig) -> bool:
     """Whether a role's rule has a KL term to the reference policy (``kl_coef > 0``)."""
-    return any(getattr(role.loss_config, "kl_coef", 0.0) > 0 for role in config.roles)
+    return any(getattr(role.loss, "kl_coef", 0.0) > 0 for role in config.roles)
 
 
 def reference_logprobs(

@@ -31,7 +31,7 @@ def run_baseline_round(loop: Any, step: int) -> dict[str, float]:
                             strict=True):
             rec.return_, rec.hinted = ret, False
     with timer("update"):
-        seqs = loop.agent_sequences(records)
+        seqs = loop.agent_sequences(records, step)
         update_metrics = loop.update(seqs) if seqs else {"skipped_no_data": 1.0}
     by_env: dict[str, list[float]] = collections.defaultdict(list)
     for rec in records:
@@ -42,6 +42,7 @@ def run_baseline_round(loop: Any, step: int) -> dict[str, float]:
         "return_no_hint_mean": float(np.mean([r.return_ for r in records])) if records else 0.0,
         "learnable_share": share,
         "batch/agent": float(len(seqs)),
+        **loop.pop_rule_metrics(),
         **{f"train/{k}": v for k, v in update_metrics.items()},
         **{f"time/{k}": v for k, v in timer.times.items()},
     }

@@ -6,8 +6,10 @@ games, and the agent trains on all of them in every round of the window. The rec
 numbers are the 30B games run of the authors' published code (docs/spade.md); the paper's
 text variant (design, hint arms, reward and update every round) is the configuration
 ``regeneration_interval=1, designer_delay=0, hint_mode="designer",
-designer_reward="hint_regret", invalid_penalty=-1.0, designer_advantage="grpo"``
-(experiments/spade_paper_text.py).
+designer_reward="hint_regret", invalid_penalty=-1.0, designer_groups="prompt"`` with the
+designer's rule ``train.designer.advantage_estimator="grpo"`` (experiments/spade_paper_text.py).
+Each role's update rule (advantage estimator, step credit, loss, ...) is its
+``TrainConfig`` role (``spade_jax.rl.update_rule.RoleConfig``), not part of this config.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from typing import Any
 DESIGNER_MODES = ("self", "fixed_pool")
 BASELINES = ("none", "fixed_env_grpo", "fixed_env_rlve")
 HINT_MODES = ("self", "designer", "none")
-# Designer advantages: the recipe's per-skill centring (no std) or a registered group
-# estimator over the samples of one designer prompt (the paper text's GRPO).
-SKILL_CENTERED = "skill_centered"
+# How the designer's samples are grouped for its update rule: by skill (the recipe's
+# per-skill centring, scaled) or by designer prompt (the paper text's GRPO groups).
+DESIGNER_GROUPS = ("skill", "prompt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +67,13 @@ class SpadeConfig:
       designer_reward: registered designer reward rule ("blend", "solve_rate", "regret",
         "learning_potential", "micro_lp", "hint_regret", ...); designer_reward_config: its
         settings (None = the rule's defaults, or a dict of overrides).
-      designer_advantage: "skill_centered" (recipe: total minus its skill's mean of kept
-        totals, times the env reward scale; totals < 0 dropped) or a registered group
-        estimator ("grpo", ...) over the samples of one prompt (paper text).
+      designer_groups: the designer's advantage groups: "skill" (recipe: the samples of one
+        skill, totals < 0 dropped, the rule's advantages times the env reward scale; with
+        the rule's mean-centring estimator "dr_grpo" this is the recipe's per-skill
+        centring) or "prompt" (the samples of one designer prompt, unscaled: paper text).
+        The estimator itself is ``train.designer.advantage_estimator``.
       max_env_reward_scale: cap of the designer advantage scale actor / designer samples x
         interval (recipe 50).
-      agent_advantage: advantage estimator of the agent's groups (a name in
-        ``spade_jax.rl.advantage_estimators``); agent_advantage_eps: its std epsilon where
-        the estimator has one (recipe 1e-8).
       contract: the game-program contract, "reference" (the recipe's ``*Env`` classes,
         boxed actions) or "paper" (``class Environment``).
       baseline: "none" (SPADE) or a fixed-environment baseline on the reasoning-gym pool.
@@ -113,10 +114,8 @@ class SpadeConfig:
     pool_dir: str = ""
     designer_reward: str = "blend"
     designer_reward_config: Any = None
-    designer_advantage: str = SKILL_CENTERED
+    designer_groups: str = "skill"
     max_env_reward_scale: float = 50.0
-    agent_advantage: str = "grpo"
-    agent_advantage_eps: float = 1e-8
     contract: str = "reference"
     baseline: str = "none"
     docs_per_prompt: int = 1
@@ -155,11 +154,9 @@ class SpadeConfig:
             raise ValueError(f"spade.hint_temperature must be >= 0, got {self.hint_temperature}")
         if self.hint_mode != "none" and self.hint_plays < 1:
             raise ValueError(f"spade.hint_mode={self.hint_mode!r} needs spade.hint_plays >= 1")
-        from spade_jax import rl
-
-        rl.advantage_estimators.get(self.agent_advantage)  # KeyError listing the known names
-        if self.designer_advantage != SKILL_CENTERED:
-            rl.advantage_estimators.get(self.designer_advantage)
+        if self.designer_groups not in DESIGNER_GROUPS:
+            raise ValueError(f"spade.designer_groups must be one of {DESIGNER_GROUPS}, got "
+                             f"{self.designer_groups!r}")
         if not self.max_env_reward_scale > 0:
             raise ValueError(f"spade.max_env_reward_scale must be > 0, got {self.max_env_reward_scale}")
         if self.prompt_style not in ("full", "compact"):

@@ -13,7 +13,11 @@ published recipe: 4). In every round:
                 (cached for the window, never trained); plus replays from memory
     score    -> designer samples written ``designer_delay`` rounds ago are scored by the
                 designer reward rule on their window's returns so far (the last round
-                flushes them all); advantages centred per skill and scaled (no std)
+                flushes them all)
+    advantage-> each role's update rule (``TrainConfig.agent`` / ``.designer``, a
+                ``rl.update_rule.RoleConfig``) turns its groups into training sequences:
+                agent group = the plays of one game this round; designer groups = one
+                skill's samples, times the env reward scale (recipe) or one prompt's
     update   -> one step on agent and designer samples together
 
 A checkpoint taken after any round resumes exactly: windows, cached hint returns and
@@ -32,14 +36,17 @@ from typing import Any, Protocol
 import gymnasium
 import numpy as np
 
-from spade_jax import rl
+from spade_jax import distributed
 from spade_jax.envs import EnvPool, arm_order
 from spade_jax.rl.batch import TrainSequence
+from spade_jax.rl.episodes import StepContext
+from spade_jax.rl.forks import PolicyRollouts
+from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, apply_rule
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_stats, step_metrics
-from spade_jax.spade.config import SKILL_CENTERED, SpadeConfig
+from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, Generate
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
@@ -47,7 +54,6 @@ from spade_jax.spade.prompts import agent_first_observation
 from spade_jax.spade.reward import (
     DesignerRewardRule,
     ScoredEnvironment,
-    center_per_skill,
     env_reward_scale,
 )
 from spade_jax.spade.window import (
@@ -107,8 +113,13 @@ class SpadeLoop:
                  generate: Generate, run_episodes: RunEpisodes, update: Update,
                  corpus_sampler: CorpusSampler | None, memory: EnvironmentMemory,
                  reward_rule: DesignerRewardRule, fixed_pool: Sequence[tuple[str, Any, str]] = (),
-                 baseline: FixedEnvBaseline | None = None, seed: int = 0, max_turns: int = 25):
+                 baseline: FixedEnvBaseline | None = None, seed: int = 0, max_turns: int = 25,
+                 rules: tuple[RoleConfig, RoleConfig] | None = None):
         self.config, self.tokenizer = config, tokenizer
+        # Each role's update rule (TrainConfig.agent, TrainConfig.designer).
+        agent_rule, designer_rule = rules or (RoleConfig(), DEFAULT_DESIGNER_RULE)
+        self.rules = {"agent": agent_rule, "designer": designer_rule}
+        self.rule_metrics: dict[str, float] = {}
         self.run_episodes, self.update = run_episodes, update
         self.corpus_sampler, self.memory, self.reward_rule = corpus_sampler, memory, reward_rule
         self.fixed_pool, self.baseline, self.seed = list(fixed_pool), baseline, seed
@@ -164,7 +175,7 @@ class SpadeLoop:
         window = self.windows[cfg.window_start(step)]
         with timer("rollout"):
             records = self.play(window, step)
-        agent = self.agent_sequences([r for r in records if not r.hinted])
+        agent = self.agent_sequences([r for r in records if not r.hinted], step)
         with timer("score"):
             scored, designer = self.score_due(step, num_agent=len(agent))
         with timer("update"):
@@ -172,10 +183,12 @@ class SpadeLoop:
             update_metrics = self.update(seqs) if seqs else {"skipped_no_data": 1.0}
         self.remember(scored)
         self._retire_windows(step)
-        return step_metrics.round_metrics(
+        metrics = step_metrics.round_metrics(
             self, step=step, window=window, attempts=attempts, records=records, scored=scored,
             num_agent=len(agent), num_designer=len(designer), update_metrics=update_metrics,
             times=timer.times)
+        metrics.update(self.pop_rule_metrics())
+        return metrics
 
     # ---- design --------------------------------------------------------------------------
     def regenerate(self, step: int) -> list[Any]:
@@ -334,34 +347,83 @@ class SpadeLoop:
                 if total is not None:
                     samples.append((pending.produced_at, sample))
                     totals.append(total)
-        return scored, self.designer_sequences(samples, totals, num_agent)
+        return scored, self.designer_sequences(samples, totals, num_agent, step)
 
     def designer_sequences(self, samples: list[tuple[int, DesignerSample]],
-                           totals: list[float], num_agent: int) -> list[TrainSequence]:
-        """Designer advantages: recipe = total minus its skill's mean x scale (totals < 0
-        dropped); else a group estimator over the samples of one prompt."""
+                           totals: list[float], num_agent: int, step: int) -> list[TrainSequence]:
+        """The designer's update rule on its due samples. ``designer_groups`` "skill" (the
+        recipe): groups of one skill, totals < 0 dropped, advantages times the env reward
+        scale; "prompt": the samples of one designer prompt, unscaled."""
         cfg = self.config
         if not samples:
             return []
-        if cfg.designer_advantage == SKILL_CENTERED:
+        groups: dict[Any, list[int]] = {}
+        scale = 1.0
+        if cfg.designer_groups == "skill":
             scale = env_reward_scale(len(samples), num_agent, cfg.regeneration_interval,
                                      cfg.max_env_reward_scale)
-            advantages, kept = center_per_skill(totals, [s.skill for _, s in samples], scale)
-        else:
-            groups = [(produced, s.slot) for produced, s in samples]
-            advantages = grouped_advantages(totals, groups, cfg.designer_advantage)
-            kept = np.ones(len(samples), bool)
-        return [_designer_sequence(s, float(a))
-                for (_, s), a, keep in zip(samples, advantages, kept, strict=True) if keep]
+        for i, ((produced, sample), total) in enumerate(zip(samples, totals, strict=True)):
+            if cfg.designer_groups == "prompt":
+                groups.setdefault((produced, sample.slot), []).append(i)
+            elif total >= 0:
+                groups.setdefault(sample.skill, []).append(i)
+        members = list(groups.values())
+        sequences, kept = self.apply_rule("designer", [
+            Group([_designer_episode(samples[i][1]) for i in group], [totals[i] for i in group])
+            for group in members], step, scale)
+        order = [i for g in kept for i in members[g]]  # back into the samples' order
+        return [seq for _, seq in sorted(zip(order, sequences, strict=True), key=lambda x: x[0])]
 
-    def agent_sequences(self, records: list[EpisodeRecord]) -> list[TrainSequence]:
-        """No-hint episodes; GRPO group = the plays of one game in this round."""
-        usable = [r for r in records if any(r.loss_mask)]
-        advantages = grouped_advantages([r.return_ for r in usable], [r.env_id for r in usable],
-                                        self.config.agent_advantage, self.config.agent_advantage_eps)
-        return [TrainSequence(r.token_ids, r.loss_mask, r.logprobs, float(a), "agent",
-                              routing=r.routing)
-                for r, a in zip(usable, advantages, strict=True)]
+    def agent_sequences(self, records: list[EpisodeRecord], step: int) -> list[TrainSequence]:
+        """No-hint episodes through the agent's update rule; group = the plays of one game
+        in this round."""
+        groups: dict[str, list[EpisodeRecord]] = {}
+        for rec in records:
+            if any(rec.loss_mask):
+                groups.setdefault(rec.env_id, []).append(rec)
+        return self.apply_rule("agent", [Group(g) for g in groups.values()], step)[0]
+
+    def apply_rule(self, role: str, groups: list[Group], step: int,
+                   scale: float = 1.0) -> tuple[list[TrainSequence], list[int]]:
+        """``role``'s update rule on ``groups``: (training sequences, indices of the groups
+        kept). Its metrics go to ``rule_metrics``; forks and policy judges go through this
+        round's :class:`PolicyRollouts`; multi-host: process 0's advantages everywhere
+        (forked returns can differ per host)."""
+        rule = self.rules[role]
+        context = StepContext(rollouts=self._rollouts(groups), role=role,
+                              seed_parts=(self.seed, step, Phase.CREDIT, ROLE_INDEX[role]))
+        out = apply_rule(rule, groups, role_name=role, context=context, advantage_scale=scale)
+        self.rule_metrics.update({f"rule/{role}/{k}": v for k, v in out.metrics.items()})
+        kept = [g for g in range(len(groups)) if g not in set(out.dropped_groups)]
+        return _agree_advantages(out.sequences), kept
+
+    def pop_rule_metrics(self) -> dict[str, float]:
+        """The update rules' metrics since the last call (``rule/<role>/<part>/<name>``)."""
+        metrics, self.rule_metrics = self.rule_metrics, {}
+        return metrics
+
+    def _rollouts(self, groups: list[Group]) -> PolicyRollouts:
+        programs = {ep.env_id: _program_of(ep) for g in groups for ep in g.episodes}
+
+        def make_env(env_id: str):
+            envs, verdict = self.designer.open_envs(programs[env_id], 1)
+            if not verdict.ok or not envs:
+                raise RuntimeError(f"forking {env_id!r}: the program did not load ({verdict})")
+            return envs[0]
+
+        def run(specs: list[EpisodeSpec], seed: int) -> list[EpisodeRecord]:
+            return self.run_episodes(specs, seed=seed)
+
+        return PolicyRollouts(run_episodes=run, make_env=make_env, complete_fn=self._complete)
+
+    def _complete(self, prompts, seed: int) -> list[str]:
+        """The policy's single-turn replies (a policy judge), with the hint writer's
+        sampler settings."""
+        tok = self.tokenizer
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                       add_generation_prompt=True) for p in prompts]
+        tokens, *_ = self.designer.generate(ids, seed=seed, purpose="hint")
+        return [tok.decode(t, skip_special_tokens=True) for t in tokens]
 
     # ---- memory --------------------------------------------------------------------------
     def remember(self, scored: list[ScoredGame]) -> None:
@@ -403,33 +465,40 @@ class ScoredGame:
     result: ScoredEnvironment
 
 
-def grouped_advantages(rewards: Sequence[float], groups: Sequence[Any], estimator: str,
-                       eps: float | None = None) -> np.ndarray:
-    """The registered estimator applied to each group of rewards (groups keep their
-    first-appearance order; any group size)."""
-    rule = rl.advantage_estimators.get(estimator)
-    overrides = {}
-    if eps is not None and "eps" in {f for f in rule.config_cls.__dataclass_fields__}:
-        overrides["eps"] = eps
-    config = rule.make_config(**overrides)
-    out = np.zeros(len(rewards), np.float32)
-    members: dict[Any, list[int]] = collections.defaultdict(list)
-    for i, group in enumerate(groups):
-        members[group].append(i)
-    for index in members.values():
-        values = np.asarray([rewards[i] for i in index], np.float32)
-        adv, _ = rule.fn(values, len(values), config)
-        out[index] = np.asarray(adv, np.float32)
-    return out
+ROLE_INDEX = {"agent": 0, "designer": 1}
+
+
+def _program_of(episode: EpisodeRecord) -> str | None:
+    """The program an agent episode ran (its owner: a window's Game or a memory record)."""
+    owner = getattr(episode, "owner", None)
+    return getattr(owner, "program", None) or getattr(owner, "program_source", None)
+
+
+def _agree_advantages(sequences: list[TrainSequence]) -> list[TrainSequence]:
+    """Multi-host: every host trains on process 0's advantages."""
+    if agreement.single_host():
+        return sequences
+    local = [s.advantage if isinstance(s.advantage, float) else [float(x) for x in s.advantage]
+             for s in sequences]
+    agreed = distributed.agree_json(local)
+    failing = distributed.failing_hosts(len(agreed) != len(local))
+    if failing:
+        raise RuntimeError(f"multi-host update rule: host(s) {failing} built a different "
+                           f"number of training sequences than process 0")
+    return [dataclasses.replace(s, advantage=a if isinstance(a, float) else np.asarray(
+        a, np.float32)) for s, a in zip(sequences, agreed, strict=True)]
+
+
+def _designer_episode(sample: DesignerSample) -> EpisodeRecord:
+    """A designer sample as a one-turn episode (its output is the turn)."""
+    rec = EpisodeRecord(env_id=sample.env_id, seed=0)
+    rec.append(list(sample.prompt_ids), policy=False)
+    rec.append(list(sample.output_ids), policy=True, logprobs=list(sample.output_logprobs))
+    rec.turn_spans.append((len(sample.prompt_ids), len(rec.token_ids)))
+    rec.routing = sample.routing  # router replay: the routes it was sampled with
+    return rec
 
 
 def _count(value: float) -> int:
     """A probed level count as the memory stores it (0: not measured)."""
     return int(value) if np.isfinite(value) else 0
-
-
-def _designer_sequence(sample: DesignerSample, advantage: float) -> TrainSequence:
-    ids = sample.prompt_ids + sample.output_ids
-    mask = [0] * len(sample.prompt_ids) + [1] * len(sample.output_ids)
-    logprobs = [0.0] * len(sample.prompt_ids) + sample.output_logprobs
-    return TrainSequence(ids, mask, logprobs, advantage, "designer", routing=sample.routing)

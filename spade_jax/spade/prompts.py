@@ -32,6 +32,10 @@ from spade_jax.envs.contract import (
     REFERENCE_MAX_TURNS,
     render_reference_contract,
 )
+
+# The hint presentation lives in the rollout layer (evaluation uses it too); re-exported
+# here, next to the other role prompts.
+from spade_jax.rollout.hints import agent_first_observation  # noqa: F401
 from spade_jax.spade.skills import SKILL_SETS, Skill
 
 # --------------------------------------------------------------------------- system prompts
@@ -311,18 +315,6 @@ def designer_user_prompt(
         "<hint>...</hint> and one ```python block."
     )
     return "\n\n".join(parts)
-
-
-def agent_first_observation(observation: str, hint: str | None) -> str:
-    """The agent's first user turn: the observation, with "\\n\\nHINT: <hint>" appended when
-    the episode is in the hint arm (`hint` is not None), as the recipe shows it. The one
-    hint presentation of the project: the loop, evaluation and the hint filter all call
-    it. Later turns never carry the hint, and the environment program never receives it."""
-    if hint is None:
-        return observation
-    if not isinstance(hint, str) or not hint.strip():
-        raise ValueError("hint arm needs a non-empty hint (pass None for the no-hint arm)")
-    return f"{observation}\n\nHINT: {hint.strip()}"
 
 
 # --------------------------------------------------------------------------- hint writer

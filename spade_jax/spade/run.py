@@ -263,7 +263,7 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
         memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed)),
         reward_rule=make_designer_reward(spade.designer_reward, spade.designer_reward_config),
         fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
-        max_turns=config.agent.max_turns)
+        max_turns=config.agent.max_turns, rules=(config.train.agent, config.train.designer))
 
 
 # ---- the run -----------------------------------------------------------------------------
