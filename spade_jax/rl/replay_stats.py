@@ -36,9 +36,9 @@ from spade_jax.rl.terms import truncated_importance_weights
 from spade_jax.rl.train_step import (
     COMPUTE_DTYPES,
     TrainConfig,
-    _row_temperatures,
-    _split_microbatches,
     policy_logprobs,
+    row_temperatures,
+    split_microbatches,
 )
 
 DEFAULT_TELEMETRY_CLAMP = 2.0  # the recipe's TIS C, used when a role's TIS is off
@@ -76,7 +76,7 @@ def microbatch_sums(params: nnx.State, batch: TrainBatch, *, graphdef: nnx.Graph
     """Per-role sums ([R] each) of one microbatch's telemetry (pure; no gradient)."""
     model = nnx.merge(graphdef, jax.tree.map(
         lambda p: p.astype(COMPUTE_DTYPES[config.compute_dtype]), params))
-    temperature = _row_temperatures(config, batch)
+    temperature = row_temperatures(config, batch)
     role_br = jax.nn.one_hot(batch.role_id, len(ROLES), dtype=jnp.float32)
     mask_bt = batch.loss_mask.astype(jnp.float32)
     real_bt = (jnp.ones_like(mask_bt) if batch.attention_mask is None
@@ -106,7 +106,7 @@ def replay_telemetry(params: nnx.State, batch: TrainBatch, *, graphdef: nnx.Grap
     """The per-role telemetry of the module docstring for one batch (pure)."""
     sums_m = jax.lax.map(
         functools.partial(microbatch_sums, params, graphdef=graphdef, config=config, mesh=mesh),
-        _split_microbatches(batch, config.microbatches))
+        split_microbatches(batch, config.microbatches))
     total = {key: (v.max(0) if key.startswith("gap_max") else v.sum(0))
              for key, v in sums_m.items()}
     out: dict[str, Array] = {}
