@@ -35,7 +35,7 @@ from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import AgentLoopConfig, EpisodeSpec, run_episodes
 from spade_jax.rollout.routing import compact_routing
 from spade_jax.rollout.sampler import sample
-from spade_jax.spade.loop import _designer_sequence
+from spade_jax.spade.loop import _designer_episode
 from spade_jax.spade.window import DesignerSample
 from spade_jax.tokenizers import train_sentencepiece
 
@@ -97,7 +97,9 @@ def designer(model) -> tuple[list[TrainSequence], int]:
         state_bytes += len(text)
         back = DesignerSample.from_json(json.loads(text))
         assert np.array_equal(back.routing, s.routing) and back.routing.dtype == np.uint8
-        seqs.append(_designer_sequence(back, 1.0))
+        ep = _designer_episode(back)  # as the loop hands it to the update rule
+        seqs.append(TrainSequence(ep.token_ids, ep.loss_mask, ep.logprobs, 1.0, "designer",
+                                  routing=ep.routing))
     return seqs, state_bytes
 
 
