@@ -68,7 +68,9 @@ def get_config() -> ExperimentConfig:
                                 policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
             loss_aggregation="pooled",
-            microbatches=16, compute_dtype="bfloat16", router_replay=False,
+            # Router replay (issue 22): the trainer runs each MoE layer on the experts the
+            # sampler chose (48 layers x top-8 of 128: 384 bytes a token recorded).
+            microbatches=16, compute_dtype="bfloat16", router_replay=True,
             logit_chunk=1024,  # [tokens, 151k vocab] logits 1024 positions at a time
         ),
         spade=SpadeConfig(

@@ -48,7 +48,10 @@ def get_config() -> ExperimentConfig:
             env_threads=2,
         ),
         sandbox=SandboxConfig(call_deadline_s=2.0, spare_workers=2),
-        train=TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1)),
+        # Router replay: the samplers record routing (2 MoE layers x top-2: 4 bytes a
+        # token) and the trainer replays it; replay/<role>/... telemetry every step.
+        train=TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1),
+                          router_replay=True),
         # Two windows of two steps: a regeneration (design, self-written hints, hint
         # plays) then a plain step; designer samples trained one step later with the
         # blend reward (the last step flushes the second window's).

@@ -177,6 +177,10 @@ class ExperimentConfig:
     # metric (the held-out eval's mean over suites; "" = keep the newest only).
     best_checkpoint_metric: str = "eval/mean/pass@1"
     best_checkpoint_mode: str = "max"  # "max" or "min"
+    # Record MoE routing and log the replay telemetry (replay/<role>/...) even with
+    # train.router_replay off: the replay-off control of docs/trainer.md. router_replay=True
+    # always records (it needs the routes).
+    record_routing: bool = False
     rule_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -57,6 +57,11 @@ def _batch(rows: int, length: int, seed: int) -> TrainBatch:
         old_logp=(-rng.rand(rows, length) * 3).astype(np.float32) * loss_mask,
         advantages=rng.randn(rows).astype(np.float32),
         role_id=(np.arange(rows) % 2).astype(np.int32),
+        # The experiment replays recorded routing: distinct experts per (token, layer).
+        routing_replay=tuple(
+            np.argsort(rng.rand(rows, length, TINY_MOE.num_experts), -1)[
+                ..., : TINY_MOE.num_experts_per_tok].astype(np.int32)
+            if TINY_MOE.is_moe_layer(i) else None for i in range(TINY_MOE.num_layers)),
     )
 
 

@@ -529,7 +529,8 @@ def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
 
     def fake_sample(model, prompts, config, **kwargs):
         seen.append(config)
-        return SimpleNamespace(tokens=[[1] for _ in prompts], logprobs=[[0.0] for _ in prompts])
+        return SimpleNamespace(tokens=[[1] for _ in prompts], logprobs=[[0.0] for _ in prompts],
+                               selected_experts=None)
 
     monkeypatch.setattr(run, "sample", fake_sample)
     config = load_experiment("tiny", [
@@ -545,6 +546,9 @@ def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
     assert design.temperature == config.designer_sampler.temperature
     assert (hint.temperature, hint.max_new_tokens, hint.seed, hint.max_rows) == (
         0.25, config.spade.hint_max_tokens, 99, 3)
+    # Router replay (tiny has it on): the designer's sampler records routing, the
+    # untrained hint writer's does not.
+    assert design.return_router and not hint.return_router
 
 
 def test_config_errors_name_the_problem():

@@ -64,8 +64,23 @@ def test_main_command_runs_reports_and_resumes(tmp_path):
     assert rows[0]["batch/designer"] == 0 and rows[1]["batch/designer"] > 0
     assert rows[0]["hints_written"] > 0
     assert any(k.startswith("eval/") for k in rows[-1])
+    # Router replay (issue 22, tiny runs with it): telemetry every step per role; the
+    # designer's routing crossed its one-step delay (and sits in step 0's checkpoint).
+    for row, roles in zip(rows, (("agent",), ("agent", "designer")), strict=True):
+        for role in roles:
+            for stat in ("flip_rate", "flip_rate_free", "tis_clip_replay", "tis_clip_free"):
+                assert 0 <= row[f"train/replay/{role}/{stat}"] <= 1, (role, stat)
+            assert math.isfinite(row[f"train/replay/{role}/logp_gap_replay"])
+    assert "train/replay/designer/flip_rate" not in rows[0]
+    from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
+
+    with CheckpointManager(CheckpointConfig(workdir / "checkpoints")) as manager:
+        pending = manager.restore(0).run_state["loop"]["pending"]
+    routes = [s["routing"] for p in pending for s in p["samples"]]
+    assert routes and all(r["dtype"] == "|u1" and isinstance(r["data"], str) for r in routes)
     report = (workdir / "report.md").read_text()
     assert "validity_rate" in report and "plots/" in report
+    assert "## Router replay" in report and (workdir / "plots" / "router_replay.png").exists()
     assert list((workdir / "plots").glob("*.png"))
     assert (workdir / "checkpoints").is_dir()
 

@@ -286,15 +286,41 @@ def _train_program(config: AotConfig, s: _Setting) -> ProgramCost:
     batch = TrainBatch(
         input_ids=abstract((b, t), jnp.int32), loss_mask=abstract((b, t), jnp.float32),
         old_logp=abstract((b, t), jnp.float32), advantages=abstract((b,), jnp.float32),
-        role_id=abstract((b,), jnp.int32), attention_mask=abstract((b, t), jnp.int32))
+        role_id=abstract((b,), jnp.int32), attention_mask=abstract((b, t), jnp.int32),
+        routing_replay=_replay_input(s, b, t) if train.router_replay else None)
     step = make_train_step(s.graphdef, train, s.mesh, s.rules)
     compiled, seconds = _timed_compile(step.lower(s.state, batch), "train")
     # The TPU compiler's cost analysis counts every trip of the microbatch scan (checked:
     # M=1 and M=4 report the same FLOPs for the same batch).
+    shape = f"B={b} T={t} M={train.microbatches}"
+    shape += _replay_note(s) if train.router_replay else ""
     return _program(
-        "train", f"B={b} T={t} M={train.microbatches}", compiled, seconds, resident=0,
+        "train", shape, compiled, seconds, resident=0,
         tokens=b * t, **analytic_cost("train", s.arch, s.options, s.par, rows=b, length=t,
                                       keys=t, microbatches=train.microbatches))
+
+
+def _replay_input(s: _Setting, b: int, t: int) -> tuple:
+    """Router replay's train-step input: per MoE layer the [B, T, X] int32 recorded experts."""
+    import jax
+    import jax.numpy as jnp
+
+    from spade_jax import sharding
+
+    rows3 = sharding.named_sharding(("batch", None, None), s.mesh, s.rules)
+    return tuple(jax.ShapeDtypeStruct((b, t, s.arch.num_experts_per_tok), jnp.int32,
+                                      sharding=rows3) if s.arch.is_moe_layer(i) else None
+                 for i in range(s.arch.num_layers))
+
+
+def _replay_note(s: _Setting) -> str:
+    """What router replay costs per token (docs/trainer.md): recorded, and in the batch."""
+    from spade_jax.rollout.routing import bytes_per_token
+
+    layers = sum(s.arch.is_moe_layer(i) for i in range(s.arch.num_layers))
+    recorded = bytes_per_token(layers, s.arch.num_experts_per_tok, s.arch.num_experts)
+    return (f" replay {recorded} B/token recorded, "
+            f"{4 * layers * s.arch.num_experts_per_tok} B/token in the batch")
 
 
 def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:

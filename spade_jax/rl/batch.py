@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from flax import struct
 
+from spade_jax.rollout.routing import routing_per_layer
+
 ROLES = ("agent", "designer")  # role_id 0 and 1
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -95,7 +97,9 @@ class TrainSequence:
       role: "agent" / "designer" or the role id 0 / 1.
       ref_logprobs: reference-policy log-probs per token, if the loss uses a KL term.
       routing: per model layer, the [len, X] (or [len - 1, X]: the last token is never fed
-        back) experts chosen at rollout time; None for dense layers.
+        back) experts chosen at rollout time; None for dense layers. Or one recording
+        ``[len or len - 1, L, X]`` over the MoE layers ``PackConfig.moe_layers``
+        (:mod:`spade_jax.rollout.routing`, what the rollout records).
       group: index of the sequence's advantage group in this update (-1: none); the batch's
         ``group_id`` (the role is part of the id, so the roles' groups never mix).
     """
@@ -120,11 +124,15 @@ class PackConfig:
       pad_id: token id written into padding.
       batch_multiple: pad B with empty rows (loss mask 0) up to a multiple of this (e.g.
         microbatches x data-parallel devices).
+      moe_layers, num_layers: the model layers the L axis of a ``[T, L, X]`` routing
+        recording refers to, and the model's layer count (needed only for recordings).
     """
 
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     pad_id: int = 0
     batch_multiple: int = 1
+    moe_layers: tuple[int, ...] = ()
+    num_layers: int = 0
 
     def __post_init__(self) -> None:
         if not self.buckets or any(b <= 1 for b in self.buckets):
@@ -169,6 +177,20 @@ def _check_sequence(seq: TrainSequence, index: int) -> int:
     if seq.loss_mask[0]:
         raise ValueError(f"sequence {index}: loss_mask[0] must be 0 (token 0 has no prediction)")
     return n
+
+
+def _per_layer(sequences: Sequence[TrainSequence], config: PackConfig) -> list[TrainSequence]:
+    """Sequences whose routing is one ``[T, L, X]`` recording, expanded per model layer."""
+    out = []
+    for seq in sequences:
+        if isinstance(seq.routing, np.ndarray) and seq.routing.ndim == 3:
+            if not config.num_layers:
+                raise ValueError("a [T, L, X] routing recording needs PackConfig.moe_layers "
+                                 "and num_layers")
+            seq = dataclasses.replace(seq, routing=routing_per_layer(
+                seq.routing, config.moe_layers, config.num_layers))
+        out.append(seq)
+    return out
 
 
 def _pack_routing(
@@ -216,6 +238,7 @@ def pack_sequences(
     if not sequences:
         raise ValueError("pack_sequences needs at least one sequence")
     lengths = [_check_sequence(s, i) for i, s in enumerate(sequences)]
+    sequences = _per_layer(sequences, config)
     length = bucket_length(max(lengths), config.buckets)
     rows = -(-len(sequences) // config.batch_multiple) * config.batch_multiple
     per_token_adv = any(np.ndim(s.advantage) == 1 for s in sequences)

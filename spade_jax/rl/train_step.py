@@ -334,6 +334,10 @@ def _split_microbatches(batch: TrainBatch, microbatches: int) -> TrainBatch:
     return jax.tree.map(split, batch)
 
 
+# Public for the replay telemetry (rl.replay_stats), which splits and scores as the step does.
+row_temperatures, split_microbatches = _row_temperatures, _split_microbatches
+
+
 def _scored_rows_per_role(batch_m: TrainBatch) -> Array:
     """[M, R]: sequences of each role with at least one policy token, per microbatch."""
     scored_mb = (jnp.sum(batch_m.loss_mask, axis=-1) > 0).astype(jnp.float32)

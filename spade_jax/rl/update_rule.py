@@ -231,5 +231,5 @@ def apply_rule(
         n = len(ep.token_ids)
         advantage = float(adv[i]) if adv.ndim == 1 else adv[i, :n].astype(np.float32)
         sequences.append(TrainSequence(ep.token_ids, ep.loss_mask, ep.logprobs, advantage,
-                                       role_name, group=g))
+                                       role_name, group=g, routing=ep.routing))
     return RuleOutput(sequences, metrics, dropped)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from spade_jax import distributed
@@ -457,6 +458,9 @@ class _Scheduler:
         ep, config = self.eps[i], self.config
         rec = ep.record
         start = len(rec.token_ids)
+        if done.routing is not None:  # router replay: the turn fed positions cached .. end-1
+            rec.routing = (done.routing if rec.routing is None
+                           else np.concatenate([rec.routing, done.routing]))
         rec.append(done.tokens, policy=True, logprobs=done.logprobs)
         self.cached[i] = len(rec.token_ids) - 1  # the last token drawn was never fed
         rec.turn_spans.append((start, len(rec.token_ids)))

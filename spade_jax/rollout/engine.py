@@ -45,6 +45,7 @@ from flax import nnx, struct
 from spade_jax import sharding
 from spade_jax.models import KVCache
 from spade_jax.rollout import sampling
+from spade_jax.rollout.routing import routing_dtype
 from spade_jax.rollout.sampler import (
     _CACHE_DTYPES,
     _EOS,
@@ -54,6 +55,7 @@ from spade_jax.rollout.sampler import (
     SamplerConfig,
     _batch_bucket,
     _batch_shards,
+    _moe_stack,
     _next_pow2,
     _round_up,
     _to_device,
@@ -82,12 +84,19 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class Finished:
     """A request's result: generated tokens (a stop token that ended it included), their
-    log-probs and the done reason ("eos" or "max_tokens")."""
+    log-probs and the done reason ("eos" or "max_tokens").
+
+    routing: with ``SamplerConfig.return_router`` on an MoE model, the experts every token
+      this request *fed* was routed to, ``[len(tokens of the request) + len(tokens) - 1, L,
+      X]`` in the compact dtype (:mod:`spade_jax.rollout.routing`): the request's added
+      tokens, then each generated token but the last (never fed). Else None.
+    """
 
     slot: int
     tokens: list[int]
     logprobs: list[float]
     reason: str
+    routing: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +107,8 @@ class _Static:
     router_hook: Callable | None
     batch_invariant: bool
     mesh: Any = None  # handed to the model (its expert-parallel MoE dispatch)
+    moe_layers: tuple[int, ...] = ()  # recorded for router replay (empty: not recorded)
+    routing_dtype: Any = None
 
 
 class _Scalars(struct.PyTreeNode):
@@ -118,6 +129,9 @@ class SlotState(struct.PyTreeNode):
     limit_b: jax.Array  # [B] int32
     seed_b: jax.Array  # [B] int32 PRNG seed of the request
     stop_m: jax.Array  # [M] int32 stop ids shared by all rows (-1 = unused)
+    # [B, N, L, X] experts of the fed generated tokens (column n: the token drawn at n), or
+    # None when routing is not recorded.
+    experts_bnlx: jax.Array | None = None
 
 
 def _draw(logits_bv, seed_b, step_b, scalars: _Scalars, static: _Static):
@@ -147,10 +161,20 @@ def _record(state: SlotState, token_b, logprob_b, running_b) -> SlotState:
     )
 
 
+def _routing(out, static: _Static):
+    """The forward's selected experts over the recorded MoE layers, [B, T, L, X] compact."""
+    return _moe_stack(out.selected_experts, static.moe_layers).astype(static.routing_dtype)
+
+
 def _step(model, state: SlotState, scalars: _Scalars, static: _Static) -> SlotState:
     running_b = ~state.done_b
     out = model(state.last_token_b[:, None], attention_mask_bt=running_b[:, None],
                 cache=state.cache, router_hook=static.router_hook, mesh=static.mesh)
+    if state.experts_bnlx is not None:  # the fed token was drawn at column num_generated - 1
+        rows_b = jnp.arange(running_b.shape[0])
+        col_b = jnp.where(running_b, state.num_generated_b - 1, state.experts_bnlx.shape[1])
+        state = state.replace(experts_bnlx=state.experts_bnlx.at[rows_b, col_b].set(
+            _routing(out, static)[:, 0], mode="drop"))
     token_b, logprob_b = _draw(out.logits[:, -1], state.seed_b, state.num_generated_b,
                                scalars, static)
     return _record(state.replace(cache=out.cache), token_b, logprob_b, running_b)
@@ -180,7 +204,8 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, s
            limit_k, seed_k, scalars, *, static: _Static):
     """Prefills U unique requests (row u extends the cache of slot ``home_u[u]``, emptied
     first when ``fresh_u[u]``) and installs them in K slots (slot ``slots_k[k]`` gets the
-    result of row ``src_k[k]``), each drawing its first token with its own seed."""
+    result of row ``src_k[k]``), each drawing its first token with its own seed. Returns
+    the state and, when routing is recorded, the prefill's [U, T, L, X] experts."""
     model = nnx.merge(graphdef, params)
     part = state.cache.take_rows(jnp.clip(home_u, 0, state.done_b.shape[0] - 1))
     part = part.replace(valid_bs=part.valid_bs & ~fresh_u[:, None],
@@ -206,9 +231,11 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, s
     def put(dst, src):
         return dst.at[slots_k].set(src, mode="drop")
 
-    fields = [f.name for f in dataclasses.fields(SlotState) if f.name not in ("cache", "stop_m")]
-    return state.replace(cache=cache, **{f: put(getattr(state, f), getattr(rows, f))
-                                         for f in fields})
+    fields = [f.name for f in dataclasses.fields(SlotState)
+              if f.name not in ("cache", "stop_m", "experts_bnlx")]
+    state = state.replace(cache=cache, **{f: put(getattr(state, f), getattr(rows, f))
+                                          for f in fields})
+    return state, (_routing(out, static) if static.moe_layers else None)
 
 
 @functools.partial(jax.jit, static_argnames=("max_len",))  # new shapes: nothing to donate to
@@ -230,11 +257,15 @@ class SlotEngine:
         self.mesh, self.config = mesh, config
         self.num_slots = _round_up(num_slots, _batch_shards(mesh))
         self.graphdef, self.params = nnx.split(model)
+        cfg = model.config
+        moe_layers = (tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+                      if config.return_router else ())
         self.static = _Static(
             greedy=config.greedy, top_k=config.top_k,
             use_top_p=config.top_p < 1 and not config.greedy, router_hook=router_hook,
             batch_invariant=getattr(getattr(model, "options", None), "batch_invariant", False),
-            mesh=mesh)
+            mesh=mesh, moe_layers=moe_layers,
+            routing_dtype=routing_dtype(cfg.num_experts) if moe_layers else None)
         self.scalars = _Scalars(temperature=jnp.float32(config.temperature),
                                 top_p=jnp.float32(config.top_p))
         self.new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
@@ -245,6 +276,7 @@ class SlotEngine:
         with self._mesh():
             self.state = self._init_state(model, cache_dtype, _next_pow2(cache_len), stop_m)
         self.busy = np.zeros((self.num_slots,), bool)  # generating a request now
+        self.prefill_routing: dict[int, np.ndarray] = {}  # slot -> its request's prefill
         self.stats = {"prefill_tokens": 0, "prefill_rows": 0, "shared_prefills": 0,
                       "prefill_calls": 0, "decode_calls": 0, "decode_steps": 0,
                       "busy_slot_steps": 0, "cache_len": self.cache_len}
@@ -255,7 +287,8 @@ class SlotEngine:
         return sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _init_state(self, model, cache_dtype, cache_len, stop_m) -> SlotState:
-        b, n = self.num_slots, self.new_buffer
+        b, n, static = self.num_slots, self.new_buffer, self.static
+        experts_shape = (b, n, len(static.moe_layers), model.config.num_experts_per_tok)
 
         @jax.jit
         def init():
@@ -267,7 +300,9 @@ class SlotEngine:
                 num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.ones((b,), bool),
                 reason_b=jnp.full((b,), _MAX_TOKENS, jnp.int32),
                 limit_b=jnp.ones((b,), jnp.int32), seed_b=jnp.zeros((b,), jnp.int32),
-                stop_m=jnp.asarray(stop_m))
+                stop_m=jnp.asarray(stop_m),
+                experts_bnlx=(jnp.zeros(experts_shape, static.routing_dtype)
+                              if static.moe_layers else None))
 
         return init()
 
@@ -318,8 +353,12 @@ class SlotEngine:
         args = [_to_device(a, self.mesh) for a in (home_u, fresh_u, ids_ut, len_u, src_k,
                                                    slots_k, limit_k, seed_k)]
         with self._mesh():
-            self.state = _admit(self.graphdef, self.params, self.state, *args, self.scalars,
-                                static=self.static)
+            self.state, routing = _admit(self.graphdef, self.params, self.state, *args,
+                                         self.scalars, static=self.static)
+        if routing is not None:
+            routing = _to_host(routing)
+            for r, j in zip(requests, src, strict=True):
+                self.prefill_routing[r.slot] = routing[j, :len(r.tokens)]
         self.busy[[r.slot for r in requests]] = True
         self.stats["prefill_tokens"] += int(len_u.sum())
         self.stats["prefill_rows"] += len(home)
@@ -351,6 +390,16 @@ class SlotEngine:
         fields = (self.state.tokens_bn, self.state.logprobs_bn, self.state.num_generated_b,
                   self.state.reason_b)
         tokens, logprobs, num, reason = (_to_host(x)[slots] for x in fields)
+        experts = (None if self.state.experts_bnlx is None  # only the finished rows move
+                   else _to_host(self.state.experts_bnlx[jnp.asarray(slots)]))
         self.busy[slots] = False
-        return [Finished(int(s), tokens[j, :num[j]].tolist(), logprobs[j, :num[j]].tolist(),
-                         DONE_REASONS[int(reason[j])]) for j, s in enumerate(slots)]
+        out = []
+        for j, s in enumerate(slots):
+            routing = None
+            if experts is not None:
+                routing = np.concatenate([self.prefill_routing.pop(int(s)),
+                                          experts[j, :max(int(num[j]) - 1, 0)]], axis=0)
+            out.append(Finished(int(s), tokens[j, :num[j]].tolist(),
+                                logprobs[j, :num[j]].tolist(), DONE_REASONS[int(reason[j])],
+                                routing))
+        return out

@@ -48,6 +48,9 @@ class EpisodeRecord:
       episode token budget) or "env_error".
     turn_done_reasons: the sampler's done reason per turn ("eos", "stop_string", "max_tokens").
     sampler_seeds: the generate() seed of each turn's call (with the row order, reproduces it).
+    routing: with ``SamplerConfig.return_router``, the experts each fed token was routed to
+      (``[T_fed, L, X]`` compact ints, post router-hook; :mod:`spade_jax.rollout.routing`),
+      else None.
     """
 
     env_id: str
@@ -66,6 +69,7 @@ class EpisodeRecord:
     turn_done_reasons: list[str] = dataclasses.field(default_factory=list)
     sampler_seeds: list[int] = dataclasses.field(default_factory=list)
     cost: EpisodeCost = dataclasses.field(default_factory=EpisodeCost)
+    routing: np.ndarray | None = None
 
     def append(self, ids: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
         """Extends the stream; policy tokens carry their sampled log-probs."""

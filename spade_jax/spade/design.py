@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from spade_jax.envs import make_env, validate_programs
 from spade_jax.seeding import Phase, derive_seed, rng
 from spade_jax.spade import agreement
@@ -48,11 +50,14 @@ from spade_jax.spade.window import (
 
 
 class Generate(Protocol):
-    """The policy's sampler: token ids and per-token log-probs for every prompt.
-    ``purpose`` is "design" (the designer's sampler) or "hint" (the hint writer's)."""
+    """The policy's sampler: token ids and per-token log-probs for every prompt, and
+    optionally a third list: per prompt the recorded routing (``[P + n - 1, L, X]``,
+    :mod:`spade_jax.rollout.routing`) or None. ``purpose`` is "design" (the designer's
+    sampler) or "hint" (the hint writer's)."""
 
     def __call__(self, prompts: list[list[int]], *, seed: int, purpose: str
-                 ) -> tuple[list[list[int]], list[list[float]]]: ...
+                 ) -> tuple[list[list[int]], list[list[float]]] | tuple[
+                     list[list[int]], list[list[float]], list[np.ndarray | None]]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,7 @@ class Attempt:
     output_logprobs: list[float]
     verdict: Verdict = VALID
     parsed: DesignerOutput | None = None
+    routing: np.ndarray | None = None  # recorded routing of prompt + output (router replay)
 
 
 def slot_skills(config: SpadeConfig, step: int) -> list[str]:
@@ -161,11 +167,13 @@ class Designer:
             if not wanted:
                 break
             prompts = [slots[s].prompt_ids for s, _ in wanted]
-            tokens, logprobs = self.generate(
+            tokens, logprobs, *routes = self.generate(
                 prompts, seed=derive_seed(self.seed, step, Phase.DESIGN, attempt_index),
                 purpose="design")
-            batch = [Attempt(s, m, slots[s].skill, slots[s].prompt_ids, list(t), list(lp))
-                     for (s, m), t, lp in zip(wanted, tokens, logprobs, strict=True)]
+            routes = routes[0] if routes else [None] * len(wanted)
+            batch = [Attempt(s, m, slots[s].skill, slots[s].prompt_ids, list(t), list(lp),
+                             routing=r)
+                     for (s, m), t, lp, r in zip(wanted, tokens, logprobs, routes, strict=True)]
             self.validate(batch, [f"r{step}_s{a.slot}_m{a.member}_a{attempt_index}"
                                   for a in batch],
                           [derive_seed(self.seed, step, Phase.VALIDATION, attempt_index, a.slot,
@@ -246,7 +254,7 @@ class Designer:
             prompts = [list(self.tokenizer.apply_chat_template(
                 hint_writer_messages(g.program), add_generation_prompt=True,
                 enable_thinking=False)) for g in todo]
-            tokens, _ = self.generate(
+            tokens, *_ = self.generate(
                 prompts, seed=derive_seed(self.seed, step, Phase.HINT_WRITE, attempt_index),
                 purpose="hint")
             for game, ids in zip(todo, tokens, strict=True):
@@ -289,7 +297,7 @@ class Designer:
 def _sample(att: Attempt, env_id: str | None) -> DesignerSample:
     return DesignerSample(slot=att.slot, skill=att.skill, prompt_ids=att.prompt_ids,
                           output_ids=att.output_ids, output_logprobs=att.output_logprobs,
-                          env_id=env_id, verdict=att.verdict)
+                          env_id=env_id, verdict=att.verdict, routing=att.routing)
 
 
 def _memory_example(record: EnvironmentRecord) -> dict[str, Any]:

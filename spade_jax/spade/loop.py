@@ -422,7 +422,7 @@ class SpadeLoop:
         tok = self.tokenizer
         ids = [tok.apply_chat_template([{"role": "user", "content": p}],
                                        add_generation_prompt=True) for p in prompts]
-        tokens, _ = self.designer.generate(ids, seed=seed, purpose="hint")
+        tokens, *_ = self.designer.generate(ids, seed=seed, purpose="hint")
         return [tok.decode(t, skip_special_tokens=True) for t in tokens]
 
     # ---- memory --------------------------------------------------------------------------
@@ -495,6 +495,7 @@ def _designer_episode(sample: DesignerSample) -> EpisodeRecord:
     rec.append(list(sample.prompt_ids), policy=False)
     rec.append(list(sample.output_ids), policy=True, logprobs=list(sample.output_logprobs))
     rec.turn_spans.append((len(sample.prompt_ids), len(rec.token_ids)))
+    rec.routing = sample.routing  # router replay: the routes it was sampled with
     return rec
 
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 
@@ -34,6 +35,14 @@ HEADLINE = (
     ("train/designer/logp_gap_mean", "designer: |trainer - sampler| log-prob gap"),
 )
 PHASES = ("design", "validate", "rollout", "update")
+# Router replay telemetry (spade_jax.rl.replay_stats), logged per role as
+# train/replay/<role>/<stat>: (panel title, stat with replay, stat without).
+REPLAY_PANELS = (
+    ("routing flip rate (token x layer)", "flip_rate", "flip_rate_free"),
+    ("mean |trainer - sampler| log-prob", "logp_gap_replay", "logp_gap_free"),
+    ("TIS clip fraction", "tis_clip_replay", "tis_clip_free"),
+    ("mean |ratio - 1|", "ratio_dev_replay", "ratio_dev_free"),
+)
 
 
 def _fmt(x: float) -> str:
@@ -71,10 +80,55 @@ def write_report(run_dir: storage.PathLike, title: str = "SPADE run") -> epath.P
     if evals:
         lines += ["", "## Held-out evaluation (last)", "", "| suite | value |", "|---|---|"]
         lines += [f"| `{n}` | {_fmt(float(metrics[n][1][-1]))} |" for n in evals]
+    replay_lines, replay_png = _replay_section(metrics, run_dir / "plots")
+    lines += replay_lines
+    pngs = [*pngs, replay_png] if replay_png is not None else pngs
     lines += ["", "## Curves", ""] + [f"![{p.stem}](plots/{p.name})" for p in pngs]
     path = run_dir / "report.md"
     storage.write_bytes_atomic(path, ("\n".join(lines) + "\n").encode())
     return path
+
+
+def _replay_series(metrics, role: str, stat: str):
+    return metrics.get(f"train/replay/{role}/{stat}")
+
+
+def _replay_section(metrics, plots_dir: epath.Path) -> tuple[list[str], epath.Path | None]:
+    """Router replay: a with/without table per role and ``plots/router_replay.png`` (one
+    panel per statistic, replay and no-replay curves of each role); nothing if the run
+    logged no replay telemetry."""
+    roles = [r for r in ("agent", "designer") if _replay_series(metrics, r, "flip_rate")]
+    if not roles:
+        return [], None
+    lines = ["", "## Router replay (mean over the run)", "",
+             "| role | statistic | with replay | without |", "|---|---|---|---|"]
+    for role in roles:
+        for title, on, off in REPLAY_PANELS:
+            means = [float(np.nanmean(_replay_series(metrics, role, k)[1])) for k in (on, off)]
+            lines.append(f"| {role} | {title} | {_fmt(means[0])} | {_fmt(means[1])} |")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(REPLAY_PANELS), figsize=(4.5 * len(REPLAY_PANELS), 3.2))
+    for ax, (title, on, off) in zip(axes, REPLAY_PANELS, strict=True):
+        for role in roles:
+            for stat, style, label in ((on, "-", "replay"), (off, "--", "own routing")):
+                steps, values = _replay_series(metrics, role, stat)
+                ax.plot(steps, values, style, marker="o", markersize=3, label=f"{role}, {label}")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
+    plt.close(fig)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    path = plots_dir / "router_replay.png"
+    storage.write_bytes_atomic(path, png.getvalue())
+    return lines, path
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from spade_jax.metrics import MetricsWriter, Progress
 from spade_jax.models import Qwen3, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.rl.batch import PackConfig, pack_sequences
+from spade_jax.rl.replay_stats import ReplayTelemetry
 from spade_jax.rl.train_step import (
     ReferencePolicy,
     TrainState,
@@ -43,6 +44,7 @@ from spade_jax.rl.train_step import (
     needs_reference,
 )
 from spade_jax.rollout.agent_loop import run_episodes
+from spade_jax.rollout.routing import compact_routing
 from spade_jax.rollout.sampler import SamplerConfig, sample
 from spade_jax.spade import seed_programs
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
@@ -211,6 +213,11 @@ def _abstract(blob_like: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- the loop -----------------------------------------------------------------------------
+def records_routing(config: ExperimentConfig) -> bool:
+    """Whether the run's samplers record MoE routing (router replay, or its telemetry)."""
+    return config.train.router_replay or config.record_routing
+
+
 def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokenizer: Any,
                   mesh: Any) -> tuple[Callable, Callable]:
     """The loop's two sampling callables over the current policy: ``generate(prompts, *,
@@ -218,14 +225,22 @@ def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokeniz
     compaction, ``max_rows``) and the loop's per-call seed, and ``run_episodes(specs, *,
     seed)``."""
     samplers = _loop_samplers(config)
+    record = records_routing(config)  # router replay / its telemetry: samplers record
+    agent = dataclasses.replace(config.agent, sampler=dataclasses.replace(
+        config.agent.sampler, return_router=True)) if record else config.agent
 
     def generate_fn(prompts, *, seed, purpose):
-        out = sample(policy(), prompts, dataclasses.replace(samplers[purpose], seed=seed),
-                     mesh=mesh)
-        return out.tokens, out.logprobs
+        model = policy()
+        out = sample(model, prompts, dataclasses.replace(samplers[purpose], seed=seed,
+                     return_router=record and purpose == "design"), mesh=mesh)
+        routes = [None] * len(prompts)
+        if out.selected_experts is not None:
+            routes = [compact_routing(r, model.config.num_experts)
+                      for r in out.selected_experts]
+        return out.tokens, out.logprobs, routes
 
     def episodes_fn(specs, *, seed):
-        return run_episodes(policy(), tokenizer, specs, config.agent, mesh=mesh, seed=seed)
+        return run_episodes(policy(), tokenizer, specs, agent, mesh=mesh, seed=seed)
 
     return generate_fn, episodes_fn
 
@@ -281,14 +296,22 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         return nnx.merge(graphdef, holder["state"].params)
 
     data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
-    pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways)
+    mcfg = model.config
+    pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways,
+                      moe_layers=tuple(i for i in range(mcfg.num_layers) if mcfg.is_moe_layer(i)),
+                      num_layers=mcfg.num_layers)
+    telemetry = (ReplayTelemetry(graphdef, train_config, mesh)
+                 if records_routing(config) and mcfg.is_moe else None)
 
     def update_fn(seqs):
         batch = pack_sequences(seqs, pack)
         if reference is not None:
             batch = reference.annotate(batch)
+        # Routing-mismatch telemetry at the weights the step differentiates (before it).
+        extra = telemetry(holder["state"].params, batch) if telemetry is not None else {}
         holder["state"], metrics = step_fn(holder["state"], batch)
-        return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+        return {**{k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0},
+                **extra}
 
     loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=policy, update=update_fn,
                       mesh=mesh)

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from spade_jax.rollout.routing import decode_routing, encode_routing
+
 
 class Outcome(enum.StrEnum):
     """What became of a designer attempt or a game: valid, or why not."""
@@ -117,15 +119,20 @@ class DesignerSample:
     output_logprobs: list[float]
     env_id: str | None  # the game it wrote; None for an invalid attempt (penalty only)
     verdict: Verdict = VALID
+    # Router replay: the experts prompt + output tokens were routed to when sampled
+    # ([P + n - 1, L, X] compact ints), or None. Serialised as base64 of its bytes.
+    routing: np.ndarray | None = None
 
     def to_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = dataclasses.asdict(dataclasses.replace(self, routing=None))
         data["verdict"] = self.verdict.to_json()
+        data["routing"] = encode_routing(self.routing)
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DesignerSample:
-        return cls(**{**data, "verdict": Verdict.from_json(data["verdict"])})
+        return cls(**{**data, "verdict": Verdict.from_json(data["verdict"]),
+                      "routing": decode_routing(data.get("routing"))})
 
 
 @dataclasses.dataclass
