@@ -28,6 +28,9 @@ from spade_jax.rl.train_step import (
     policy_logprobs,
 )
 
+# ~30 s each on a loaded machine: a compiled sampler and dozens of train steps.
+pytestmark = pytest.mark.slow
+
 VOCAB, BOS = 16, 1
 ROLE_TOKENS = (2, 3)  # prompt token that tells the policy which role it plays
 TARGETS = (5, 7)  # agent is rewarded for emitting 5, designer for 7

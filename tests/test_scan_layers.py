@@ -104,8 +104,12 @@ def reference_grads(moe_path):
 
 
 # Every policy is covered scanned; the Python loop is checked with one policy (same code).
-@pytest.mark.parametrize("scan,remat", [(True, "none"), (True, "full"), (True, "dots"),
-                                        (True, "dots_no_batch"), (False, "full")])
+# One policy (scanned, "full") stays in the fast tier; each other one compiles its own backward.
+_SLOW = pytest.mark.slow
+@pytest.mark.parametrize("scan,remat", [pytest.param(True, "none", marks=_SLOW), (True, "full"),
+                                        pytest.param(True, "dots", marks=_SLOW),
+                                        pytest.param(True, "dots_no_batch", marks=_SLOW),
+                                        pytest.param(False, "full", marks=_SLOW)])
 def test_gradients_equal_across_scan_and_remat_policies(scan, remat, moe_path, reference_grads):
     assert {r for s, r in [(True, "none"), (True, "full"), (True, "dots"),
                            (True, "dots_no_batch")]} == set(REMAT_POLICIES)
@@ -117,6 +121,7 @@ def test_gradients_equal_across_scan_and_remat_policies(scan, remat, moe_path, r
                                    err_msg=f"scan={scan} remat={remat} {path}")
 
 
+@pytest.mark.slow  # compiles the backward twice
 def test_remat_policy_changes_the_compiled_backward(moe_path):
     """The policies are not all the same program: "full" saves fewer residuals than "none"."""
     ids = _ids(2, (2, 8))
@@ -136,6 +141,7 @@ def test_remat_policy_changes_the_compiled_backward(moe_path):
     assert full_bytes < none_bytes
 
 
+@pytest.mark.slow  # ~30 s loaded
 def test_scanned_kv_cache_decode_and_generate_equal_python_loop(moe_path):
     looped, scanned = _pair(moe_path)
     cache = scanned.init_cache(batch=2, max_len=12)
@@ -176,6 +182,7 @@ def test_router_hook_sees_each_layer_index_when_scanned(moe_path):
     np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # ~10 s loaded: sharded compile
 def test_scanned_sharded_load_equals_single_device(moe_path):
     if jax.device_count() < 8:
         pytest.skip("needs 8 host devices")
@@ -202,6 +209,7 @@ def test_scan_layers_rejects_mixed_layer_kinds(tmp_path):
         ModelOptions(remat="sometimes")
 
 
+@pytest.mark.slow  # ~27 s loaded
 def test_chunked_attention_equals_full_attention(moe_path):
     """Query blocks of 4 over 9 positions (one padded block), with left padding, through the
     forward, the gradient and a KV-cache prefill."""

@@ -158,6 +158,7 @@ def test_capture_matches_numpy_router_and_generation(model, tmp_path):
     np.testing.assert_array_equal(np.sort(gen.selected, -1), np.sort(ref.selected, -1))
 
 
+@pytest.mark.slow  # ~32 s loaded
 def test_planted_signal_probe_risk_difference_and_steering(model, tmp_path):
     rng = np.random.default_rng(0)
     sequences = [rng.integers(0, V, size=24).tolist() for _ in range(24)]

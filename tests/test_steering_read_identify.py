@@ -190,6 +190,7 @@ def planted():
     return _planted_dataset(seed=0), _planted_dataset(seed=1)
 
 
+@pytest.mark.slow  # ~11 s loaded: probe training
 def test_planted_probe_recovers_behaviours_above_controls(planted):
     data, _ = planted
     train, test = group_split(data["traces"], test_fraction=0.25, seed=0)
