@@ -215,6 +215,7 @@ def fresh_state(model):
     return jax.device_put(_INITIAL_STATES[id(model)])
 
 
+@pytest.mark.slow  # ~110 s loaded with the shared compiled step
 def test_step_matches_full_batch_reference(compiled):
     model, graphdef, step = compiled
     state, batch = fresh_state(model), random_batch(0)
@@ -320,6 +321,7 @@ def test_pooled_aggregation_with_tis_matches_numpy():
     assert "designer/tis/weight_mean" not in metrics
 
 
+@pytest.mark.slow  # ~80 s loaded: compiles two steps
 def test_reference_policy_is_the_frozen_initial_policy():
     """ref_logp = NumPy log-softmax of the initial model, for every row (microbatches
     re-interleaved), and still after steps that update (and donate) the live parameters."""
@@ -343,6 +345,7 @@ def test_reference_policy_is_the_frozen_initial_policy():
     assert float(metrics["agent/kl"]) > 0  # the policy moved away from the reference
 
 
+@pytest.mark.slow  # uses the compiled step (~40 s loaded)
 def test_nonfinite_batch_is_skipped_then_training_continues(compiled):
     model, _, step = compiled
     state = fresh_state(model)
@@ -360,6 +363,7 @@ def test_nonfinite_batch_is_skipped_then_training_continues(compiled):
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
 
 
+@pytest.mark.slow  # ~40 s loaded: sharded compile
 def test_sharded_step_equals_single_device(compiled):
     if jax.device_count() < 8:
         pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -381,6 +385,7 @@ def test_sharded_step_equals_single_device(compiled):
     assert mu_specs & specs - {"PartitionSpec()"}, "Adam moments should follow the params"
 
 
+@pytest.mark.slow  # ~25 s loaded
 def test_bf16_compute_keeps_fp32_master_weights():
     config = TrainConfig(compute_dtype="bfloat16",
                          optimizer=OptimizerConfig(learning_rate=1e-3, master_dtype="float32"))
@@ -405,6 +410,7 @@ def test_bf16_compute_keeps_fp32_master_weights():
     assert 1e-5 < gap < 0.1, f"bf16 forward should be close to, not equal to, fp32 (gap {gap})"
 
 
+@pytest.mark.slow  # ~20 s loaded
 def test_resume_from_checkpoint_is_bitwise_identical(compiled, tmp_path):
     """6 steps straight == 3 steps, save, restore into a fresh process state, 3 steps. (The
     kill -9 variant of this test, on a toy state, is in test_checkpoint.py; here the point is
@@ -440,6 +446,7 @@ def test_resume_from_checkpoint_is_bitwise_identical(compiled, tmp_path):
 # ---- validation --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # uses the compiled step (~40 s loaded)
 def test_config_and_batch_errors_name_the_problem(compiled):
     with pytest.raises(KeyError, match="unknown policy_losses rule 'nope'"):
         RoleConfig(policy_loss="nope")
@@ -512,6 +519,7 @@ def test_pack_sequences_rejects_mixed_routing_layouts():
 # ---- benchmark entry point ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # JAX subprocess, ~30 s loaded
 def test_benchmark_runs_at_tiny_size(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run(
