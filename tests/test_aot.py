@@ -60,6 +60,7 @@ def tiny_plan():
     return config, aot.plan(config)
 
 
+@pytest.mark.slow  # compiles the tiny plan (~35 s loaded)
 @needs_libtpu
 def test_tiny_plan_bytes_and_flops_match_the_model(tiny_plan):
     config, result = tiny_plan
@@ -97,6 +98,7 @@ def test_tiny_plan_bytes_and_flops_match_the_model(tiny_plan):
     assert not squeezed.fits(train)
 
 
+@pytest.mark.slow  # uses the compiled tiny plan
 @needs_libtpu
 def test_stored_plan_renders_with_the_same_costs(tiny_plan, tmp_path):
     """--json_out / --render: the stored compile results re-costed from the experiment give
@@ -110,6 +112,7 @@ def test_stored_plan_renders_with_the_same_costs(tiny_plan, tmp_path):
     assert aot.table_row(again) == aot.table_row(result)
 
 
+@pytest.mark.slow  # JAX subprocess, ~20 s loaded
 @needs_libtpu
 def test_cli_fails_loudly_when_it_does_not_fit():
     out = subprocess.run(
@@ -176,6 +179,7 @@ def get_config():
 
 
 # (A query-chunked attention is a loop too, so XLA cannot check its recompute term.)
+@pytest.mark.slow  # 30-50 s loaded per policy
 @pytest.mark.parametrize("remat, chunk", [("none", 0), ("full", 0), ("dots", 0)])
 def test_analytic_flops_match_xla_where_xla_sees_every_op(remat, chunk, tmp_path):
     """Without loops (no layer scan, one microbatch, no attention blocks) XLA:CPU's cost
