@@ -36,6 +36,7 @@ def test_envs_check_rejects_bad_numbers(tmp_path, flag):
     _clean_error(_cli("spade_jax.envs.check", str(program), *flag), 2, flag[0].lstrip("-"))
 
 
+@pytest.mark.slow  # JAX subprocesses (~13 s loaded)
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry_run", "run"])
 def test_train_workdir_that_is_a_file(tmp_path, dry_run):
     afile = tmp_path / "run.txt"
@@ -47,6 +48,7 @@ def test_train_workdir_that_is_a_file(tmp_path, dry_run):
                  "lies under", str(afile))
 
 
+@pytest.mark.slow  # JAX subprocess (~14 s loaded)
 def test_train_workdir_read_only(tmp_path):
     bwrap = shutil.which("bwrap")
     if bwrap is None:
@@ -60,6 +62,7 @@ def test_train_workdir_read_only(tmp_path):
         _clean_error(result, 2, "cannot write", str(locked))
 
 
+@pytest.mark.slow  # JAX subprocess (~6 s loaded)
 @pytest.mark.parametrize("content,needle", [
     (b'\xff\xfe{"architectures": 1}', "not UTF-8"),
     (b"[1, 2, 3]", "must hold a JSON object"),
