@@ -7,9 +7,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tiny_hf
 
 from spade_jax.models.safetensors_io import TensorIndex
+
+# Each test starts JAX subprocesses (~30-40 s loaded).
+pytestmark = pytest.mark.slow
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

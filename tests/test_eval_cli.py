@@ -85,6 +85,7 @@ def test_cli_with_scripted_policy(tmp_path):
     assert f"{bad}:2: missing field 'answer'" in failed.stderr
 
 
+@pytest.mark.slow  # ~37 s loaded: trains a tokenizer, compiles the sampler
 def test_sampler_policy_is_the_training_sampler(tmp_path):
     """Greedy completions equal decoding rollout.generate's tokens on the rendered chat."""
     from flax import nnx
