@@ -36,6 +36,7 @@ def exact_report(tmp_path_factory):
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_ordered_ops_sum_left_to_right_and_ignore_batch_shape(exact_report):
     assert exact_report["exact_cpu_math"]
     assert exact_report["numerics"] == dict(
@@ -43,12 +44,14 @@ def test_ordered_ops_sum_left_to_right_and_ignore_batch_shape(exact_report):
         position={"exp": 0, "log": 0})
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 @pytest.mark.parametrize("layers", ["loop", "scan"])
 def test_kv_cache_decode_is_bit_identical_to_forward(exact_report, layers):
     report = exact_report["decode"][layers]
     assert report["tokens"] > 0 and report["logits_diff"] == 0
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_router_replay_reproduces_sampler_logprobs_exactly(exact_report):
     report = exact_report["replay"]["invariant"]
     assert report["tokens"] >= 90
@@ -61,10 +64,12 @@ def test_router_replay_reproduces_sampler_logprobs_exactly(exact_report):
     assert exact_report["replay"]["default"]["differing"] > 0
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_sampler_batching_does_not_change_logprobs(exact_report):
     assert exact_report["batching"] == {"tokens_equal": True, "logprob_diff": 0}
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_sharded_forward_is_bit_identical_to_one_device(exact_report):
     assert exact_report["sharded"] == {"1x2x2x2": 0, "2x2x2x1": 0, "8x1x1x1": 0}
 
@@ -205,6 +210,7 @@ app.run(train.main, argv=["train", "--workdir", sys.argv[1], *sys.argv[2:]])
 """
 
 
+@pytest.mark.slow  # JAX subprocesses
 @pytest.mark.parametrize("invariant", [True, False])
 def test_train_cli_turns_fma_off_for_batch_invariant_experiments(tmp_path, invariant):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")

@@ -126,6 +126,7 @@ def test_checkpoint_keys_follow_the_train_state_leaves():
         assert np.array_equal(np.asarray(saved[key]), np.asarray(flat[path].get_value())), path
 
 
+@pytest.mark.slow  # JAX subprocess and a tiny run
 def test_export_bad_input_is_a_clear_error(tmp_path, capsys):
     def run(*args: str) -> str:
         assert export.main(list(args)) == 2

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from test_steering_model import PLANTED, TOP_K, planted_moe
 
 from spade_jax.models import save_hf
@@ -59,6 +60,7 @@ def _greedy_length(prompt, behaviour, target, successor, suppress):
     return count
 
 
+@pytest.mark.slow  # ~130 s loaded: JAX subprocess, model build
 def test_end_to_end_table(tmp_path):
     tokenizer, model, behaviour, target, successor, plain_ids = _build(tmp_path)
     save_hf(model, model.config, tmp_path / "model")
