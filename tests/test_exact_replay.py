@@ -109,6 +109,7 @@ def test_ordered_einsum_rejects_what_it_cannot_order():
         numerics.einsum("mm,md->d", jnp.ones((3, 3)), x, invariant=True)
 
 
+@pytest.mark.slow  # ~25 s loaded
 def test_exp_and_log_are_accurate_with_correct_gradients():
     rng = np.random.default_rng(2)
     x = (rng.standard_normal(5000) * 25).astype(np.float32)
@@ -134,6 +135,7 @@ def test_exp_and_log_are_accurate_with_correct_gradients():
     assert np.array_equal(np.asarray(g), [0.0, 1.0])
 
 
+@pytest.mark.slow  # ~19 s loaded
 def test_token_logprobs_match_log_softmax():
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((4, 6, 50)) * 3).astype(np.float32)
@@ -145,6 +147,7 @@ def test_token_logprobs_match_log_softmax():
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-6)
 
 
+@pytest.mark.slow  # 30-130 s loaded: fixed-order model compiles
 @pytest.mark.parametrize("kind, overrides", [
     ("moe", {}),
     ("dense", dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=2)),
