@@ -1,8 +1,17 @@
-"""SPADE on Qwen3-30B-A3B-Instruct-2507, the paper's main setting (400 rounds x 24 envs, GRPO).
+"""SPADE on Qwen3-30B-A3B-Instruct-2507 with the published recipe's numbers (games track).
 
     python -m spade_jax.convert --hf_dir=/ckpt/Qwen3-30B-A3B-Instruct-2507 --out_dir=/ckpt/q30b
     python -m spade_jax.train --experiment=qwen3_30b_a3b --hf_checkpoint=/ckpt/Qwen3-30B-A3B-Instruct-2507 \
         --workdir=gs://BUCKET/runs/spade_30b
+
+The recipe (docs/spade.md, docs/reference_parity.md): 400 steps; new games every 4 steps,
+24 per regeneration (3 of the 6 skills per window, 8 games each), each played 8 times per
+step (global batch 24 x 8 = 192), 16 hint plays per game at the regeneration step with a
+hint the policy writes itself (T = 0.3); designer samples trained 4 steps after they were
+written with the blend reward, centred per skill and scaled; rejection sampling up to 5
+attempts per game. Sampling T = 0.6, top-p 0.95, top-k 20; 25 turns, 8192 tokens per
+turn, 32768 context, designer 16384 tokens; thinking off.
+The paper text's variant is one experiment away: experiments/spade_paper_text.py.
 
 Sharding: 128 experts over the expert axis (expert parallelism), the rest FSDP.
 """
@@ -14,7 +23,10 @@ from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
 from spade_jax.spade.config import SpadeConfig
-from spade_jax.spade.prompts import AGENT_SYSTEM_PROMPT
+from spade_jax.spade.prompts import REFERENCE_AGENT_FIRST_TURN_TEMPLATE
+
+# The recipe's sampling for the designer, the agent and (hint_temperature) the hint writer.
+RECIPE_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
 
 
 def get_config() -> ExperimentConfig:
@@ -27,30 +39,46 @@ def get_config() -> ExperimentConfig:
                         attention_chunk=512),
         tokenizer=TokenizerSpec(path=""),  # set to the checkpoint dir (tokenizer.json)
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=8),
-        designer_sampler=SamplerConfig(max_new_tokens=2048, temperature=1.0, top_p=1.0,
-                                       cache_dtype="bfloat16"),
-        agent=AgentLoopConfig(max_turns=8, max_turn_tokens=1024, max_episode_tokens=8192,
-                              system_prompt=AGENT_SYSTEM_PROMPT,
-                              # 256 rows per batch: the KV cache of 8k-token episodes
-                              # stays < 12 GiB per chip on 32 chips (README AOT table).
-                              sampler=SamplerConfig(max_new_tokens=1024, temperature=1.0,
-                                                    cache_dtype="bfloat16", max_rows=256)),
+        designer_sampler=SamplerConfig(max_new_tokens=16384, cache_dtype="bfloat16",
+                                       **RECIPE_SAMPLING),
+        # No system prompt: the first user turn frames the game and asks for the answer in
+        # \boxed{} (the last box of a reply is the action).
+        agent=AgentLoopConfig(max_turns=25, max_turn_tokens=8192, max_episode_tokens=32768,
+                              system_prompt=None, enable_thinking=False,
+                              action_format="boxed",
+                              first_turn_template=REFERENCE_AGENT_FIRST_TURN_TEMPLATE,
+                              # 256 rows per batch bounds the KV cache per chip (README
+                              # AOT table: re-run `python -m spade_jax.aot` for 32k context).
+                              sampler=SamplerConfig(max_new_tokens=8192, cache_dtype="bfloat16",
+                                                    max_rows=256, **RECIPE_SAMPLING)),
         # The recipe's update (slime flags of cmd/games/train_spade_30b.sh): Adam lr 1e-6
         # constant, weight decay 0.1, betas 0.9/0.98, clip 1.0; PPO clip 0.2/0.28, KL 0,
         # TIS clamp 2; designer and agent samples in one per-sample mean.
         train=TrainConfig(
             optimizer=OptimizerConfig(learning_rate=1e-6, warmup_steps=0, schedule="constant",
                                       weight_decay=0.1, b1=0.9, b2=0.98, clip_norm=1.0),
-            agent=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+            # Advantages: agent GRPO over a game's plays (std eps 1e-8); designer centred
+            # per skill, no std (dr_grpo with spade.designer_groups="skill"), scaled.
+            agent=RoleConfig(advantage_estimator="grpo", advantage=dict(eps=1e-8),
+                             importance_correction="tis", importance=dict(clamp=2.0),
+                             policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
-            designer=RoleConfig(policy_loss="grpo", tis_clamp=2.0, loss_config=dict(
+            designer=RoleConfig(advantage_estimator="dr_grpo",
+                                importance_correction="tis", importance=dict(clamp=2.0),
+                                policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
             loss_aggregation="pooled",
             microbatches=16, compute_dtype="bfloat16", router_replay=False,
             logit_chunk=1024,  # [tokens, 151k vocab] logits 1024 positions at a time
         ),
-        spade=SpadeConfig(rounds=400, envs_per_round=24, designer_group_size=4, n_hint=16,
-                          designer_delay=1, eval_every=20),
+        spade=SpadeConfig(
+            rounds=400, envs_per_round=24, regeneration_interval=4, plays_per_game=8,
+            hint_plays=16, designer_delay=4, designer_group_size=1, max_design_attempts=5,
+            invalid_penalty=None, hint_mode="self", hint_temperature=0.3, hint_max_tokens=4096,
+            skills="main", skills_per_window=3, designer_reward="blend",
+            designer_groups="skill", max_env_reward_scale=50.0, contract="reference",
+            docs_per_prompt=1, max_doc_chars=30_000,  # the recipe: one document, 6000 words
+            memory_capacity=200, memory_examples=2, eval_every=20),
         corpus=CorpusSpec(domain="game"),
         checkpoint_every=10,
     )

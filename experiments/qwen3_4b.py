@@ -1,4 +1,5 @@
-"""SPADE on Qwen3-4B-Instruct-2507 (paper scale ablation: 400 rounds x 24 envs, GRPO).
+"""SPADE on Qwen3-4B-Instruct-2507 with the published recipe: the 30B experiment with the
+4B model (thinking off, as for 30B).
 
     python -m spade_jax.train --experiment=qwen3_4b --hf_checkpoint=/ckpt/Qwen3-4B-Instruct-2507 \
         --workdir=gs://BUCKET/runs/spade_qwen3_4b

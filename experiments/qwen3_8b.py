@@ -1,4 +1,5 @@
-"""SPADE on Qwen3-8B (paper scale ablation: 400 rounds x 24 envs, GRPO).
+"""SPADE on Qwen3-8B with the published recipe: the 30B experiment with the 8B model, the
+designer thinking (20000 designer tokens), KL 0.005 (see the train block).
 
     python -m spade_jax.train --experiment=qwen3_8b --hf_checkpoint=/ckpt/Qwen3-8B \
         --workdir=gs://BUCKET/runs/spade_qwen3_8b
@@ -19,12 +20,14 @@ def get_config() -> ExperimentConfig:
         name="qwen3_8b",
         model=dataclasses.replace(base.model, preset="qwen3_8b"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=1),
+        designer_sampler=dataclasses.replace(base.designer_sampler, max_new_tokens=20_000),
+        spade=dataclasses.replace(base.spade, designer_thinking=True),
         # The recipe's update, as the 30B's but KL 0.005 to the initial policy
         # (cmd/games/train_spade_8b.sh: --kl-loss-coef 0.005, low_var_kl = k3).
         train=dataclasses.replace(
             base.train, microbatches=8,
-            agent=dataclasses.replace(base.train.agent, loss_config=dict(
+            agent=dataclasses.replace(base.train.agent, loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005)),
-            designer=dataclasses.replace(base.train.designer, loss_config=dict(
+            designer=dataclasses.replace(base.train.designer, loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005))),
     )

@@ -1,4 +1,5 @@
-"""Two-skill curriculum instead of six skills (paper, 30B: 53.7).
+"""Two-skill curriculum: Mathematical Reasoning + Pattern Recognition, both every window,
+instead of six skills (paper, 30B: 53.7).
 
     python -m spade_jax.train --experiment=spade_two_skill --workdir=DIR          # on qwen3_30b_a3b
     python -m spade_jax.train --experiment=spade_two_skill:tiny --workdir=DIR     # CPU mechanics run

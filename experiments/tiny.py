@@ -49,10 +49,16 @@ def get_config() -> ExperimentConfig:
         ),
         sandbox=SandboxConfig(call_deadline_s=2.0, spare_workers=2),
         train=TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1)),
+        # Two windows of two steps: a regeneration (design, self-written hints, hint
+        # plays) then a plain step; designer samples trained one step later with the
+        # blend reward (the last step flushes the second window's).
         spade=SpadeConfig(
-            rounds=4, envs_per_round=4, designer_group_size=2, n_hint=2, designer_delay=1,
+            rounds=4, envs_per_round=4, regeneration_interval=2, plays_per_game=2,
+            hint_plays=2, designer_delay=1, designer_group_size=1, max_design_attempts=2,
+            hint_mode="self", hint_max_tokens=24, designer_reward="blend",
+            contract="paper",  # the warm-start seed programs use the paper's contract
             docs_per_prompt=1, max_doc_chars=64, memory_examples=1, memory_train_envs=1,
-            eval_every=2, prompt_style="compact",
+            eval_every=2, prompt_style="compact", probe_episodes=2,
         ),
         # Two short seed programs under prompts of every skill and with corpus documents:
         # a 1M-parameter policy learns to emit one of them whatever the prompt says.

@@ -22,6 +22,7 @@ from spade_jax.envs.config import SandboxConfig
 from spade_jax.models.config import ModelConfig
 from spade_jax.models.qwen3 import ModelOptions
 from spade_jax.overrides import apply_overrides
+from spade_jax.rl.registry import load_rule_modules
 from spade_jax.rl.train_step import TrainConfig, needs_reference
 from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
@@ -175,6 +176,12 @@ class ExperimentConfig:
     # metric (the held-out eval's mean over suites; "" = keep the newest only).
     best_checkpoint_metric: str = "eval/mean/pass@1"
     best_checkpoint_mode: str = "max"  # "max" or "min"
+    rule_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Rules defined outside the package register on import; done here so that the
+        # role configs set after rule_modules (on the command line too) can name them.
+        load_rule_modules(self.rule_modules)
 
 
 def experiment_path(name: str) -> Path:
@@ -223,7 +230,7 @@ def train_config_for_run(config: ExperimentConfig) -> TrainConfig:
     policy the run loads (checkpoint or initialisation), which a warm start would leave
     behind and a resumed run could not rebuild."""
     if config.warm_start.steps and needs_reference(config.train):
-        raise ValueError("a KL term (loss_config.kl_coef > 0) needs warm_start.steps=0: the "
+        raise ValueError("a KL term (train.<role>.loss.kl_coef > 0) needs warm_start.steps=0: the "
                          "reference is the loaded policy, before any warm start")
     optimizer = config.train.optimizer.for_run(config.spade.rounds)
     return dataclasses.replace(config.train, optimizer=optimizer)

@@ -9,7 +9,7 @@ and names the field instead of silently training with a wrong setting.
 
 A config class may declare ``OVERRIDE_RESETS = {"field": ("dependent", ...)}``: changing
 ``field`` resets each dependent field to its default, e.g. ``train.agent.policy_loss=gspo``
-drops the previous rule's ``loss_config`` (its fields mean nothing to the new rule). A later
+drops the previous rule's ``loss`` config (its fields mean nothing to the new rule). A later
 override of a dependent field applies on top.
 """
 

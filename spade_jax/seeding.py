@@ -30,6 +30,7 @@ class Phase(enum.IntEnum):
     EVAL = 8  # held-out evaluation
     PROBE = 9  # scripted probes of a program (reward levels, ...)
     ARM_ORDER = 10  # order in which environment copies are opened
+    CREDIT = 11  # update-rule draws (forked continuations, judge replies, turn choices)
 
 
 def _entropy(parts: tuple[int, ...]) -> list[int]:

@@ -18,9 +18,11 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -53,10 +55,6 @@ DEFAULT_RULES: Rules = (
     ("norm", None),
     ("layers", None),  # the stacked-layer axis of a scanned model: every chip holds all layers
 )
-
-# Expert parallelism for large MoE models: experts spread over the expert axis, the rest
-# of each weight sharded FSDP-style.
-MOE_EP_RULES: Rules = DEFAULT_RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,19 +109,18 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("spade_
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
-    """Makes ``mesh`` and ``rules`` the target of :func:`constrain` inside the block."""
+def activate(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh | None]:
+    """Makes ``mesh`` and ``rules`` the target of :func:`constrain` inside the block
+    (``mesh=None``: nothing changes, for callers that run sharded or not)."""
+    if mesh is None:
+        yield None
+        return
     token = _ACTIVE.set(_Active(mesh, dict(rules)))
     try:
         with jax.set_mesh(mesh):
             yield mesh
     finally:
         _ACTIVE.reset(token)
-
-
-def active_mesh() -> Mesh | None:
-    active = _ACTIVE.get()
-    return active.mesh if active else None
 
 
 def logical_to_spec(
@@ -179,11 +176,44 @@ def param_axes(variable) -> LogicalAxes:
     return tuple(axes)
 
 
-def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
-    """NamedSharding for every leaf of an nnx State, from each Variable's ``axes`` metadata."""
-    from flax import nnx
+def tree_shardings(tree: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """NamedSharding per leaf: from ``axes`` metadata for nnx Variables (parameters, and the
+    Adam moments that mirror them), replicated for everything else (step, counts, rng).
+    ``rules=None`` uses the rules made active by :func:`activate` (else the defaults)."""
 
-    def one(var):
-        return named_sharding(param_axes(var), mesh, rules)
+    def one(leaf):
+        if isinstance(leaf, nnx.Variable):
+            return NamedSharding(mesh, logical_to_spec(param_axes(leaf), rules, mesh))
+        return NamedSharding(mesh, PartitionSpec())
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def constrain_tree(tree: Any, mesh: Mesh | None, rules: Rules | None = None) -> Any:
+    """Pins every leaf of ``tree`` to :func:`tree_shardings` inside jit (no-op without a
+    mesh): what keeps a train state's parameters and moments where the rules put them."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, tree_shardings(tree, mesh, rules))
+
+
+def data_ways(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+    """How many ways the "batch" rule splits rows over ``mesh``."""
+    spec = logical_to_spec(("batch",), rules, mesh)
+    return int(np.prod([mesh.shape[axis] for axis in jax.tree.leaves(tuple(spec))]))
+
+
+def shard_batch(batch: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """Places every array of ``batch`` (a pytree of [B, ...] arrays, e.g. a TrainBatch) on
+    ``mesh`` with its rows split over the data-parallel ("batch") axes."""
+    spec = logical_to_spec(("batch",), rules, mesh)
+    ways = data_ways(mesh, rules)
+    for leaf in jax.tree.leaves(batch):
+        if np.shape(leaf)[0] % ways:
+            raise ValueError(f"batch of {np.shape(leaf)[0]} rows does not split over "
+                             f"{ways} devices")
+
+    def put(x):
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec, *(None,) * (x.ndim - 1))))
+
+    return jax.tree.map(put, batch)

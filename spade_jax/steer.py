@@ -21,11 +21,13 @@ Exit status: 0 done, 2 bad arguments, data or expert-set file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from spade_jax.evaluation import DataError, EvalConfig, SuiteConfig, evaluate_suites, load_policy
+from spade_jax.evaluation.policy import SamplerPolicy, SamplerPolicyConfig
 from spade_jax.steering import compare
 from spade_jax.steering.expert_sets import load_expert_sets, steering_masks
 from spade_jax.steering.operator import (
@@ -109,8 +111,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             random_expert_sets_like(masks, cfg.num_experts, args.random_seed), k, args.eps,
             args.schedule),
     }
-    base = compare.SteeredPolicyConfig(temperature=args.temperature, top_p=args.top_p,
-                                       batch_size=args.batch_size)
+    base = SamplerPolicyConfig(temperature=args.temperature, top_p=args.top_p, top_k=0,
+                               batch_size=args.batch_size)
     eval_config = EvalConfig(samples_per_problem=args.samples, seed=args.seed,
                              max_new_tokens=args.max_new_tokens)
     results = []
@@ -118,9 +120,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
         hook = hooks.get(condition)
         config = base
         if condition == "prompt-control":
-            config = compare.SteeredPolicyConfig(**{**vars(base),
-                                                   "system_prompt": CONCISE_SYSTEM_PROMPT})
-        policy = compare.SteeredSamplerPolicy(
+            config = dataclasses.replace(base, system_prompt=CONCISE_SYSTEM_PROMPT)
+        policy = SamplerPolicy(
             model, tokenizer, config, router_hook=hook,
             answer_detector=detector if hook is not None else None)
         (result,) = evaluate_suites(policy, [suite], eval_config)

@@ -54,9 +54,9 @@ VOCAB, ROWS, BUCKET, DATA_SEED = 32, 8, 12, 1234
 TRAIN_CONFIG = TrainConfig(
     optimizer=OptimizerConfig(learning_rate=3e-2, warmup_steps=2, schedule="cosine",
                               total_steps=8, weight_decay=0.1, clip_norm=1.0),
-    agent=RoleConfig(policy_loss="grpo", loss_config=dict(clip_eps=0.2, kl_coef=0.05)),
+    agent=RoleConfig(policy_loss="grpo", loss=dict(clip_eps=0.2, kl_coef=0.05)),
     designer=RoleConfig(policy_loss="gspo",
-                        loss_config=dict(clip_eps_low=0.1, clip_eps_high=0.1), weight=0.5),
+                        loss=dict(clip_eps_low=0.1, clip_eps_high=0.1), weight=0.5),
     microbatches=2,
     router_replay=True,
     aux_loss_coef=0.01,

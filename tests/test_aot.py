@@ -213,3 +213,21 @@ def test_render_names_a_file_that_is_not_a_plan(tmp_path):
                              capture_output=True, text=True, cwd=ROOT, timeout=120,
                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert out.returncode == 2 and f"{path} is not a readable --json_out plan" in out.stderr
+
+
+def test_sampler_programs_lower_through_the_public_entries_on_cpu():
+    """The prefill and decode programs come from ``rollout.sampler.lower_prefill`` /
+    ``lower_decode_step`` (no libtpu: one CPU device); the decode step's arguments hold the
+    KV cache the shapes imply."""
+    config = aot.AotConfig(experiment="tiny", topology="v4-8", sample_batch=2, prompt_len=16,
+                           new_tokens=8, programs=("prefill", "decode"))
+    result = aot.plan(config, devices=jax.devices()[:1])
+    prefill, decode = result.programs
+    sampler = load_experiment("tiny").agent.sampler
+    slots = 16 + -(-8 // sampler.new_tokens_bucket) * sampler.new_tokens_bucket
+    assert (prefill.name, prefill.tokens, decode.name, decode.tokens) == ("prefill", 32, "decode", 2)
+    assert prefill.shape == f"B=2 P=16 S={slots}"
+    arch = load_experiment("tiny").model.architecture
+    cache = arch.num_layers * 2 * 2 * slots * arch.num_kv_heads * arch.head_dim * 4
+    assert decode.argument_bytes >= cache + 4 * arch.param_count()
+    assert decode.alias_bytes >= cache  # the decode state is donated

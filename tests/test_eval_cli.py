@@ -110,3 +110,4 @@ def test_sampler_policy_is_the_training_sampler(tmp_path):
     decoded = [tokenizer.decode(t, skip_special_tokens=True) for t in reference.tokens]
     assert texts == [decoded[:2], decoded[2:]]
     assert texts[0][0] == texts[0][1]  # greedy: the n samples agree
+    assert policy.generated_tokens == [len(t) for t in reference.tokens]  # the token counter

@@ -152,7 +152,7 @@ def test_grpo_learns_toy_pattern_for_both_roles(sampler):
     config = TrainConfig(
         optimizer=OptimizerConfig(learning_rate=2e-2, warmup_steps=2, clip_norm=1.0),
         agent=RoleConfig(policy_loss="grpo"),
-        designer=RoleConfig(policy_loss="gspo", loss_config=dict(clip_eps_low=0.2,
+        designer=RoleConfig(policy_loss="gspo", loss=dict(clip_eps_low=0.2,
                                                                  clip_eps_high=0.2)),
         router_replay=True,
         microbatches=2,

@@ -76,14 +76,20 @@ def test_update_replaces_statistics_and_refreshes_eviction_age():
     memory = EnvironmentMemory(MemoryConfig(capacity=2))
     memory.add(_record("a", Regime.FRONTIER, round_index=0))
     memory.add(_record("b", Regime.FRONTIER, round_index=1))
-    memory.update("a", round_index=5, reward=designer_reward(*_ARMS[Regime.FRONTIER]))
+    # A replay (no hint arm) refreshes the no-hint statistics; regret stays 0.5 (> 0.2),
+    # so the record stays a frontier environment.
+    memory.update("a", round_index=5, win_rate_no_hint=0.5, mean_return_no_hint=0.5)
     assert memory["a"].last_evaluated_round == 5 and memory["a"].round_index == 0
+    assert (memory["a"].win_rate_no_hint, memory["a"].regret) == (0.5, pytest.approx(0.5))
+    assert memory["a"].regime is Regime.FRONTIER
     assert memory.add(_record("c", Regime.FRONTIER, round_index=6)).env_id == "b"
-    memory.update("a", round_index=7, reward=designer_reward(*_ARMS[Regime.MASTERED]))
+    # Low regret with a high no-hint mean: mastered (the memory's own thresholds).
+    memory.update("a", round_index=7, win_rate_no_hint=1.0, mean_return_no_hint=1.0,
+                  regret=0.0)
     assert memory["a"].regime is Regime.MASTERED
     assert memory.regime_counts() == {"frontier": 1, "mastered": 1, "intractable": 0}
     with pytest.raises(KeyError, match="not in memory"):
-        memory.update("zzz", 0, designer_reward([1], [0]))
+        memory.update("zzz", 0, win_rate_no_hint=0.0, mean_return_no_hint=0.0)
 
 
 def test_prompt_sample_prefers_frontier_with_negative_examples():

@@ -63,8 +63,9 @@ def test_matches_dense_forward_and_grads(axes, tokens, experts, k, skew):
     if skew:
         assert float(jnp.mean(jnp.any(args[5] == 0, axis=1))) >= 0.75
     want_y, want_g, _ = _value_and_vjp(lambda *a: (moe.dispatch_dense(*a), 0))(args, r)
-    with sharding.activate(_mesh(**axes)):
-        fn = _value_and_vjp(moe.expert_parallel_with_drops)
+    mesh = _mesh(**axes)
+    with sharding.activate(mesh):
+        fn = _value_and_vjp(lambda *a: moe.expert_parallel_with_drops(*a, mesh=mesh))
         assert "all_to_all" in fn.lower(args, r).as_text()  # real routing, not the fallback
         got_y, got_g, dropped = fn(args, r)
     assert int(dropped) == 0
@@ -103,9 +104,10 @@ def test_capacity_factor_drops_are_counted(local_impl):
     # 8 tokens per shard, 16 assignments, 8 destinations: capacity ceil(1.0 * 16 / 8) = 2.
     want, want_dropped = _numpy_capped(*(np.asarray(a) for a in args), 8, 8, capacity=2)
     assert want_dropped > 30  # the skew overflows shard 0's slots from every source
-    with sharding.activate(_mesh(expert=8)):
+    mesh = _mesh(expert=8)
+    with sharding.activate(mesh):
         got, dropped = jax.jit(lambda *a: moe.expert_parallel_with_drops(
-            *a, capacity_factor=factor, local_impl=local_impl))(*args)
+            *a, mesh=mesh, capacity_factor=factor, local_impl=local_impl))(*args)
     assert int(dropped) == want_dropped
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
@@ -114,21 +116,25 @@ def test_falls_back_to_ragged_without_expert_parallelism():
     args = _problem(24, 8, 2, seed=1)
     want = moe.dispatch_ragged(*args)
     np.testing.assert_array_equal(np.asarray(moe.dispatch_expert_parallel(*args)), want)
-    with sharding.activate(_mesh(fsdp=8)):  # a mesh, but an expert axis of size 1
-        fn = jax.jit(moe.dispatch_expert_parallel)
+    mesh = _mesh(fsdp=8)  # a mesh, but an expert axis of size 1
+    with sharding.activate(mesh):
+        fn = jax.jit(lambda *a: moe.dispatch_expert_parallel(*a, mesh=mesh))
         assert "all_to_all" not in fn.lower(*args).as_text()
         np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-6, atol=1e-6)
 
 
 def test_bad_inputs_are_named():
     args = _problem(16, 6, 2, seed=2)  # 6 experts over an expert axis of 4
-    with sharding.activate(_mesh(fsdp=2, expert=4)):
+    mesh = _mesh(fsdp=2, expert=4)
+    with sharding.activate(mesh):
         with pytest.raises(ValueError, match="6 experts cannot be split"):
-            moe.dispatch_expert_parallel(*args)
+            moe.dispatch_expert_parallel(*args, mesh=mesh)
         with pytest.raises(ValueError, match="capacity_factor"):
-            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), capacity_factor=0.0)
+            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), mesh=mesh,
+                                           capacity_factor=0.0)
         with pytest.raises(ValueError, match="local_impl"):
-            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), local_impl="dense")
+            moe.expert_parallel_with_drops(*_problem(16, 8, 2, seed=2), mesh=mesh,
+                                           local_impl="dense")
 
 
 def test_model_logits_match_one_device_dense():
@@ -154,10 +160,44 @@ def test_model_logits_match_one_device_dense():
     assert want.sharding.device_set == {jax.devices()[0]}
 
     mesh = _mesh(fsdp=2, expert=4)
-    placed = jax.device_put(params, sharding.state_shardings(params, mesh))
+    placed = jax.device_put(params, sharding.tree_shardings(params, mesh))
     with sharding.activate(mesh):
-        fwd = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
+        fwd = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, mesh=mesh).logits)
         assert fwd.lower(placed, ids).as_text().count("all_to_all") >= 3 * cfg.num_layers
+        # The dispatch gets the mesh from the model call, not from the active context.
+        implicit = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
+        assert "all_to_all" not in implicit.lower(placed, ids).as_text()
         got = fwd(placed, ids)
     assert len(got.sharding.device_set) == 8
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-5)
+
+
+def test_sampler_lowering_entries_hand_the_mesh_to_the_dispatch():
+    """``rollout.sampler.lower_prefill`` / ``lower_decode_step`` (what the AOT planner
+    compiles) route tokens across the expert axis: the mesh reaches the MoE dispatch."""
+    from spade_jax.rollout import sampler
+
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=128, hidden_size=32, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        max_position_embeddings=64)
+    options = ModelOptions(moe_impl="expert_parallel")
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, options, rngs=nnx.Rngs(0))))
+    mesh = _mesh(fsdp=2, expert=4)
+    def placed(where, variable):  # the Variable's array as an abstract, placed input
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), variable)
+
+    params = jax.tree.map(placed, sharding.tree_shardings(abstract, mesh), abstract,
+                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+    config = sampler.SamplerConfig(max_new_tokens=8, temperature=1.0, new_tokens_bucket=8)
+    prefill = sampler.lower_prefill(graphdef, params, options, config, rows=8, prompt_len=16,
+                                    mesh=mesh)
+    assert prefill.as_text().count("all_to_all") >= 3 * cfg.num_layers
+    state = prefill.out_info[0]
+    assert state.tokens_bn.shape == (8, 8) and state.cache.valid_bs.shape == (8, 24)
+    decode = sampler.lower_decode_step(graphdef, params, options, config, state, mesh=mesh)
+    assert decode.as_text().count("all_to_all") >= 3 * cfg.num_layers
+    unsharded = sampler.lower_prefill(graphdef, params, options, config, rows=8, prompt_len=16)
+    assert "all_to_all" not in unsharded.as_text()

@@ -54,7 +54,8 @@ def _loop(host: int, agreed: bool):
     from spade_jax.spade.skills import get_skill_set
 
     config = SpadeConfig(skills="two_skill", envs_per_round=8, designer_group_size=2,
-                         docs_per_prompt=3, memory_examples=2, memory_train_envs=3, eval_every=0)
+                         docs_per_prompt=3, memory_examples=2, memory_train_envs=3, eval_every=0,
+                         contract="paper")
     corpus = InMemoryCorpus([Document(f"doc{i}", f"text {i} " * 3, "test") for i in range(200)],
                             "test")
     memory = EnvironmentMemory(MemoryConfig(seed=200 + host))
@@ -68,13 +69,12 @@ def _loop(host: int, agreed: bool):
             mean_return_no_hint=0.25, designer_reward=0.0))
     prompts: list[str] = []
 
-    def generate(batch, round_index):
-        prompts.extend("".join(chr(t - 1) for t in p) for p in batch)
+    def generate(batch, *, seed, purpose):
         return [[] for _ in batch], [[] for _ in batch]
 
     loop = SpadeLoop(
         config, tokenizer=_CharTokenizer(), pool=None, generate=generate,
-        run_episodes=lambda specs: [], update=lambda seqs: {},
+        run_episodes=lambda specs, *, seed: [], update=lambda seqs: {},
         corpus_sampler=CorpusSampler(corpus, CorpusSamplerConfig(seed=100 + host)),
         memory=memory, reward_rule=make_designer_reward("hint_regret"), seed=0)
     if not agreed:  # what each host would use on its own: its local draws
@@ -82,9 +82,10 @@ def _loop(host: int, agreed: bool):
     try:
         rounds = []
         for round_index in range(2):
-            candidates = loop.design(round_index)
-            rounds.append({"doc_ids": [list(c.doc_ids) for c in candidates],
-                           "replay": [r.env_id for r in loop._replay_picks()]})
+            slots = loop.designer.prompts(round_index)
+            prompts.extend("".join(chr(t - 1) for t in slot.prompt_ids) for slot in slots)
+            rounds.append({"doc_ids": [list(slot.doc_ids) for slot in slots],
+                           "replay": [r.env_id for r in loop.replay_picks()]})
     finally:
         if not agreed:
             distributed.agree_json = saved
@@ -105,21 +106,25 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
     round 0: PROGRAM 1 fails host 1's validation once (then passes a retry); PROGRAM 2
     fails process 0's validation only; PROGRAM 3 fails everywhere; PROGRAM 4 fails to load
     once on host 1; PROGRAM 5 fails its second load on process 0; host 1's episode returns
-    are half of process 0's. Round 1: PROGRAM 6 always fails host 1's validation.
+    are half of process 0's. Round 1: PROGRAM 6 always fails host 1's validation. (The
+    paper text's round: one window per round, one attempt per sample, -1 for invalid.)
     """
     from types import SimpleNamespace
 
     from spade_jax.rollout.records import EpisodeRecord
-    from spade_jax.spade import loop as loop_module
+    from spade_jax.spade import design as design_module
     from spade_jax.spade.config import SpadeConfig
     from spade_jax.spade.loop import SpadeLoop
     from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord, MemoryConfig
     from spade_jax.spade.prompts import format_designer_output
     from spade_jax.spade.reward import make_designer_reward
 
-    config = SpadeConfig(skills="two_skill", envs_per_round=8, designer_group_size=2, n_hint=2,
-                         n_no_hint=3, use_corpus=False, memory_examples=0, memory_train_envs=2,
-                         eval_every=0)
+    config = SpadeConfig(skills="two_skill", envs_per_round=8, designer_group_size=2,
+                         hint_plays=2, plays_per_game=3, use_corpus=False, memory_examples=0,
+                         memory_train_envs=2, eval_every=0, regeneration_interval=1,
+                         designer_delay=0, max_design_attempts=1, invalid_penalty=-1.0,
+                         hint_mode="designer", designer_reward="hint_regret",
+                         designer_groups="prompt", contract="paper")
     memory = EnvironmentMemory(MemoryConfig(seed=5))
     for i in range(3):
         memory.add(EnvironmentRecord(
@@ -134,7 +139,7 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
         calls[key] = calls.get(key, 0) + 1
         return calls[key]
 
-    def fake_validate(source, hint=None, pool=None):
+    def fake_validate(source, hint=None, pool=None, **contract):
         n = count("validate " + source)
         fail = {"PROGRAM r0 1": host == 1 and n == 1, "PROGRAM r0 2": host == 0,
                 "PROGRAM r0 3": True, "PROGRAM r1 6": host == 1}.get(source, False)
@@ -142,7 +147,7 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
         reason = "static_gate: no" if source == "PROGRAM r0 3" else "timeout: deadline"
         return SimpleNamespace(ok=not fail, reason=reason if fail else "")
 
-    def fake_make_env(source, pool=None):
+    def fake_make_env(source, pool=None, **contract):
         n = count("load " + source)
         if (source, host, n) in {("PROGRAM r0 4", 1, 1), ("PROGRAM r0 5", 0, 2)}:
             raise TimeoutError(source)
@@ -150,7 +155,7 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
 
     local_returns: list[float] = []
 
-    def run_episodes(specs):
+    def run_episodes(specs, *, seed):
         records = []
         for spec in specs:
             ret = (spec.seed % 5) / 4 * (1.0 if host == 0 else 0.5)
@@ -161,7 +166,11 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
                 observations=["obs"], return_=ret))
         return records
 
-    def generate(batch, round_index):
+    design_calls: list[int] = []
+
+    def generate(batch, *, seed, purpose):
+        round_index = len(design_calls)  # one designer call per round (one attempt)
+        design_calls.append(round_index)
         texts = [format_designer_output(f"PROGRAM r{round_index} {i}", f"hint {i}")
                  for i in range(len(batch))]
         tokens = [[ord(c) + 1 for c in t] for t in texts]
@@ -176,16 +185,21 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
     loop = SpadeLoop(config, tokenizer=_CharTokenizer(), pool=None, generate=generate,
                      run_episodes=run_episodes, update=update, corpus_sampler=None,
                      memory=memory, reward_rule=make_designer_reward("hint_regret"), seed=3)
-    candidates_by_round: list[list[Any]] = []
-    score = loop.score
+    outcomes: list[dict[str, Any]] = []  # per round: the attempts' and games' verdicts
+    play = loop.play
 
-    def recording_score(candidates):
-        score(candidates)
-        candidates_by_round.append(candidates)
+    def recording_play(window, step):
+        records = play(window, step)
+        outcomes.append({"kept": [g.env_id for g in window.games if g.verdict.ok],
+                         "games": {g.env_id: g.verdict.label for g in window.games}})
+        return records
 
-    loop.score = recording_score
-    saved = loop_module.validate_program, loop_module.make_env
-    loop_module.validate_program, loop_module.make_env = fake_validate, fake_make_env
+    loop.play = recording_play
+    def fake_validate_programs(sources, hints=None, **kwargs):
+        return [fake_validate(source) for source in sources]
+
+    saved = design_module.validate_programs, design_module.make_env
+    design_module.validate_programs, design_module.make_env = fake_validate_programs, fake_make_env
     out: dict[str, Any] = {"errors": []}
     try:
         for round_index in range(rounds):
@@ -194,12 +208,10 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
             except RuntimeError as e:
                 out["errors"].append([round_index, str(e)])
     finally:
-        loop_module.validate_program, loop_module.make_env = saved
+        design_module.validate_programs, design_module.make_env = saved
     out.update(
         local_verdicts=local_verdicts, local_returns=local_returns, batches=batches,
-        kept=[[c.env_id for c in cands if not c.reason] for cands in candidates_by_round],
-        reasons=[[c.reason for c in cands] for cands in candidates_by_round],
-        designer_returns=[[c.designer_return for c in cands] for cands in candidates_by_round],
+        kept=[o["kept"] for o in outcomes], games=[o["games"] for o in outcomes],
         loads={k: v for k, v in calls.items() if k.startswith("load PROGRAM")})
     return out
 
@@ -369,7 +381,7 @@ def test_two_hosts_agree_on_corpus_and_memory_draws(hosts):
     # ... with it, both hosts hold process 0's draws and build the same designer prompts.
     assert h0["agreed"] == h1["agreed"] == h0["local"]
     doc_ids = [d for r in h0["agreed"]["rounds"] for slot in r["doc_ids"] for d in slot]
-    assert len(doc_ids) == 2 * 4 * 2 * 3  # rounds x slots x group x docs per prompt
+    assert len(doc_ids) == 2 * 4 * 3  # rounds x slots x docs per prompt
     assert all(len(r["replay"]) == 3 for r in h0["agreed"]["rounds"])
 
     # Only process 0 wrote metrics, and only it logs INFO (to stderr and train.log).
@@ -392,14 +404,17 @@ def test_two_hosts_keep_process_0s_environments_and_returns(hosts):
     # same training batch (agent advantages from the returns, designer advantages from the
     # designer rewards) as process 0 run alone: the single-host path as the reference.
     reference = _scripted_rounds(0, rounds=1)  # this pytest process is a single host
-    for key in ("kept", "reasons", "designer_returns", "batches"):
+    for key in ("kept", "games", "batches"):
         assert s0[key][:1] == s1[key][:1] == reference[key], key
-    assert reference["kept"] == [["r0_c0", "r0_c1", "r0_c4", "r0_c6", "r0_c7"]]
-    assert reference["reasons"][0][2:4] == ["timeout", "static_gate"]
-    assert reference["reasons"][0][5] == "load_error: TimeoutError"
+    # sample i of the round = slot i // 2, member i % 2; programs 2 and 3 never became
+    # games (validation), program 5 failed to load on process 0.
+    assert reference["kept"] == [["r0_s0_m0", "r0_s0_m1", "r0_s2_m0", "r0_s3_m0", "r0_s3_m1"]]
+    assert "r0_s1_m0" not in reference["games"][0]
+    assert reference["games"][0]["r0_s2_m1"] == "load_error/TimeoutError"
     roles = [row[2] for row in reference["batches"][0]]
-    # 5 valid envs x 3 no-hint episodes + 2 replayed memory envs x 2, then 8 designer rows
-    assert roles == ["agent"] * (5 * 3 + 2 * 2) + ["designer"] * 8
+    # 5 valid games x 3 no-hint plays + 2 replayed memory games x 3, then 8 designer rows
+    # (the 2 invalid and the unloadable one with the -1 penalty)
+    assert roles == ["agent"] * (5 * 3 + 2 * 3) + ["designer"] * 8
     # Host 1 opened PROGRAM 4's missing copy again after its failed load (5 = 2 + 3 arms).
     assert s1["loads"]["load PROGRAM r0 4"] == 5 + 1
     # Round 1: PROGRAM 6 fails on host 1 even on the retry, so both hosts stop, together
@@ -407,7 +422,7 @@ def test_two_hosts_keep_process_0s_environments_and_returns(hosts):
     (r0, e0), (r1, e1) = s0["errors"][0], s1["errors"][0]
     assert (r0, r1, len(s0["errors"]), len(s1["errors"])) == (1, 1, 1, 1)
     assert "validation" in e0 and "host(s) [1]" in e0 and "host(s) [1]" in e1
-    assert "this host (1) rejects r1_c6 ('timeout', then 'timeout' on a retry)" in e1
+    assert "this host (1) rejects r1_s3_m0_a0 ('timeout', then 'timeout' on a retry)" in e1
 
 
 def test_two_hosts_share_process_0s_tokenizer_and_seed_pools_per_host(hosts):

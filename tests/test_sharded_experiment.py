@@ -74,12 +74,12 @@ def test_expert_parallel_forward_and_sampler_match_one_device(setup):
     want = np.asarray(model(ids).logits)
 
     graphdef, params = nnx.split(model)
-    placed = jax.device_put(params, sharding.state_shardings(params, mesh))
+    placed = jax.device_put(params, sharding.tree_shardings(params, mesh))
     expert_specs = {str(v.sharding.spec) for k, v in nnx.to_flat_state(placed)
                     if k[-1] in ("gate_edf", "up_edf", "down_efd")}
     assert all("expert" in s for s in expert_specs), expert_specs
     with sharding.activate(mesh):
-        forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x).logits)
+        forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, mesh=mesh).logits)
         got = forward(placed, ids)
         hlo = forward.lower(placed, ids).compile().as_text()
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=2e-5)

@@ -504,6 +504,6 @@ def test_designer_user_prompt_rejects_bad_input():
 def test_hint_reaches_the_agent_only_in_the_hint_arm():
     assert agent_first_observation("Guess a number.", None) == "Guess a number."
     shown = agent_first_observation("Guess a number.", " Use binary search. ")
-    assert shown == "Guess a number.\n\nHint: Use binary search."
+    assert shown == "Guess a number.\n\nHINT: Use binary search."
     with pytest.raises(ValueError, match="non-empty hint"):
         agent_first_observation("Guess a number.", "  ")

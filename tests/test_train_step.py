@@ -133,8 +133,8 @@ def test_optimizer_matches_numpy_adamw():
 
 # ---- the step against a full-batch reference ---------------------------------------------
 
-AGENT = RoleConfig(policy_loss="grpo", loss_config=dict(clip_eps=0.2, kl_coef=0.05))
-DESIGNER = RoleConfig(policy_loss="gspo", loss_config=dict(clip_eps_low=0.1, clip_eps_high=0.1),
+AGENT = RoleConfig(policy_loss="grpo", loss=dict(clip_eps=0.2, kl_coef=0.05))
+DESIGNER = RoleConfig(policy_loss="gspo", loss=dict(clip_eps_low=0.1, clip_eps_high=0.1),
                       weight=0.5)
 STEP_CONFIG = TrainConfig(
     optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-4, weight_decay=0.1, clip_norm=100.0),
@@ -171,8 +171,9 @@ def reference_loss(params, graphdef, batch: TrainBatch):
     total, per_role = 0.0, {}
     for role_id, role in enumerate((AGENT, DESIGNER)):
         rows = np.flatnonzero(np.asarray(batch.role_id) == role_id)
-        loss, _ = role.loss_fn(logp[rows], batch.old_logp[rows], batch.ref_logp[rows],
-                               batch.advantages[rows], batch.loss_mask[rows], role.loss_config)
+        loss_fn, _ = role.part("policy_loss")
+        loss, _ = loss_fn(logp[rows], batch.old_logp[rows], batch.ref_logp[rows],
+                          batch.advantages[rows], batch.loss_mask[rows], role.loss)
         total += role.weight * loss
         per_role[role_id] = (loss, logp[rows])
     # The load-balancing loss is not additive over rows; the step defines it as the mean
@@ -250,8 +251,9 @@ def test_step_matches_full_batch_reference(compiled):
 RECIPE_LOSS = dict(clip_eps=0.2, clip_eps_high=0.28)
 POOLED_CONFIG = TrainConfig(
     optimizer=STEP_CONFIG.optimizer, microbatches=2, loss_aggregation="pooled",
-    agent=RoleConfig(policy_loss="grpo", loss_config=RECIPE_LOSS, tis_clamp=1.5),
-    designer=RoleConfig(policy_loss="grpo", loss_config=RECIPE_LOSS, weight=0.5),
+    agent=RoleConfig(policy_loss="grpo", loss=RECIPE_LOSS, importance_correction="tis",
+                     importance=dict(clamp=1.5)),
+    designer=RoleConfig(policy_loss="grpo", loss=RECIPE_LOSS, weight=0.5),
 )
 
 
@@ -326,7 +328,7 @@ def test_reference_policy_is_the_frozen_initial_policy():
     """ref_logp = NumPy log-softmax of the initial model, for every row (microbatches
     re-interleaved), and still after steps that update (and donate) the live parameters."""
     config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-2), microbatches=2,
-                         agent=RoleConfig(loss_config=dict(kl_coef=0.1)))
+                         agent=RoleConfig(loss=dict(kl_coef=0.1)))
     assert needs_reference(config) and not needs_reference(TrainConfig())
     model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(3))
     logits = np.asarray(model(random_batch(5).input_ids).logits, np.float64)
@@ -451,7 +453,7 @@ def test_config_and_batch_errors_name_the_problem(compiled):
     with pytest.raises(KeyError, match="unknown policy_losses rule 'nope'"):
         RoleConfig(policy_loss="nope")
     with pytest.raises(ValueError, match="unknown field"):
-        RoleConfig(policy_loss="grpo", loss_config=dict(clip=0.1))
+        RoleConfig(policy_loss="grpo", loss=dict(clip=0.1))
     with pytest.raises(ValueError, match="microbatches"):
         TrainConfig(microbatches=0)
     with pytest.raises(ValueError, match="cosine schedule needs total_steps"):

@@ -7,6 +7,7 @@ rules a program is validated against and the rules the model is told are the sam
 from __future__ import annotations
 
 import textwrap
+import threading
 
 # Modules a program may import. The sandbox zygote imports exactly these before it forks
 # workers, so a worker (running as an unprivileged uid that cannot read the interpreter's
@@ -152,6 +153,21 @@ def check_contract_name(contract: str) -> str:
     return contract
 
 
+# CPython 3.11's AST construction is not safe from several threads at once ("SystemError:
+# AST constructor recursion depth mismatch", seen with validate_programs' threads), so every
+# in-process parse of a program goes through this lock (parsing is fast; the waits are
+# on the sandbox workers).
+_PARSE_LOCK = threading.Lock()
+
+
+def parse_program(source: str, filename: str = "<unknown>"):
+    """``ast.parse(source)`` under the module's parse lock (raises what ast.parse raises)."""
+    import ast
+
+    with _PARSE_LOCK:
+        return ast.parse(source, filename=filename)
+
+
 def detect_contract(source: str) -> str:
     """"paper" if the source defines a top-level `class Environment`, else "reference".
 
@@ -161,7 +177,7 @@ def detect_contract(source: str) -> str:
     import ast
 
     try:
-        tree = ast.parse(source)
+        tree = parse_program(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "reference"
     for node in tree.body:

@@ -32,7 +32,9 @@ from spade_jax.envs.validate import default_pool
 PRINTABLE = frozenset(string.printable)
 
 
-def _sanitize(text: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def sanitize_observation(text: str, info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``text`` with non-printable characters replaced by "?" (the raw text kept in
+    ``info["raw_observation"]``), unchanged when it is all printable."""
     if all(ch in PRINTABLE for ch in text):
         return text, info
     clean = "".join(ch if ch in PRINTABLE else "?" for ch in text)
@@ -99,7 +101,7 @@ class SandboxedTextEnv(gymnasium.Env):
         result = self._handle.reset(program_seed)
         if not result.ok:
             raise EnvProgramError(result.error)
-        return _sanitize(result.observation, result.info)
+        return sanitize_observation(result.observation, result.info)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         return self._unpack(self._handle.step(action))
@@ -108,7 +110,7 @@ class SandboxedTextEnv(gymnasium.Env):
     def _unpack(result: StepResult) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if result.error is not None:
             raise EnvProgramError(result.error)
-        observation, info = _sanitize(result.observation, dict(result.info))
+        observation, info = sanitize_observation(result.observation, dict(result.info))
         return observation, result.reward, result.terminated, result.truncated, info
 
     # -- counterfactual branches --------------------------------------------------------
@@ -124,7 +126,7 @@ class SandboxedTextEnv(gymnasium.Env):
             raise RuntimeError(f"could not restore the snapshot: {handle.error}")
         self._handle.close()
         self._handle = handle
-        return _sanitize(handle.last_observation, {})
+        return sanitize_observation(handle.last_observation, {})
 
     def fork(self) -> SandboxedTextEnv:
         """An independent copy of this env at its current state, in its own worker."""

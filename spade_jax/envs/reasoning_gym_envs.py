@@ -25,7 +25,7 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
-from spade_jax.envs.gym_env import PRINTABLE, _sanitize
+from spade_jax.envs.gym_env import PRINTABLE, sanitize_observation
 
 SUITE_CATEGORIES: dict[str, tuple[str, ...]] = {
     "RG-Math": ("algebra", "arithmetic", "geometry", "probability"),
@@ -131,7 +131,7 @@ class ReasoningGymEnv(gymnasium.Env):
         prompt = self.entry["question"]
         if self.multi_turn:
             prompt += f"\n\n(You have {self.max_attempts} attempts; you get feedback after each.)"
-        return _sanitize(prompt, {"task": self.task, "index": index})
+        return sanitize_observation(prompt, {"task": self.task, "index": index})
 
     def score(self, answer: str) -> float:
         """The package's own verifier, clipped to [0, 1]; a verifier crash scores 0."""
@@ -161,7 +161,7 @@ class ReasoningGymEnv(gymnasium.Env):
             left = self.max_attempts - self._attempts
             feedback = f"Incorrect (score {score:.2f}). {left} attempt(s) left. Try again."
         info = {"score": score, "best_score": self._best, "attempts": self._attempts}
-        observation, info = _sanitize(feedback, info)
+        observation, info = sanitize_observation(feedback, info)
         return observation, reward, terminated, False, info
 
 

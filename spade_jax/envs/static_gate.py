@@ -16,6 +16,7 @@ from spade_jax.envs.contract import (
     MATH_VERIFY_NAMES,
     REFERENCE_IMPLICIT_NAMES,
     REFERENCE_IMPORTS,
+    parse_program,
     resolve_contract,
 )
 from spade_jax.envs.results import SandboxError
@@ -78,7 +79,7 @@ def check_source(source: str, config: SandboxConfig, contract: str = "paper") ->
             SandboxError("source_too_large", f"{size} bytes > cap {config.max_source_bytes}")
         )
     try:
-        tree = ast.parse(source, filename="<environment>")
+        tree = parse_program(source, filename="<environment>")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
         return GateResult(SandboxError("syntax_error", f"{type(err).__name__}: {err}"))
     nodes = list(ast.walk(tree))

@@ -14,18 +14,21 @@ from typing import Any
 
 from spade_jax.evaluation.checkers import visible_text
 from spade_jax.evaluation.policy import EpisodePolicy, TextPolicy
+from spade_jax.rollout.hints import agent_first_observation
 from spade_jax.seeding import derive_seed
 
 
 class _Prefixed:
-    """An env whose opening observation is preceded by fixed text (the hint arm)."""
+    """An env whose opening observation is preceded by fixed text (a task statement) and
+    followed by a hint, shown as everywhere else (``agent_first_observation``)."""
 
-    def __init__(self, env: Any, prefix: str) -> None:
-        self.env, self.prefix = env, prefix
+    def __init__(self, env: Any, prefix: str | None, hint: str | None) -> None:
+        self.env, self.prefix, self.hint = env, prefix, hint
 
     def reset(self, *, seed: int | None = None, **kwargs: Any) -> tuple[str, dict]:
         observation, info = self.env.reset(seed=seed, **kwargs)
-        return f"{self.prefix}\n\n{observation}", info
+        shown = "\n\n".join(part for part in (self.prefix, observation) if part)
+        return agent_first_observation(shown, self.hint), info
 
     def step(self, action: str) -> tuple:
         return self.env.step(action)
@@ -49,12 +52,12 @@ class _Broken:
         raise RuntimeError("environment failed to open")
 
 
-def _open(factory: Callable[[], Any], prefix: str | None) -> Any:
+def _open(factory: Callable[[], Any], prefix: str | None, hint: str | None) -> Any:
     try:
         env = factory()
     except Exception as err:  # noqa: BLE001 - e.g. a program the sandbox refuses
         return _Broken(err)
-    return _Prefixed(env, prefix) if prefix else env
+    return _Prefixed(env, prefix, hint) if prefix or hint else env
 
 
 def run_task_episodes(
@@ -67,15 +70,21 @@ def run_task_episodes(
     max_turns: int,
     max_new_tokens: int,
     prefix: Sequence[str] | None = None,
+    hints: Sequence[str | None] | None = None,
 ) -> list[list[float]]:
     """Returns[task][episode]: n episodes of each task's env (fresh env per episode).
 
-    `seeds[t]` is the reset seed of task t's episodes; `prefix[t]` (e.g. a hint) is put
-    before task t's opening observation. An env whose reset raises scores 0.
+    `seeds[t]` is the reset seed of task t's episodes; `prefix[t]` (e.g. a task statement)
+    is put before task t's opening observation and `hints[t]` (None: no hint) after it, as
+    `spade.prompts.agent_first_observation` shows hints. An env whose reset raises scores 0.
     """
-    if len(seeds) != len(make_env) or (prefix is not None and len(prefix) != len(make_env)):
+    for name, values in (("prefix", prefix), ("hints", hints)):
+        if values is not None and len(values) != len(make_env):
+            raise ValueError(f"make_env, seeds and {name} need one entry per task")
+    if len(seeds) != len(make_env):
         raise ValueError("make_env, seeds and prefix need one entry per task")
-    envs = [[_open(factory, None if prefix is None else prefix[t]) for _ in range(n)]
+    envs = [[_open(factory, None if prefix is None else prefix[t],
+                   None if hints is None else hints[t]) for _ in range(n)]
             for t, factory in enumerate(make_env)]
     try:
         if isinstance(policy, EpisodePolicy):

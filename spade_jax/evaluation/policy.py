@@ -6,6 +6,8 @@ Two implementations:
   SamplerPolicy   a model + tokenizer behind `spade_jax.rollout.generate` (the training
                   sampler): conversations are chat-template rendered and sampled in batches;
                   multi-turn episodes go through `spade_jax.rollout.agent_loop.run_episodes`.
+                  An optional router hook (MoE steering) and first-answer detector are
+                  passed to the sampler; generated tokens are counted per completion.
   ScriptedPolicy  forced outputs from a JSON script: a testing aid, so the harness can be
                   checked end to end with exactly known answers (see `ScriptedPolicy`).
 
@@ -18,7 +20,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -218,12 +220,23 @@ class SamplerPolicyConfig:
 
 
 class SamplerPolicy:
-    """A model and tokenizer sampled through the training sampler (`rollout.generate`)."""
+    """A model and tokenizer sampled through the training sampler (`rollout.generate`).
+
+    `router_hook`: ``f(logits_btE, layer)`` applied in every MoE layer before top-k (router
+    steering, `spade_jax.steering`); `answer_detector`: a device-side first-answer detector
+    (`rollout.sample`'s), so a hook can switch on after the first answer. Both apply to
+    `complete`; `play_episodes` takes the hook only. `generated_tokens` collects, per
+    completion in call order, the tokens the sampler generated (a stop token that ended the
+    row counts).
+    """
 
     def __init__(self, model: Any, tokenizer: Any, config: SamplerPolicyConfig | None = None,
-                 *, mesh: Any = None) -> None:
+                 *, mesh: Any = None, router_hook: Callable | None = None,
+                 answer_detector: Any = None) -> None:
         self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
         self.config = config or SamplerPolicyConfig()
+        self.router_hook, self.answer_detector = router_hook, answer_detector
+        self.generated_tokens: list[int] = []
 
     def _messages(self, conversation: Conversation) -> list[dict[str, str]]:
         messages = [dict(m) for m in conversation]
@@ -251,8 +264,10 @@ class SamplerPolicy:
                 self.model, rows[start : start + size], max_new_tokens,
                 temperature=self.config.temperature, top_p=self.config.top_p,
                 top_k=self.config.top_k, seed=derive_seed(seed, start), mesh=self.mesh,
-                stop_tokens=sorted(self.tokenizer.eos_ids),
+                stop_tokens=sorted(self.tokenizer.eos_ids), router_hook=self.router_hook,
+                answer_detector=self.answer_detector,
             )
+            self.generated_tokens.extend(len(t) for t in result.tokens)
             texts.extend(self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens)
         return [texts[i * n : (i + 1) * n] for i in range(len(conversations))]
 
@@ -263,6 +278,9 @@ class SamplerPolicy:
         from spade_jax.rollout import SamplerConfig
         from spade_jax.rollout.agent_loop import AgentLoopConfig, EpisodeSpec, run_episodes
 
+        if self.answer_detector is not None:
+            raise ValueError("SamplerPolicy.play_episodes: the answer_detector applies to "
+                             "complete() only; build the policy without it for episodes")
         config = AgentLoopConfig(
             max_turns=max_turns, max_turn_tokens=max_new_tokens,
             max_episode_tokens=max(4096, max_turns * max_new_tokens * 2),
@@ -273,7 +291,8 @@ class SamplerPolicy:
         )
         specs = [EpisodeSpec(env, f"episode-{i}", s) for i, (env, s) in
                  enumerate(zip(envs, seeds, strict=True))]
-        records = run_episodes(self.model, self.tokenizer, specs, config, mesh=self.mesh)
+        records = run_episodes(self.model, self.tokenizer, specs, config,
+                               router_hook=self.router_hook, mesh=self.mesh)
         return [r.return_ for r in records]
 
 

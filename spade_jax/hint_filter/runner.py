@@ -36,6 +36,7 @@ from spade_jax.evaluation.episodes import run_task_episodes
 from spade_jax.evaluation.policy import TextPolicy
 from spade_jax.hint_filter.tasks import FilterTask
 from spade_jax.spade import DesignerRewardConfig, designer_reward
+from spade_jax.spade.prompts import agent_first_observation
 
 PROGRESS, RUN = "progress.jsonl", "run.json"
 
@@ -144,7 +145,7 @@ def task_statistics(returns_hint: Sequence[float], returns_no_hint: Sequence[flo
 
 
 def _hinted_prompt(task: FilterTask) -> str:
-    return f"{task.prompt}\n\nHint: {task.hint}"
+    return agent_first_observation(task.prompt, task.hint)
 
 
 def _answer_returns(policy: TextPolicy, tasks: list[FilterTask], n: int, hinted: bool,
@@ -160,13 +161,13 @@ def _program_returns(policy: TextPolicy, tasks: list[FilterTask], n: int, hinted
                      seed: int, config: FilterConfig, pool: Any) -> list[list[float]]:
     from spade_jax.envs import make_env
 
-    prefix = [("\n\n".join(p for p in (t.prompt, f"Hint: {t.hint}") if p) if hinted
-               else t.prompt) for t in tasks]
+    prefix = [t.prompt for t in tasks]
+    hints = [t.hint if hinted else None for t in tasks]
     max_turns = max(t.max_turns or config.max_turns for t in tasks)
     return run_task_episodes(
         policy, [lambda t=t: make_env(t.program, pool) for t in tasks], n=n,
         seeds=[t.seed for t in tasks], seed=seed, max_turns=max_turns,
-        max_new_tokens=config.max_new_tokens, prefix=prefix)
+        max_new_tokens=config.max_new_tokens, prefix=prefix, hints=hints)
 
 
 def score_chunk(policy: TextPolicy, tasks: list[FilterTask], config: FilterConfig, seed: int,

@@ -13,6 +13,10 @@ The dispatch implementations compute the same thing:
   ``expert_parallel``  tokens routed to the devices that hold their experts with
               all_to_all over the "expert" mesh axis (shard_map), local experts run as in
               ``ragged``; dropless by default. Without a mesh it is ``ragged``.
+
+The expert-parallel dispatch is the one place in the models that touches the mesh, and it
+is handed the mesh as an argument (:func:`dispatcher`); the model passes it down from its
+call's ``mesh=``. Everything else in the models only names logical axes.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from spade_jax.models import numerics
-from spade_jax.sharding import active_mesh, logical_to_spec
+from spade_jax.sharding import logical_to_spec
 
 # A pure function that may edit router logits (fp32, [..., E]) before softmax/top-k.
 # It receives the decoder-layer index so per-layer expert sets are possible.
@@ -168,8 +172,7 @@ def dispatch_blocked(
 
 # ---- expert_parallel: explicit token routing across the expert mesh axis.
 #
-# Under an active mesh (spade_jax.sharding.activate) the MoE layer runs inside a
-# jax.shard_map. Tokens are split over the batch axes (rule "batch"), expert weights over
+# Given a mesh, the MoE layer runs inside a jax.shard_map over it. Tokens are split over the batch axes (rule "batch"), expert weights over
 # the expert axis (rule "expert"; their embed dim over "embed" -> fsdp, all-gathered inside
 # as FSDP does, and their F dim over "expert_mlp" -> tensor, summed at the end). Each
 # shard, with its t local tokens and M = t * k assignments:
@@ -191,9 +194,10 @@ def dispatch_blocked(
 _EMPTY = -1  # not a real shard / expert: padding tokens and empty slots
 
 
-def _mesh_axes(logical: str) -> tuple[str, ...]:
-    """Mesh axes (size > 1) that the active rules map one logical name to."""
-    entry = logical_to_spec((logical,))[0]
+def _mesh_axes(logical: str, mesh) -> tuple[str, ...]:
+    """Mesh axes (size > 1) of ``mesh`` that the rules map one logical name to (the rules
+    made active by ``sharding.activate``, else the default table)."""
+    entry = logical_to_spec((logical,), mesh=mesh)[0]
     return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
@@ -275,20 +279,20 @@ def expert_parallel_with_drops(
     weights_tX: jax.Array,
     experts_tX: jax.Array,
     *,
+    mesh: jax.sharding.Mesh | None = None,
     capacity_factor: float | None = None,
     local_impl: str = "ragged",
 ) -> tuple[jax.Array, jax.Array]:
-    """Expert-parallel dispatch over the active mesh; also returns the dropped count.
+    """Expert-parallel dispatch over ``mesh``; also returns the dropped count.
 
     Returns (y_tD, dropped): ``dropped`` is the number of token-expert assignments, over
     the whole batch, that did not fit their (source, destination) capacity (always 0 with
-    ``capacity_factor=None``). Without an active mesh, or when the rule for "expert" gives
-    a single shard, this is :func:`dispatch_ragged` and ``dropped`` is 0.
+    ``capacity_factor=None``). Without a mesh, or when the rule for "expert" gives a single
+    shard, this is :func:`dispatch_ragged` and ``dropped`` is 0.
     """
     if local_impl not in ("ragged", "blocked"):
         raise ValueError(f"local_impl must be 'ragged' or 'blocked', got {local_impl!r}")
-    mesh = active_mesh()
-    ep_axes = _mesh_axes("expert") if mesh is not None else ()
+    ep_axes = _mesh_axes("expert", mesh) if mesh is not None else ()
     if not ep_axes:
         y_tD = dispatch_ragged(x_tD, w_gate_EDF, w_up_EDF, w_down_EFD, weights_tX, experts_tX)
         return y_tD, jnp.zeros((), jnp.int32)
@@ -301,15 +305,15 @@ def expert_parallel_with_drops(
             f"expert_parallel: {num_experts} experts cannot be split over the expert mesh axes "
             f"{ep_axes} of size {n}; use an expert axis size that divides the expert count")
     # Weight dims are split only where the split is even; elsewhere they enter replicated.
-    embed_axes = tuple(a for a in _mesh_axes("embed") if a not in ep_axes)
+    embed_axes = tuple(a for a in _mesh_axes("embed", mesh) if a not in ep_axes)
     if d % _axes_size(mesh, embed_axes):
         embed_axes = ()
-    mlp_axes = tuple(a for a in _mesh_axes("expert_mlp") if a not in ep_axes + embed_axes)
+    mlp_axes = tuple(a for a in _mesh_axes("expert_mlp", mesh) if a not in ep_axes + embed_axes)
     if f % _axes_size(mesh, mlp_axes):
         mlp_axes = ()
     # Tokens must differ across the expert axis (each shard sends its own) and be whole on
     # the F-split axis (every F shard sees the same rows).
-    token_axes = tuple(a for a in _mesh_axes("batch") if a not in mlp_axes)
+    token_axes = tuple(a for a in _mesh_axes("batch", mesh) if a not in mlp_axes)
     token_axes += tuple(a for a in ep_axes if a not in token_axes)
     ways = _axes_size(mesh, token_axes)
 
@@ -347,12 +351,14 @@ def dispatch_expert_parallel(
     weights_tX: jax.Array,
     experts_tX: jax.Array,
     *,
+    mesh: jax.sharding.Mesh | None = None,
     capacity_factor: float | None = None,
     local_impl: str = "ragged",
 ) -> jax.Array:
-    """Explicit expert parallelism (all_to_all over the expert axis); dropless by default."""
+    """Explicit expert parallelism (all_to_all over ``mesh``'s expert axis); dropless by
+    default; :func:`dispatch_ragged` without a mesh."""
     return expert_parallel_with_drops(
-        x_tD, w_gate_EDF, w_up_EDF, w_down_EFD, weights_tX, experts_tX,
+        x_tD, w_gate_EDF, w_up_EDF, w_down_EFD, weights_tX, experts_tX, mesh=mesh,
         capacity_factor=capacity_factor, local_impl=local_impl)[0]
 
 
@@ -362,6 +368,22 @@ DISPATCH: dict[str, Callable[..., jax.Array]] = {
     "blocked": dispatch_blocked,
     "expert_parallel": dispatch_expert_parallel,
 }
+# The dispatches that place tokens on devices themselves and so take ``mesh=``.
+MESH_DISPATCH = frozenset({"expert_parallel"})
+
+
+def dispatcher(impl: str, mesh: jax.sharding.Mesh | None = None,
+               invariant: bool = False) -> Callable[..., jax.Array]:
+    """The dispatch function ``(x_tD, w_gate, w_up, w_down, weights_tX, experts_tX) -> y_tD``
+    for ``impl`` (a ``DISPATCH`` key), handed ``mesh`` if it places tokens itself.
+    ``invariant`` (batch-invariant models) always runs every expert in a fixed order."""
+    if invariant:
+        return functools.partial(dispatch_dense, invariant=True)
+    if impl not in DISPATCH:
+        raise ValueError(f"moe_impl must be one of {sorted(DISPATCH)}, got {impl!r}")
+    if impl in MESH_DISPATCH:
+        return functools.partial(DISPATCH[impl], mesh=mesh)
+    return DISPATCH[impl]
 
 
 def load_balancing_loss(

@@ -10,7 +10,9 @@ Shape legend:
   F MLP hidden, E experts, X = k selected experts, L layers.
 
 Parameters carry logical axis names in their ``axes`` metadata; activations are
-constrained with :func:`spade_jax.sharding.constrain`. No device logic lives here.
+constrained with :func:`spade_jax.sharding.constrain`. No device logic lives here: the
+one device-aware piece, the expert-parallel MoE dispatch, is handed the mesh as the
+model call's ``mesh=`` argument.
 """
 
 from __future__ import annotations
@@ -367,6 +369,7 @@ class MoEBlock(nnx.Module):
         layer_idx: int,
         router_hook: moe.RouterHook | None,
         replay_btX: jax.Array | None,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg, dt, invariant = self.cfg, self.opts.compute_dtype, self.opts.batch_invariant
         ein = functools.partial(numerics.einsum, invariant=invariant)
@@ -383,8 +386,7 @@ class MoEBlock(nnx.Module):
             None if replay_btX is None else replay_btX.reshape(b * t, -1),
             invariant=invariant,
         )
-        dispatch = (functools.partial(moe.dispatch_dense, invariant=True) if invariant
-                    else moe.DISPATCH[self.opts.moe_impl])
+        dispatch = moe.dispatcher(self.opts.moe_impl, mesh, invariant)
         y_td = dispatch(
             x_btd.reshape(b * t, d),
             self.gate_edf[...].astype(dt),
@@ -414,14 +416,16 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, opts, rngs)
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, write_index, router_hook, replay_btX,
-                 layer_idx: int | jax.Array | None = None):
-        """``layer_idx`` overrides the stored index (a traced one when layers are scanned)."""
+                 layer_idx: int | jax.Array | None = None, mesh: jax.sharding.Mesh | None = None):
+        """``layer_idx`` overrides the stored index (a traced one when layers are scanned);
+        ``mesh`` goes to the MoE dispatch only (see ``Qwen3``'s ``mesh``)."""
         layer_idx = self.layer_idx if layer_idx is None else layer_idx
         attn_out, kv = self.attn(self.input_norm(x_btd), cos_bth, sin_bth, mask_bts, kv, write_index)
         h_btd = constrain(x_btd + attn_out, ("batch", "seq", "act_embed"))
         normed = self.post_attn_norm(h_btd)
         if hasattr(self, "moe"):
-            ff, logits_btE, experts_btX = self.moe(normed, layer_idx, router_hook, replay_btX)
+            ff, logits_btE, experts_btX = self.moe(normed, layer_idx, router_hook, replay_btX,
+                                                   mesh)
         else:
             ff, logits_btE, experts_btX = self.mlp(normed), None, None
         out_btd = constrain(h_btd + ff, ("batch", "seq", "act_embed"))
@@ -440,6 +444,9 @@ class Qwen3(nnx.Module):
         softmax/top-k in every MoE layer (router steering plugs in here).
       routing_replay: per layer [B, T, X] expert indices to use instead of top-k.
       return_logits: False skips the LM head (callers that chunk the vocab projection).
+      mesh: the device mesh, handed to the MoE dispatch and nothing else: the
+        "expert_parallel" dispatch routes tokens across its expert axis (without a mesh it
+        runs as "ragged"). The layers themselves only name logical axes.
     """
 
     def __init__(self, config: ModelConfig, options: ModelOptions | None = None, *, rngs: nnx.Rngs):
@@ -478,6 +485,7 @@ class Qwen3(nnx.Module):
         router_hook: moe.RouterHook | None = None,
         routing_replay: list | None = None,
         return_logits: bool = True,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> ModelOutput:
         cfg, dt = self.config, self.options.compute_dtype
         input_ids_bt = jnp.asarray(input_ids_bt)
@@ -507,7 +515,7 @@ class Qwen3(nnx.Module):
 
         # Remat only matters when differentiating; the cache (sampling) path never is.
         policy = REMAT_POLICIES[self.options.remat_policy] if cache is None else None
-        layer_args = (cos_bth, sin_bth, mask_bts, start, router_hook)
+        layer_args = (cos_bth, sin_bth, mask_bts, start, router_hook, mesh)
         if self.options.scan_layers:
             if cache is not None and not cache.stacked:
                 raise ValueError("a model with scan_layers needs a stacked KVCache "
@@ -534,10 +542,11 @@ class Qwen3(nnx.Module):
 
 def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
     """Runs the layers one after another in Python (any mix of dense and MoE layers)."""
-    cos_bth, sin_bth, mask_bts, start, router_hook = layer_args
+    cos_bth, sin_bth, mask_bts, start, router_hook, mesh = layer_args
 
     def run_layer(layer, x_btd, kv, replay_btX):
-        return layer(x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX)
+        return layer(x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX,
+                     mesh=mesh)
 
     if policy is not None:
         run_layer = nnx.remat(run_layer, policy=policy)
@@ -558,7 +567,7 @@ def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
     """Runs stacked layers with ``jax.lax.scan``: the layer index, its parameters, its cache
     slice and its replayed routing are the scanned inputs; router logits, selected experts
     and the updated cache come back stacked and are split into per-layer lists."""
-    cos_bth, sin_bth, mask_bts, start, router_hook = layer_args
+    cos_bth, sin_bth, mask_bts, start, router_hook, mesh = layer_args
     graphdef, params = nnx.split(layers)
     num_layers = jax.tree.leaves(params)[0].shape[0]
 
@@ -567,7 +576,7 @@ def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
         layer = nnx.merge(graphdef, layer_params)
         x_btd, kv, logits_btE, experts_btX = layer(
             x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX,
-            layer_idx=layer_idx)
+            layer_idx=layer_idx, mesh=mesh)
         return x_btd, (kv, logits_btE, experts_btX)
 
     if policy is not None:

@@ -38,6 +38,9 @@ class TrainBatch:
       attention_mask: [B, T] int32, 1 on real tokens, or None (all real). With right padding
         no real token attends to padding anyway; the mask keeps padding out of the MoE
         load-balancing statistics.
+      group_id: [B] int32, the advantage group of each row (rows of one prompt's group share
+        an id; -1 = a group of its own), or None (every row its own group). Group-wise
+        importance corrections (GMC) read it.
     """
 
     input_ids: jax.Array
@@ -48,6 +51,7 @@ class TrainBatch:
     ref_logp: jax.Array | None = None
     routing_replay: tuple[jax.Array | None, ...] | None = None
     attention_mask: jax.Array | None = None
+    group_id: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -69,6 +73,8 @@ class TrainBatch:
             )
         if np.shape(self.role_id) != (b,):
             raise ValueError(f"role_id has shape {np.shape(self.role_id)}, expected {(b,)}")
+        if self.group_id is not None and np.shape(self.group_id) != (b,):
+            raise ValueError(f"group_id has shape {np.shape(self.group_id)}, expected {(b,)}")
         for layer, experts in enumerate(self.routing_replay or ()):
             if experts is not None and (np.ndim(experts) != 3 or np.shape(experts)[:2] != (b, t)):
                 raise ValueError(
@@ -90,6 +96,8 @@ class TrainSequence:
       ref_logprobs: reference-policy log-probs per token, if the loss uses a KL term.
       routing: per model layer, the [len, X] (or [len - 1, X]: the last token is never fed
         back) experts chosen at rollout time; None for dense layers.
+      group: index of the sequence's advantage group in this update (-1: none); the batch's
+        ``group_id`` (the role is part of the id, so the roles' groups never mix).
     """
 
     token_ids: Sequence[int]
@@ -99,6 +107,7 @@ class TrainSequence:
     role: str | int = "agent"
     ref_logprobs: Sequence[float] | None = None
     routing: Sequence[np.ndarray | None] | None = None
+    group: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +230,7 @@ def pack_sequences(
     ref_logp = np.zeros((rows, length), np.float32) if all(has_ref) else None
     advantages = np.zeros((rows, length) if per_token_adv else (rows,), np.float32)
     role_id = np.zeros((rows,), np.int32)
+    group_id = np.full((rows,), -1, np.int32)
     for i, (seq, n) in enumerate(zip(sequences, lengths, strict=True)):
         input_ids[i, :n] = seq.token_ids
         attention_mask[i, :n] = 1
@@ -233,6 +243,8 @@ def pack_sequences(
         else:
             advantages[i] = seq.advantage
         role_id[i] = _role_id(seq.role, i)
+        if seq.group >= 0:  # ids unique per (role, group): one group never spans both roles
+            group_id[i] = seq.group * len(ROLES) + role_id[i]
     if not np.all(np.isfinite(old_logp)):
         bad = int(np.argwhere(~np.isfinite(old_logp))[0, 0])
         raise ValueError(f"sequence {bad}: non-finite sampler log-prob on a policy token")
@@ -245,4 +257,5 @@ def pack_sequences(
         role_id=role_id,
         ref_logp=ref_logp,
         routing_replay=_pack_routing(sequences, rows, length),
+        group_id=group_id if np.any(group_id >= 0) else None,
     )

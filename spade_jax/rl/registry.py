@@ -10,26 +10,38 @@ Registering it under a name makes it selectable from an experiment file::
     cfg = rule.make_config(clip_eps=0.1)      # validated GRPOLossConfig
     loss, metrics = rule.fn(logp, old_logp, ref_logp, adv, mask, cfg)
 
-Categories (one typed Protocol each):
-  advantage_estimators       outcome rewards [B] grouped by ``group_size`` -> advantages [B]
-  step_advantage_estimators  per-step env rewards -> per-token advantages [B, T]
-  token_weightings           (advantages, entropy, mask) -> reweighted advantages [B, T]
-  group_filters              grouped rewards [G, N] -> keep-mask [G] (dynamic sampling)
-  policy_losses              (logp, old_logp, ref_logp, advantages, mask) -> (loss, metrics)
+Categories (one typed Protocol each), in the order a role's rule applies them; the first
+three run on the host over the sampled episodes (:mod:`spade_jax.rl.update_rule`), the last
+three inside the jitted train step:
+  group_filters           grouped rewards [G, N] -> keep-mask [G] (dynamic sampling)
+  advantage_estimators    outcome rewards [B] grouped by ``group_size`` -> advantages [B]
+  step_credits            episodes' structure + outcome advantages -> per-token advantages
+  token_weightings        (advantages, entropy, mask) -> reweighted advantages [B, T]
+  importance_corrections  (logp, sampler logp, advantages, mask, groups) -> the ratio's
+                          reference and reweighted advantages (TIS, GMC)
+  policy_losses           (logp, old_logp, ref_logp, advantages, mask) -> (loss, metrics)
 
 Built-in rules live one per file in :mod:`spade_jax.rl.rules`, which imports every module
-it contains; a new rule is one new file there (or any module listed in the experiment's
-``rule_modules``, loaded with :func:`load_rule_modules`).
+it contains; a new rule is one new file there, or any module or ``.py`` file listed in the
+experiment's ``rule_modules`` (loaded with :func:`load_rule_modules`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
 import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from spade_jax.rl.episodes import EpisodeBatch, StepContext
 
 Array = jax.Array
 Metrics = dict[str, Array]
@@ -45,16 +57,22 @@ class AdvantageEstimator(Protocol):
     def __call__(self, rewards: Array, group_size: int, cfg: Any) -> tuple[Array, Metrics]: ...
 
 
-class StepAdvantageEstimator(Protocol):
-    """``(step_rewards [B, S], step_mask [B, S], token_step [B, T], cfg) -> ([B, T], metrics)``.
+class StepCredit(Protocol):
+    """``(episodes, outcome_advantages [B], cfg, context) -> (advantages [B, T], metrics)``.
 
-    ``token_step[b, t]`` is the index of the environment step that token ``t`` belongs to,
-    or -1 for tokens the policy did not generate (prompt, observations, padding).
+    ``episodes`` (:class:`spade_jax.rl.episodes.EpisodeBatch`) carries the episode structure
+    as arrays (``step_rewards [B, S]``, ``step_mask [B, S]``, ``token_step [B, T]``: the
+    step each token's action belongs to, -1 for tokens the policy did not generate) and the
+    records themselves (env ids, seeds, actions, observations). ``context``
+    (:class:`spade_jax.rl.episodes.StepContext`) is the one way to ask the rollout side for
+    more (forked continuations, policy completions) and carries the seed parts. Runs on the
+    host (NumPy); the result is each token's final advantage.
     """
 
     def __call__(
-        self, step_rewards: Array, step_mask: Array, token_step: Array, cfg: Any
-    ) -> tuple[Array, Metrics]: ...
+        self, episodes: EpisodeBatch, outcome_advantages: np.ndarray, cfg: Any,
+        context: StepContext,
+    ) -> tuple[np.ndarray, Metrics]: ...
 
 
 class TokenWeighting(Protocol):
@@ -71,16 +89,36 @@ class GroupFilter(Protocol):
     def __call__(self, rewards_gn: Array, cfg: Any) -> tuple[Array, Metrics]: ...
 
 
+class Corrected(NamedTuple):
+    """What an importance correction hands the policy loss: the ``[B, T]`` log-probs the
+    loss's ratio is taken against, and the ``[B, T]`` advantages it weighs tokens with."""
+
+    old_logp: Array
+    advantages: Array
+
+
+class ImportanceCorrection(Protocol):
+    """``(logp, sampler_logp, advantages, loss_mask, group_id, cfg) -> (Corrected, metrics)``.
+
+    ``logp`` (with gradient) and ``sampler_logp`` are ``[B, T]``; ``advantages`` ``[B, T]``;
+    ``group_id`` ``[B]`` int (rows of one prompt's group share an id; -1 = a group of its
+    own). The loss then sees ``logp - Corrected.old_logp`` as its log-ratio.
+    """
+
+    def __call__(
+        self, logp: Array, sampler_logp: Array, advantages: Array, loss_mask: Array,
+        group_id: Array, cfg: Any,
+    ) -> tuple[Corrected, Metrics]: ...
+
+
 class PolicyLoss(Protocol):
     """``(logp, old_logp, ref_logp, advantages, loss_mask, cfg) -> (scalar loss, metrics)``.
 
     ``logp``/``old_logp``/``ref_logp``/``loss_mask`` are ``[B, T]``; ``ref_logp`` may be
     None when the rule's KL coefficient is 0; ``advantages`` is ``[B]`` or ``[B, T]``.
 
-    Truncated importance sampling (``RoleConfig.tis_clamp``) reaches every rule through
-    its inputs: per-token advantages times ``w >= 0`` and ``old_logp`` = the trainer's own
-    log-probs. That equals weighting the token's policy term by ``w`` for any rule whose
-    policy term is positively homogeneous in A (every clipped surrogate is).
+    Importance corrections (TIS, GMC) reach every loss through its inputs: ``old_logp`` and
+    the advantages are the correction's (:class:`Corrected`).
     """
 
     def __call__(
@@ -163,20 +201,45 @@ class Registry(Generic[F]):
 
 
 advantage_estimators: Registry[AdvantageEstimator] = Registry("advantage_estimators")
-step_advantage_estimators: Registry[StepAdvantageEstimator] = Registry(
-    "step_advantage_estimators"
-)
+step_credits: Registry[StepCredit] = Registry("step_credits")
 token_weightings: Registry[TokenWeighting] = Registry("token_weightings")
+importance_corrections: Registry[ImportanceCorrection] = Registry("importance_corrections")
 group_filters: Registry[GroupFilter] = Registry("group_filters")
 policy_losses: Registry[PolicyLoss] = Registry("policy_losses")
 
 
 def load_rule_modules(module_names: Iterable[str]) -> None:
-    """Imports modules whose import registers rules (e.g. an experiment's own rules)."""
+    """Imports modules whose import registers rules (e.g. an experiment's own rules): dotted
+    module names, or paths of ``.py`` files (a rule file anywhere, outside the package).
+    Loading the same module or file again is a no-op."""
     for module_name in module_names:
+        if not isinstance(module_name, str):
+            raise TypeError(f"rule_modules entries must be module names or .py paths (str), "
+                            f"got {module_name!r}")
+        if module_name.endswith(".py"):
+            _load_rule_file(Path(module_name))
+            continue
         try:
             importlib.import_module(module_name)
         except ModuleNotFoundError as err:
             raise ModuleNotFoundError(
                 f"rule module {module_name!r} could not be imported: {err}"
             ) from err
+
+
+def _load_rule_file(path: Path) -> None:
+    path = path.resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"rule file {str(path)!r} does not exist")
+    digest = hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()
+    name = f"spade_rule_file_{path.stem}_{digest}"
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise

@@ -7,9 +7,9 @@ Per microbatch m (a strided slice of the batch, accumulated with ``lax.scan``):
     logp_bt      = log_softmax(lm_head(hidden_{b,t-1}))[input_ids_bt]   (0 at t = 0)
     mask^r_bt    = loss_mask_bt * [role_id_b == r]
     A^r_bt       = token_weighting_r(advantages, entropy, mask^r)
-    (TIS on r:)  w_bt = clip(exp(sg(logp_bt) - old_logp_bt), 0, C_r);  A^r_bt *= w_bt;
-                 the rule's old_logp := sg(logp)
-    loss^r_m     = policy_loss_r(logp, old_logp, ref_logp, A^r, mask^r)
+    old^r, A^r   = importance_correction_r(logp, old_logp, A^r, mask^r, group_id)
+                   ("none": old_logp, A^r unchanged; "tis": sg(logp), A^r * clip(ratio, 0, C))
+    loss^r_m     = policy_loss_r(logp, old^r, ref_logp, A^r, mask^r)
     loss_m       = sum_r  w_r * (n^r_m / n^r) * loss^r_m  + aux_coef * aux_m / M   per_role
                  = sum_r  w_r * (n^r_m / N)   * loss^r_m  + aux_coef * aux_m / M   pooled
 
@@ -42,17 +42,15 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
-from spade_jax.rl import registry, terms
 from spade_jax.rl.batch import ROLES, TrainBatch
 from spade_jax.rl.optim import (
     MASTER_DTYPES,
@@ -60,87 +58,15 @@ from spade_jax.rl.optim import (
     learning_rate_schedule,
     make_optimizer,
 )
+from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, RoleConfig
+from spade_jax.sharding import shard_batch, tree_shardings  # noqa: F401  (placement lives there)
 
 Array = jax.Array
 Metrics = dict[str, Array]
+# RoleConfig (a role's whole update rule) lives in rl.update_rule; re-exported here.
+__all__ = ["RoleConfig", "TrainConfig", "TrainState", "make_train_step", "train_step"]
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 LOSS_AGGREGATIONS = ("per_role", "pooled")
-
-
-def _resolve(rule: registry.RegisteredRule, given: Any, role_field: str) -> Any:
-    if given is None:
-        return rule.make_config()
-    if isinstance(given, dict):
-        return rule.make_config(**given)
-    if isinstance(given, rule.config_cls):
-        return given
-    raise TypeError(
-        f"{role_field} must be None, a dict of overrides or a {rule.config_cls.__name__}, "
-        f"got {type(given).__name__}"
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleConfig:
-    """How one role's sequences are trained (both roles update the same weights).
-
-    Attributes:
-      policy_loss: name in ``rl.policy_losses``.
-      loss_config: None (the rule's defaults), a dict of overrides, or the rule's config.
-      token_weighting: name in ``rl.token_weightings`` ("none": advantages unchanged).
-      weighting_config: as ``loss_config``, for the token weighting.
-      weight: w_r, this role's weight in the summed loss (0 trains the role not at all).
-      temperature: this role's sampling temperature, when it differs from
-        ``TrainConfig.temperature`` (None): log-probs are of softmax(logits / T_role), so the
-        ratio compares like with like when the roles sample at different temperatures.
-      tis_clamp: C of truncated importance sampling (the recipe: 2.0), or None (off). On:
-        each token's policy term is weighted by ``w = clip(pi_trainer / pi_sampler, 0, C)``
-        and the rule's ratio is taken against the trainer's own pre-update log-probs
-        instead of the sampler's (docs/trainer.md, "Truncated importance sampling").
-
-    Changing ``policy_loss`` (``token_weighting``) with ``--set`` resets ``loss_config``
-    (``weighting_config``) to the new rule's defaults: one rule's settings mean nothing to
-    another. Set ``train.<role>.loss_config.<field>`` after it to change them.
-    """
-
-    OVERRIDE_RESETS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "policy_loss": ("loss_config",),
-        "token_weighting": ("weighting_config",),
-    }
-
-    policy_loss: str = "grpo"
-    loss_config: Any = None
-    token_weighting: str = "none"
-    weighting_config: Any = None
-    weight: float = 1.0
-    temperature: float | None = None
-    tis_clamp: float | None = None
-
-    def __post_init__(self) -> None:
-        loss_rule = registry.policy_losses.get(self.policy_loss)
-        weighting_rule = registry.token_weightings.get(self.token_weighting)
-        object.__setattr__(self, "loss_config", _resolve(loss_rule, self.loss_config, "loss_config"))
-        object.__setattr__(
-            self,
-            "weighting_config",
-            _resolve(weighting_rule, self.weighting_config, "weighting_config"),
-        )
-        if not self.weight >= 0:
-            raise ValueError(f"role weight must be >= 0, got {self.weight}")
-        if self.temperature is not None and not self.temperature > 0:
-            raise ValueError(f"role temperature must be > 0 or None, got {self.temperature}")
-        if self.tis_clamp is not None:
-            if isinstance(self.tis_clamp, bool) or not self.tis_clamp > 0:
-                raise ValueError(f"tis_clamp must be > 0 or None (off), got {self.tis_clamp!r}")
-            object.__setattr__(self, "tis_clamp", float(self.tis_clamp))
-
-    @property
-    def loss_fn(self) -> registry.PolicyLoss:
-        return registry.policy_losses.get(self.policy_loss).fn
-
-    @property
-    def weighting_fn(self) -> registry.TokenWeighting:
-        return registry.token_weightings.get(self.token_weighting).fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +75,9 @@ class TrainConfig:
 
     Attributes:
       optimizer: AdamW / schedule / clipping / master dtype.
-      agent: rule and weight for role_id 0 sequences.
-      designer: rule and weight for role_id 1 sequences.
+      agent: the update rule (all its parts) and weight of role_id 0 sequences.
+      designer: the same for role_id 1; by default mean-centred advantages ("dr_grpo"),
+        which with the loop's skill groups and scale is the recipe's per-skill centring.
       microbatches: split the batch into this many microbatches and accumulate gradients
         (B must be divisible by it).
       compute_dtype: dtype the master parameters are cast to for the forward/backward pass
@@ -171,7 +98,7 @@ class TrainConfig:
 
     optimizer: OptimizerConfig = OptimizerConfig()
     agent: RoleConfig = RoleConfig()
-    designer: RoleConfig = RoleConfig()
+    designer: RoleConfig = DEFAULT_DESIGNER_RULE
     microbatches: int = 1
     compute_dtype: str = "float32"
     router_replay: bool = False
@@ -271,10 +198,12 @@ def policy_logprobs(
     router_replay: bool,
     logit_chunk: int = 0,
     temperature: float | Array = 1.0,
+    mesh: Mesh | None = None,
 ) -> tuple[Array, Array, list]:
     """Runs the policy on ``batch``: (logp [B, T], entropy [B, T], router logits per layer).
     Log-probs are of ``softmax(logits / temperature)``, the distribution the sampler drew from;
-    ``temperature`` is a float or one value per row ([B])."""
+    ``temperature`` is a float or one value per row ([B]). ``mesh`` goes to the model (its
+    expert-parallel MoE dispatch)."""
     replay = None
     if router_replay:
         if batch.routing_replay is None:
@@ -285,6 +214,7 @@ def policy_logprobs(
         attention_mask_bt=batch.attention_mask,
         routing_replay=replay,
         return_logits=False,
+        mesh=mesh,
     )
     def lm_head(hidden_btd: Array) -> Array:
         logits_btv = model.lm_head(hidden_btd)
@@ -314,16 +244,19 @@ def role_loss(
     """One role's rule on its rows: (loss, rule metrics, token statistics as sums/maxes)."""
     rows_b = (batch.role_id == role_id).astype(jnp.float32)
     mask_bt = batch.loss_mask.astype(jnp.float32) * rows_b[:, None]
-    advantages_bt, weighting_metrics = role.weighting_fn(
-        batch.advantages, entropy_bt, mask_bt, role.weighting_config
+    weighting_fn, weighting_config = role.part("token_weighting")
+    advantages_bt, weighting_metrics = weighting_fn(
+        batch.advantages, entropy_bt, mask_bt, weighting_config
     )
-    old_logp_bt, tis_metrics = batch.old_logp, {}
-    if role.tis_clamp is not None:
-        advantages_bt, old_logp_bt, tis_metrics = _with_truncated_importance(
-            role.tis_clamp, logp_bt, batch.old_logp, advantages_bt, mask_bt
-        )
-    loss, loss_metrics = role.loss_fn(
-        logp_bt, old_logp_bt, batch.ref_logp, advantages_bt, mask_bt, role.loss_config
+    correction_fn, correction_config = role.part("importance_correction")
+    group_id = batch.group_id if batch.group_id is not None else jnp.full(
+        batch.role_id.shape, -1, jnp.int32)
+    corrected, correction_metrics = correction_fn(
+        logp_bt, batch.old_logp, advantages_bt, mask_bt, group_id, correction_config
+    )
+    loss_fn, loss_config = role.part("policy_loss")
+    loss, loss_metrics = loss_fn(
+        logp_bt, corrected.old_logp, batch.ref_logp, corrected.advantages, mask_bt, loss_config
     )
     gap_bt = jnp.abs(jax.lax.stop_gradient(logp_bt) - batch.old_logp)
     gap_sum, tokens = _masked_mean_parts(gap_bt, mask_bt)
@@ -334,26 +267,7 @@ def role_loss(
         "entropy_sum": entropy_sum,
         "tokens": tokens,
     }
-    return loss, {**loss_metrics, **weighting_metrics, **tis_metrics}, token_stats
-
-
-def _with_truncated_importance(
-    clamp: float, logp_bt: Array, sampler_logp_bt: Array, advantages_bt: Array, mask_bt: Array
-) -> tuple[Array, Array, Metrics]:
-    """The recipe's TIS (docs/trainer.md): (advantages x w, the ratio's new reference, metrics).
-
-    pi_old of the rule's ratio becomes the trainer's own log-probs before this update. One
-    update per batch, so those are the current parameters' log-probs: ``sg(logp)`` (ratio 1,
-    gradient of log pi). The sampler's log-probs enter only through ``w``. Multiplying the
-    advantage by ``w >= 0`` equals multiplying the token's policy term ``max(-A r,
-    -A clip(r))`` by ``w`` (positively homogeneous in A); a KL term stays unweighted.
-    """
-    tis = terms.truncated_importance_weights(logp_bt, sampler_logp_bt, clamp)
-    metrics = {
-        "tis/weight_mean": terms.masked_token_mean(tis.weight, mask_bt),
-        "tis/clip_frac": terms.masked_token_mean(tis.clipped, mask_bt),
-    }
-    return advantages_bt * tis.weight, jax.lax.stop_gradient(logp_bt), metrics
+    return loss, {**loss_metrics, **weighting_metrics, **correction_metrics}, token_stats
 
 
 def _row_temperatures(config: TrainConfig, batch: TrainBatch) -> float | Array:
@@ -372,6 +286,7 @@ def microbatch_loss(
     role_share_r: Array,
     config: TrainConfig,
     loss_share_r: Array | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[Array, tuple[Metrics, Metrics]]:
     """Loss of one microbatch as in the module docstring, plus (weighted, token) metrics.
 
@@ -382,7 +297,8 @@ def microbatch_loss(
     compute = COMPUTE_DTYPES[config.compute_dtype]
     model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
     logp_bt, entropy_bt, router_logits = policy_logprobs(
-        model, batch, config.router_replay, config.logit_chunk, _row_temperatures(config, batch)
+        model, batch, config.router_replay, config.logit_chunk, _row_temperatures(config, batch),
+        mesh,
     )
     total = jnp.zeros((), jnp.float32)
     weighted: Metrics = {}
@@ -442,18 +358,13 @@ def _reduce_token_stats(stats_m: Metrics) -> Metrics:
     return out
 
 
-def _constrain_state(state: TrainState) -> TrainState:
-    """Pins params and optimizer state to their logical shardings (no-op without a mesh)."""
-    mesh = sharding.active_mesh()
-    if mesh is None:
-        return state
-    return jax.lax.with_sharding_constraint(state, tree_shardings(state, mesh))
-
-
 def train_step(
-    state: TrainState, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig
+    state: TrainState, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig,
+    mesh: Mesh | None = None,
 ) -> tuple[TrainState, Metrics]:
-    """One update on ``batch`` (pure; jit it with ``donate_argnums=0``)."""
+    """One update on ``batch`` (pure; jit it with ``donate_argnums=0``). With ``mesh`` the
+    new state is pinned to the parameters' logical shardings and the model's MoE dispatch
+    runs over it (call inside ``sharding.activate(mesh, rules)`` for the rules)."""
     optimizer = make_optimizer(config.optimizer)
     batch_m = _split_microbatches(batch, config.microbatches)
     scored_mr = _scored_rows_per_role(batch_m)
@@ -466,7 +377,7 @@ def train_step(
     def accumulate(grads_acc, inputs):
         microbatch, share_r, loss_share_r = inputs
         (loss, metrics), grads = grad_fn(state.params, graphdef, microbatch, share_r, config,
-                                         loss_share_r)
+                                         loss_share_r, mesh)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
         return grads_acc, (loss, metrics)
 
@@ -481,7 +392,7 @@ def train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if config.skip_nonfinite:
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-    new_state = _constrain_state(new_state)
+    new_state = sharding.constrain_tree(new_state, mesh)
 
     metrics: Metrics = {key: jnp.sum(value) for key, value in weighted_m.items()}
     metrics.update(_reduce_token_stats(stats_m))
@@ -500,20 +411,6 @@ def train_step(
 
 
 # ---- set-up: state, sharding, the jitted callable ----------------------------------------
-
-
-def tree_shardings(tree: Any, mesh: Mesh, rules: sharding.Rules | None = None) -> Any:
-    """NamedSharding per leaf: from ``axes`` metadata for nnx Variables (params and the Adam
-    moments that mirror them), replicated for everything else (step, counts, rng).
-    ``rules=None`` uses the rules made active by ``sharding.activate`` (else the defaults)."""
-
-    def one(leaf):
-        if isinstance(leaf, nnx.Variable):
-            spec = sharding.logical_to_spec(sharding.param_axes(leaf), rules, mesh)
-            return NamedSharding(mesh, spec)
-        return NamedSharding(mesh, PartitionSpec())
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def init_train_state(
@@ -549,26 +446,9 @@ def init_train_state(
     if mesh is None:
         return graphdef, jax.jit(fresh)(params)
     abstract = jax.eval_shape(fresh, params)
-    shardings = tree_shardings(abstract, mesh, rules)
-    params = jax.device_put(params, tree_shardings(params, mesh, rules))
+    shardings = sharding.tree_shardings(abstract, mesh, rules)
+    params = jax.device_put(params, sharding.tree_shardings(params, mesh, rules))
     return graphdef, jax.jit(fresh, out_shardings=shardings)(params)
-
-
-def shard_batch(
-    batch: TrainBatch, mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES
-) -> TrainBatch:
-    """Places the batch on ``mesh`` with rows split over the data-parallel ("batch") axes."""
-    spec = sharding.logical_to_spec(("batch",), rules, mesh)
-    ways = 1
-    for axis in jax.tree.leaves(tuple(spec)):
-        ways *= mesh.shape[axis]
-    if batch.shape[0] % ways:
-        raise ValueError(f"batch of {batch.shape[0]} rows does not split over {ways} devices")
-
-    def put(x):
-        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec, *(None,) * (x.ndim - 1))))
-
-    return jax.tree.map(put, batch)
 
 
 class TrainStep:
@@ -584,7 +464,8 @@ class TrainStep:
     ) -> None:
         self.config, self.mesh, self.rules = config, mesh, rules
         self.jitted = jax.jit(
-            functools.partial(train_step, graphdef=graphdef, config=config), donate_argnums=0
+            functools.partial(train_step, graphdef=graphdef, config=config, mesh=mesh),
+            donate_argnums=0,
         )
 
     def _context(self):
@@ -606,7 +487,9 @@ class TrainStep:
             return self.jitted(state, batch)
 
     def lower(self, state: TrainState, batch: TrainBatch) -> jax.stages.Lowered:
-        """The lowered step (for cost analysis / HLO inspection)."""
+        """The lowered step (for cost analysis / HLO inspection). ``state`` and ``batch`` may
+        be abstract (``jax.ShapeDtypeStruct`` leaves carrying their shardings): the AOT
+        planner compiles the step this way without allocating anything."""
         self.check(batch)
         with self._context():
             return self.jitted.lower(state, batch)
@@ -614,11 +497,12 @@ class TrainStep:
 
 def needs_reference(config: TrainConfig) -> bool:
     """Whether a role's rule has a KL term to the reference policy (``kl_coef > 0``)."""
-    return any(getattr(role.loss_config, "kl_coef", 0.0) > 0 for role in config.roles)
+    return any(getattr(role.loss, "kl_coef", 0.0) > 0 for role in config.roles)
 
 
 def reference_logprobs(
-    params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig
+    params: nnx.State, batch: TrainBatch, *, graphdef: nnx.GraphDef, config: TrainConfig,
+    mesh: Mesh | None = None,
 ) -> Array:
     """[B, T] log-probs of the batch's tokens under ``params`` (pure; no gradient), computed
     microbatch by microbatch as the step computes its own, at the rows' temperatures."""
@@ -628,7 +512,7 @@ def reference_logprobs(
     def one(microbatch: TrainBatch) -> Array:
         temperature = _row_temperatures(config, microbatch)
         logp_bt, _, _ = policy_logprobs(model, microbatch, config.router_replay,
-                                        config.logit_chunk, temperature)
+                                        config.logit_chunk, temperature, mesh)
         return logp_bt
 
     logp_mbt = jax.lax.map(one, _split_microbatches(batch, config.microbatches))
@@ -652,7 +536,7 @@ class ReferencePolicy:
         self.params = jax.tree.map(lambda p: jnp.array(p, dtype=compute, copy=True), params)
         self.mesh, self.rules = mesh, rules
         self.jitted = jax.jit(
-            functools.partial(reference_logprobs, graphdef=graphdef, config=config))
+            functools.partial(reference_logprobs, graphdef=graphdef, config=config, mesh=mesh))
 
     def annotate(self, batch: TrainBatch) -> TrainBatch:
         context = (sharding.activate(self.mesh, self.rules) if self.mesh

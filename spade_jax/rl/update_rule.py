@@ -1,151 +1,235 @@
-"""The update rule an experiment picks: one registry name (plus overrides) per stage.
+"""A role's update rule, in one place: :class:`RoleConfig` names every part, and
+:func:`apply_rule` runs the host-side parts on sampled episodes.
 
-An experiment file states the rule by name only; a variant changes names, not code::
+    RoleConfig(advantage_estimator="rloo", group_filter="dapo_dynamic_sampling",
+               step_credit="crr", credit={"forks": 2}, token_weighting="eapo",
+               importance_correction="tis", importance={"clamp": 2.0},
+               policy_loss="gspo", loss={"clip_eps_high": 4e-4})
 
-    UpdateRuleConfig(policy_loss="gspo", policy_loss_overrides={"clip_eps_high": 5e-4})
+or from the command line, one part at a time with plain values::
 
-Construction checks every name against its registry and builds every stage's own config,
-so a typo or an unknown field fails when the experiment is loaded, not mid-run. The pure
-functions below chain the stages on arrays; the jitted train step calls them with the
-model's log-probabilities and entropies.
+    --set train.agent.policy_loss=gspo --set train.agent.loss.clip_eps_high=4e-4
+
+The parts, in the order they act (each a name in its registry, :mod:`spade_jax.rl.registry`,
+plus that rule's own small config):
+
+  on the host, per update, over groups of episodes (:func:`apply_rule`)
+    group_filter / filter            which groups train (DAPO dynamic sampling)
+    advantage_estimator / advantage  outcome rewards of a group -> A_i (GRPO, RLOO, ...)
+    step_credit / credit             episodes' steps + A_i -> per-token advantages
+                                     (first mistake, Cliff, FAULT, CRR)
+  in the jitted train step (:mod:`spade_jax.rl.train_step`)
+    token_weighting / weighting      A_it reweighted by token entropy (EAPO)
+    importance_correction / importance  the ratio's reference and token weights (TIS, GMC)
+    policy_loss / loss               the surrogate (GRPO, GSPO, DAPO, Dr.GRPO, CISPO)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
-import jax
+import numpy as np
 
+from spade_jax.rl import registry
 from spade_jax.rl import rules as _rules  # noqa: F401  (import registers the built-ins)
-from spade_jax.rl.registry import (
-    Metrics,
-    advantage_estimators,
-    group_filters,
-    load_rule_modules,
-    policy_losses,
-    step_advantage_estimators,
-    token_weightings,
+from spade_jax.rl.batch import TrainSequence
+from spade_jax.rl.episodes import EpisodeBatch, StepContext, episode_batch
+
+# (name field, config field, registry) of every part, in the order the parts act.
+PARTS: tuple[tuple[str, str, registry.Registry], ...] = (
+    ("group_filter", "filter", registry.group_filters),
+    ("advantage_estimator", "advantage", registry.advantage_estimators),
+    ("step_credit", "credit", registry.step_credits),
+    ("token_weighting", "weighting", registry.token_weightings),
+    ("importance_correction", "importance", registry.importance_corrections),
+    ("policy_loss", "loss", registry.policy_losses),
 )
 
-Array = jax.Array
+
+def resolve_config(rule: registry.RegisteredRule, given: Any, field: str) -> Any:
+    """None -> the rule's defaults; a dict -> defaults plus overrides; the rule's own config
+    dataclass as is. Anything else is a TypeError naming ``field``."""
+    if given is None:
+        return rule.make_config()
+    if isinstance(given, dict):
+        return rule.make_config(**given)
+    if isinstance(given, rule.config_cls):
+        return given
+    raise TypeError(
+        f"{field} must be None, a dict of overrides or a {rule.config_cls.__name__} (the "
+        f"config of rule {rule.name!r}), got {type(given).__name__}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
-class UpdateRuleConfig:
-    """Which registered rule runs at each stage, and overrides of its config defaults.
+class RoleConfig:
+    """How one role's samples are trained: its whole update rule (both roles update the
+    same weights). Each part is a registered rule's name plus that rule's config (None =
+    its defaults, a dict of overrides, or the config dataclass itself).
 
     Attributes:
-      advantage_estimator: name in ``advantage_estimators`` (outcome rewards -> A_i).
-      token_weighting: name in ``token_weightings`` (A_i, entropy -> A_it).
-      group_filter: name in ``group_filters`` (which prompt groups to train on).
-      policy_loss: name in ``policy_losses``.
-      step_advantage_estimator: optional name in ``step_advantage_estimators``; its
-        per-token advantages are added to the outcome advantage (:func:`add_step_advantages`).
-      *_overrides: fields of that rule's config dataclass to change from its defaults.
-      rule_modules: extra modules to import first, for rules defined outside the package.
+      group_filter, filter: which groups of samples train ("keep_all",
+        "dapo_dynamic_sampling": drop groups whose rewards all agree).
+      advantage_estimator, advantage: a group's outcome rewards -> advantages ("grpo",
+        "dr_grpo": mean-centred, the recipe's per-skill centring with skill groups, "rloo").
+      step_credit, credit: per-token advantages from the episodes' steps ("none": the
+        outcome advantage on every token; "first_mistake", "cliff", "fault", "crr").
+      token_weighting, weighting: "none" or "eapo".
+      importance_correction, importance: "none" (the ratio against the sampler's
+        log-probs), "tis" (truncated importance sampling, the recipe with clamp 2.0),
+        "gmc" (GMC-GRPO group-wise shrinkage of the ratios).
+      policy_loss, loss: "grpo", "dr_grpo", "dapo", "gspo", "cispo", ...
+      weight: w_r, this role's weight in the summed loss (0 trains the role not at all).
+      temperature: this role's sampling temperature when it differs from
+        ``TrainConfig.temperature`` (None): log-probs are of softmax(logits / T_role).
+
+    Changing a part's name with ``--set`` resets that part's config to the new rule's
+    defaults (``OVERRIDE_RESETS``: one rule's settings mean nothing to another); set
+    ``train.<role>.<config>.<field>`` after it to change them.
     """
 
-    advantage_estimator: str = "grpo"
-    token_weighting: str = "none"
+    OVERRIDE_RESETS: ClassVar[dict[str, tuple[str, ...]]] = {
+        name: (config,) for name, config, _ in PARTS
+    }
+
     group_filter: str = "keep_all"
+    filter: Any = None
+    advantage_estimator: str = "grpo"
+    advantage: Any = None
+    step_credit: str = "none"
+    credit: Any = None
+    token_weighting: str = "none"
+    weighting: Any = None
+    importance_correction: str = "none"
+    importance: Any = None
     policy_loss: str = "grpo"
-    step_advantage_estimator: str | None = None
-    advantage_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    token_weighting_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    group_filter_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    policy_loss_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    step_advantage_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    rule_modules: tuple[str, ...] = ()
+    loss: Any = None
+    weight: float = 1.0
+    temperature: float | None = None
 
     def __post_init__(self) -> None:
-        load_rule_modules(self.rule_modules)
-        self.configs()  # unknown names / fields / invalid values fail here
+        for name_field, config_field, reg in PARTS:
+            rule = reg.get(getattr(self, name_field))
+            config = resolve_config(rule, getattr(self, config_field), config_field)
+            object.__setattr__(self, config_field, config)
+        if not self.weight >= 0:
+            raise ValueError(f"role weight must be >= 0, got {self.weight}")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ValueError(f"role temperature must be > 0 or None, got {self.temperature}")
 
-    def configs(self) -> dict[str, Any]:
-        """Each stage's validated config dataclass, keyed by stage."""
-        step_config = None
-        if self.step_advantage_estimator is not None:
-            step_config = step_advantage_estimators.get(self.step_advantage_estimator).make_config(
-                **self.step_advantage_overrides
-            )
-        elif self.step_advantage_overrides:
-            raise ValueError("step_advantage_overrides given without a step_advantage_estimator")
-        return {
-            "step_advantage": step_config,
-            "advantage": advantage_estimators.get(self.advantage_estimator).make_config(
-                **self.advantage_overrides
-            ),
-            "token_weighting": token_weightings.get(self.token_weighting).make_config(
-                **self.token_weighting_overrides
-            ),
-            "group_filter": group_filters.get(self.group_filter).make_config(
-                **self.group_filter_overrides
-            ),
-            "policy_loss": policy_losses.get(self.policy_loss).make_config(
-                **self.policy_loss_overrides
-            ),
-        }
+    def part(self, name_field: str) -> tuple[Any, Any]:
+        """(the registered function, its resolved config) of one part, by its name field."""
+        for part_name, config_field, reg in PARTS:
+            if part_name == name_field:
+                return reg.get(getattr(self, part_name)).fn, getattr(self, config_field)
+        raise KeyError(f"no rule part {name_field!r}; parts: {[p for p, _, _ in PARTS]}")
 
 
-def _prefixed(prefix: str, metrics: Metrics) -> Metrics:
-    return {f"{prefix}/{name}": value for name, value in metrics.items()}
+# The designer's default rule: mean-centred advantages (with the loop's skill groups and
+# reward scale, the recipe's per-skill centring).
+DEFAULT_DESIGNER_RULE = RoleConfig(advantage_estimator="dr_grpo")
 
 
-def advantages_and_keep(
-    rule: UpdateRuleConfig, rewards: Array, group_size: int
-) -> tuple[Array, Array, Metrics]:
-    """Outcome advantages ``[B]`` and the group keep-mask expanded to sequences ``[B]``
-    (the caller zeroes ``loss_mask`` rows where it is False, or refills the batch)."""
-    configs = rule.configs()
-    estimator = advantage_estimators.get(rule.advantage_estimator)
-    advantages, adv_metrics = estimator.fn(rewards, group_size, configs["advantage"])
-    group_filter = group_filters.get(rule.group_filter)
-    keep_g, filter_metrics = group_filter.fn(
-        rewards.reshape(-1, group_size), configs["group_filter"]
-    )
-    keep_b = jax.numpy.repeat(keep_g, group_size)
-    metrics = {**_prefixed("advantage", adv_metrics), **_prefixed("group_filter", filter_metrics)}
-    return advantages, keep_b, metrics
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Samples of one prompt / one game that share an advantage baseline.
+
+    episodes: :class:`spade_jax.rl.episodes.Episode`-like records (``EpisodeRecord``; a
+      designer sample is a one-turn episode).
+    rewards: each sample's outcome reward; None = each episode's ``return_``.
+    """
+
+    episodes: Sequence[Any]
+    rewards: Sequence[float] | None = None
+
+    def reward_values(self) -> np.ndarray:
+        values = [ep.return_ for ep in self.episodes] if self.rewards is None else self.rewards
+        if len(values) != len(self.episodes):
+            raise ValueError(f"group has {len(self.episodes)} episodes but {len(values)} rewards")
+        return np.asarray(values, np.float64)
 
 
-def add_step_advantages(
-    rule: UpdateRuleConfig,
-    advantages: Array,
-    step_rewards: Array,
-    step_mask: Array,
-    token_step: Array,
-) -> tuple[Array, Metrics]:
-    """``A_it = A_i + A^step_it`` (``[B, T]``) with the chosen step-level estimator; the
-    outcome advantages broadcast unchanged when the rule has none."""
-    if rule.step_advantage_estimator is None:
-        return jax.numpy.broadcast_to(advantages[:, None], token_step.shape), {}
-    estimator = step_advantage_estimators.get(rule.step_advantage_estimator)
-    step_adv_bt, metrics = estimator.fn(
-        step_rewards, step_mask, token_step, rule.configs()["step_advantage"]
-    )
-    return advantages[:, None] + step_adv_bt, _prefixed("step_advantage", metrics)
+@dataclasses.dataclass
+class RuleOutput:
+    """Training sequences of one role, the host-side parts' metrics (prefixed by part), and
+    the indices of the groups the filter dropped (the caller may refill them)."""
+
+    sequences: list[TrainSequence]
+    metrics: dict[str, float]
+    dropped_groups: list[int]
 
 
-def policy_loss(
-    rule: UpdateRuleConfig,
-    logp: Array,
-    old_logp: Array,
-    ref_logp: Array | None,
-    advantages: Array,
-    entropy: Array,
-    loss_mask: Array,
-) -> tuple[Array, Metrics]:
-    """Token weighting, then the policy loss. ``advantages`` ``[B]`` or ``[B, T]``."""
-    configs = rule.configs()
-    weighting = token_weightings.get(rule.token_weighting)
-    token_adv, weight_metrics = weighting.fn(
-        advantages, entropy, loss_mask, configs["token_weighting"]
-    )
-    loss_fn = policy_losses.get(rule.policy_loss)
-    loss, loss_metrics = loss_fn.fn(
-        logp, old_logp, ref_logp, token_adv, loss_mask, configs["policy_loss"]
-    )
-    metrics = {**_prefixed("token_weighting", weight_metrics), **_prefixed("policy_loss", loss_metrics)}
-    return loss, metrics
+def _prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
+    return {f"{prefix}/{k}": float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def _policy_tokens(episodes: Sequence[Any], length: int) -> np.ndarray:
+    mask = np.zeros((len(episodes), length), bool)
+    for i, ep in enumerate(episodes):
+        mask[i, : len(ep.loss_mask)] = np.asarray(ep.loss_mask, bool)
+    return mask
+
+
+def _group_advantages(role: RoleConfig, groups: Sequence[Group]):
+    """Filter then estimate per group: (kept group indices, advantages per kept group,
+    metrics averaged over groups)."""
+    keep_fn, keep_cfg = role.part("group_filter")
+    estimate_fn, estimate_cfg = role.part("advantage_estimator")
+    kept, advantages, metric_sums = [], [], {}
+    for g, group in enumerate(groups):
+        rewards_n = group.reward_values()
+        keep_1, filter_metrics = keep_fn(rewards_n[None, :].astype(np.float32), keep_cfg)
+        for key, value in _prefixed("group_filter", filter_metrics).items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value
+        if not bool(np.asarray(keep_1)[0]):
+            continue
+        adv_n, adv_metrics = estimate_fn(rewards_n.astype(np.float32), len(rewards_n),
+                                         estimate_cfg)
+        for key, value in _prefixed("advantage", adv_metrics).items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value
+        kept.append(g)
+        advantages.append(np.asarray(adv_n, np.float64))
+    metrics = {k: v / max(len(groups), 1) for k, v in metric_sums.items()}
+    metrics["group_filter/kept_groups"] = float(len(kept))
+    metrics["group_filter/dropped_groups"] = float(len(groups) - len(kept))
+    return kept, advantages, metrics
+
+
+def apply_rule(
+    role: RoleConfig,
+    groups: Sequence[Group],
+    *,
+    role_name: str = "agent",
+    context: StepContext | None = None,
+    advantage_scale: float = 1.0,
+) -> RuleOutput:
+    """The host-side parts of ``role``'s rule on ``groups``: filter, advantages (times
+    ``advantage_scale``, e.g. the recipe's designer reward scale), step credit. Each kept
+    sample becomes a :class:`TrainSequence` with its advantage ([T] when the step credit
+    gives per-token ones) and its group index (for group-wise importance corrections)."""
+    context = context or StepContext(role=role_name)
+    kept, advantages, metrics = _group_advantages(role, groups)
+    dropped = sorted(set(range(len(groups))) - set(kept))
+    episodes = [ep for g in kept for ep in groups[g].episodes]
+    if not episodes:
+        return RuleOutput([], metrics, dropped)
+    group_b = [g for g in kept for _ in groups[g].episodes]
+    rewards_b = np.concatenate([groups[g].reward_values() for g in kept])
+    outcome_b = np.concatenate(advantages) * advantage_scale
+    batch: EpisodeBatch = episode_batch(episodes, rewards_b, group_b)
+    credit_fn, credit_cfg = role.part("step_credit")
+    adv, credit_metrics = credit_fn(batch, outcome_b, credit_cfg, context)
+    adv = np.asarray(adv, np.float64)
+    if adv.ndim == 2:  # policy tokens outside every turn span keep the outcome advantage
+        unspanned = (batch.token_step_bt < 0) & _policy_tokens(episodes, adv.shape[1])
+        adv = np.where(unspanned, outcome_b[:, None], adv)
+    metrics.update(_prefixed("step_credit", credit_metrics))
+    sequences = []
+    for i, (ep, g) in enumerate(zip(episodes, group_b, strict=True)):
+        n = len(ep.token_ids)
+        advantage = float(adv[i]) if adv.ndim == 1 else adv[i, :n].astype(np.float32)
+        sequences.append(TrainSequence(ep.token_ids, ep.loss_mask, ep.logprobs, advantage,
+                                       role_name, group=g))
+    return RuleOutput(sequences, metrics, dropped)

@@ -141,6 +141,22 @@ class _Static:
     router_hook: Callable | None
     answer_detector: Any = None
     batch_invariant: bool = False  # the model's: log-probs summed in the trainer's order
+    mesh: Any = None  # handed to the model (its expert-parallel MoE dispatch)
+
+
+def _static_for(config: SamplerConfig, model_options, cache_len: int, *,
+                router_hook: Callable | None = None, answer_detector: Any = None,
+                mesh: jax.sharding.Mesh | None = None) -> _Static:
+    """The compiled shape's static settings for ``config`` and the model's options."""
+    cache_dtype = (_CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
+                   else model_options.compute_dtype)
+    return _Static(
+        greedy=config.greedy, top_k=config.top_k,
+        use_top_p=config.top_p < 1 and not config.greedy, return_router=config.return_router,
+        cache_dtype=cache_dtype, cache_len=cache_len, router_hook=router_hook,
+        answer_detector=answer_detector,
+        batch_invariant=getattr(model_options, "batch_invariant", False), mesh=mesh,
+    )
 
 
 class _Scalars(struct.PyTreeNode):
@@ -233,7 +249,8 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
     # position would be a [B, P, V] fp32 array (119 GiB per chip for 24 rows of 8k tokens
     # with Qwen3's 152k vocabulary).
     out = model(ids_bp, positions_bp, mask_bp, cache=cache,
-                router_hook=_hook_for(static, answer_state), return_logits=False)
+                router_hook=_hook_for(static, answer_state), return_logits=False,
+                mesh=static.mesh)
     last_logits_bv = model.lm_head(out.hidden[:, -1:])[:, -1]
     moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
     prompt_router = None
@@ -265,7 +282,7 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
 def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) -> DecodeState:
     cfg = model.config
     out = model(state.last_token_b[:, None], state.position_b[:, None], cache=state.cache,
-                router_hook=_hook_for(static, state.answer_state))
+                router_hook=_hook_for(static, state.answer_state), mesh=static.mesh)
     if state.router_bnle is not None:  # routing of the token just fed, column step - 1
         moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
         col = state.step - 1
@@ -290,6 +307,59 @@ def _decode(graphdef, params, state: DecodeState, until, scalars: _Scalars, *, s
 
     return jax.lax.while_loop(keep_going, lambda s: _decode_step(model, s, scalars, static),
                               state)
+
+
+# ---- public lowering (ahead-of-time compilation, e.g. ``spade_jax.aot``) ----------------
+
+
+def _abstract_scalars() -> _Scalars:
+    f32, i32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+    return _Scalars(temperature=f32, top_p=f32, seed=i32, row_offset=i32)
+
+
+def lower_prefill(
+    graphdef: nnx.GraphDef, params: Any, model_options: Any, config: SamplerConfig, *,
+    rows: int, prompt_len: int, mesh: jax.sharding.Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> jax.stages.Lowered:
+    """The sampler's jitted prefill, lowered for ``rows`` prompts of ``prompt_len`` tokens
+    and a decode buffer of ``config.max_new_tokens`` (rounded up to ``new_tokens_bucket``),
+    as :func:`sample` runs it. ``params`` may be abstract (``jax.ShapeDtypeStruct`` leaves
+    carrying their shardings); the prompt arrays are abstract, rows split over ``mesh``'s
+    batch axes. ``lowered.out_info[0]`` is the :class:`DecodeState` that
+    :func:`lower_decode_step` takes. Nothing is allocated."""
+    new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
+    static = _static_for(config, model_options, prompt_len + new_buffer, mesh=mesh)
+
+    def rows_of(*shape: int) -> jax.ShapeDtypeStruct:
+        axes = ("batch",) + (None,) * (len(shape) - 1)
+        placed = None if mesh is None else sharding.named_sharding(axes, mesh, rules)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=placed)
+
+    ids_bp, mask_bp = rows_of(rows, prompt_len), rows_of(rows, prompt_len)
+    limit_b, row_id_b, stop_bm = rows_of(rows), rows_of(rows), rows_of(rows, 1)
+    with sharding.activate(mesh, rules):
+        return _prefill.lower(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm,
+                              _abstract_scalars(), static=static, new_buffer=new_buffer)
+
+
+def lower_decode_step(
+    graphdef: nnx.GraphDef, params: Any, model_options: Any, config: SamplerConfig,
+    state: DecodeState, *, mesh: jax.sharding.Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> jax.stages.Lowered:
+    """One step of the decode loop (one token per row), jitted with the state donated and
+    lowered for ``state`` (abstract, e.g. from :func:`lower_prefill`'s output with the
+    compiled prefill's output shardings). The decode loop runs this body once per token."""
+    cache_len = jax.tree.leaves(state.cache.valid_bs)[0].shape[1]
+    static = _static_for(config, model_options, cache_len, mesh=mesh)
+
+    def one_step(params, state, scalars):
+        return _decode_step(nnx.merge(graphdef, params), state, scalars, static)
+
+    step = jax.jit(one_step, donate_argnums=1)
+    with sharding.activate(mesh, rules):
+        return step.lower(params, state, _abstract_scalars())
 
 
 @jax.jit  # no donation: the output rows are fewer, so the input buffers cannot be reused
@@ -339,11 +409,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _batch_shards(mesh) -> int:
-    if mesh is None:
-        return 1
-    spec = sharding.logical_to_spec(("batch",), mesh=mesh)[0]
-    axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
-    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    return 1 if mesh is None else sharding.data_ways(mesh)
 
 
 def _batch_bucket(n: int, shards: int) -> int:
@@ -447,15 +513,9 @@ def sample(
     batch = _batch_bucket(n, shards)
     prompt_len = max(config.prompt_bucket_min, _next_pow2(max(len(x) for x in prompts)))
     new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
-    cache_dtype = (_CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
-                   else model.options.compute_dtype)
-    static = _Static(
-        greedy=config.greedy, top_k=config.top_k,
-        use_top_p=config.top_p < 1 and not config.greedy, return_router=config.return_router,
-        cache_dtype=cache_dtype, cache_len=prompt_len + new_buffer, router_hook=router_hook,
-        answer_detector=answer_detector,
-        batch_invariant=getattr(getattr(model, "options", None), "batch_invariant", False),
-    )
+    static = _static_for(config, model.options, prompt_len + new_buffer,
+                         router_hook=router_hook, answer_detector=answer_detector, mesh=mesh)
+    cache_dtype = static.cache_dtype
     ids_bp = np.zeros((batch, prompt_len), np.int32)
     mask_bp = np.zeros((batch, prompt_len), np.int32)
     for i, p in enumerate(prompts):  # left padding: the last column is every row's last token

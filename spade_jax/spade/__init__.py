@@ -3,7 +3,7 @@
 Kept import-light (numpy and etils only, no jax): the round loop built on these pieces lives
 next to them and imports the model itself.
 
-- where the regret is computed: `reward.py` (`designer_reward`)
+- where the regret is computed: `reward.py` (`blend_reward`; paper text: `designer_reward`)
 - corpus grounding: `corpus.py` (readers, mixture, resumable sampler), `default_corpus.py`
 - environment memory: `memory.py`
 - diversity (Vendi) and the offline program featuriser: `diversity.py`
@@ -34,14 +34,24 @@ from spade_jax.spade.diversity import (
 from spade_jax.spade.env_stats import (
     LearnableShareConfig,
     LearnableShareTracker,
+    ProbeConfig,
+    ProgramLevels,
+    agent_return_levels,
+    agent_return_strict_partial_levels,
     formula_reveal,
+    formula_reveal_rate,
     formula_reveal_reason,
+    is_physics_environment,
+    physics_formula_reveal,
+    probe_program_levels,
     reward_levels,
     strict_partial_levels,
 )
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord, MemoryConfig
 from spade_jax.spade.reward import (
     DESIGNER_REWARDS,
+    BlendConfig,
+    BlendReward,
     DesignerReward,
     DesignerRewardConfig,
     DesignerRewardRule,
@@ -50,7 +60,10 @@ from spade_jax.spade.reward import (
     HintRegretReward,
     LearningPotential,
     Regime,
+    blend_reward,
+    center_per_skill,
     designer_reward,
+    env_reward_scale,
     make_designer_reward,
     register_designer_reward,
 )
@@ -67,6 +80,8 @@ __all__ = [
     "MAIN_SKILLS",
     "SKILL_SETS",
     "TWO_SKILL_CURRICULUM",
+    "BlendConfig",
+    "BlendReward",
     "Corpus",
     "CorpusExhaustedError",
     "CorpusSampler",
@@ -89,18 +104,29 @@ __all__ = [
     "LearningPotential",
     "MemoryConfig",
     "MixtureCorpus",
+    "ProbeConfig",
     "ParquetCorpus",
     "ProgramFeaturiser",
+    "ProgramLevels",
     "Regime",
     "Skill",
     "TextShardConfig",
+    "agent_return_levels",
+    "agent_return_strict_partial_levels",
+    "blend_reward",
+    "center_per_skill",
     "default_corpus",
     "designer_reward",
+    "env_reward_scale",
     "formula_reveal",
+    "formula_reveal_rate",
     "formula_reveal_reason",
     "get_skill_set",
+    "is_physics_environment",
     "make_designer_reward",
     "normalized_vendi_score",
+    "physics_formula_reveal",
+    "probe_program_levels",
     "register_designer_reward",
     "reward_levels",
     "strict_partial_levels",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -135,6 +136,16 @@ class ReasoningGymBaseline:
         for task, returns in returns_by_env.items():
             won = float(np.mean(np.asarray(returns) >= 1.0))
             self.win_rate[task] = self.decay * self.win_rate[task] + (1 - self.decay) * won
+
+    def state_dict(self) -> dict[str, Any]:
+        """The adaptive win rates (checkpointed with the loop, so a resume draws alike)."""
+        return {"win_rate": dict(self.win_rate)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = sorted(set(state["win_rate"]) - set(self.tasks))
+        if unknown:
+            raise ValueError(f"baseline state names tasks this baseline does not have: {unknown}")
+        self.win_rate.update({k: float(v) for k, v in state["win_rate"].items()})
 
 
 def make_baseline(config) -> ReasoningGymBaseline:

@@ -1,13 +1,28 @@
-"""Settings of the SPADE self-play loop; each paper ablation is one field here."""
+"""Settings of the SPADE self-play loop; each paper / recipe ablation is one field here.
+
+One round is one optimizer step (the recipe's "rollout"). Games live in regeneration
+windows: every ``regeneration_interval`` rounds the designer writes ``envs_per_round`` new
+games, and the agent trains on all of them in every round of the window. The recipe's
+numbers are the 30B games run of the authors' published code (docs/spade.md); the paper's
+text variant (design, hint arms, reward and update every round) is the configuration
+``regeneration_interval=1, designer_delay=0, hint_mode="designer",
+designer_reward="hint_regret", invalid_penalty=-1.0, designer_groups="prompt"`` with the
+designer's rule ``train.designer.advantage_estimator="grpo"`` (experiments/spade_paper_text.py).
+Each role's update rule (advantage estimator, step credit, loss, ...) is its
+``TrainConfig`` role (``spade_jax.rl.update_rule.RoleConfig``), not part of this config.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-
-from spade_jax.spade.reward import DesignerRewardConfig
+from typing import Any
 
 DESIGNER_MODES = ("self", "fixed_pool")
 BASELINES = ("none", "fixed_env_grpo", "fixed_env_rlve")
+HINT_MODES = ("self", "designer", "none")
+# How the designer's samples are grouped for its update rule: by skill (the recipe's
+# per-skill centring, scaled) or by designer prompt (the paper text's GRPO groups).
+DESIGNER_GROUPS = ("skill", "prompt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,93 +30,156 @@ class SpadeConfig:
     """One SPADE run.
 
     Attributes:
-      rounds: self-play rounds (the paper: 400 rollout steps).
-      envs_per_round: environment slots per round (the paper: 24).
-      designer_group_size: designer samples per slot prompt: the designer's GRPO group.
-      n_hint: agent episodes per environment with the hint (the paper: 16).
-      designer_delay: k, rounds by which designer updates trail the agent's; the no-hint
-        arm runs ``16 * k`` episodes (``n_no_hint`` overrides that).
-      n_no_hint: agent episodes per environment without the hint (None = 16 * k scaled
-        like n_hint: ``n_hint * designer_delay``).
-      skills: "main" (six skills) or "two_skill" (curriculum ablation).
+      rounds: optimizer steps (recipe: 400 rollouts); the last one flushes every designer
+        sample still waiting for its delayed update.
+      envs_per_round: games written per regeneration and played in every round of the
+        window (recipe: 24). Must be a multiple of designer_group_size.
+      regeneration_interval: rounds per window; new games at rounds 0, I, 2I... (recipe 4).
+      plays_per_game: no-hint agent episodes per game per round = the agent's GRPO group
+        (recipe: ceil(192 / 24) = 8).
+      hint_plays: hint-arm episodes per game, played once at the regeneration round, never
+        trained; their mean is cached for the window (recipe 16).
+      designer_delay: rounds between writing a designer sample (round K) and training it
+        (round K + delay) on the window's statistics; 0 = the same round (recipe 4).
+      designer_group_size: designer samples per prompt (recipe 1; the paper text's GRPO
+        group, e.g. 4).
+      max_design_attempts: rejection sampling: attempts per designer sample until its
+        program validates (recipe 5). Only valid attempts become games.
+      invalid_penalty: None (recipe): invalid attempts are never trained. A float: every
+        invalid attempt is trained with this designer reward (the paper text's -1).
+      hint_mode: "self" (recipe): after a game validates, the policy writes a short
+        strategy hint from its source in a separate untrained call; "designer": the hint
+        the designer wrote next to the program; "none": no hint arm.
+      hint_temperature / hint_max_tokens / hint_attempts: the hint writer's sampling
+        (recipe 0.3, 4096, 3 tries for a non-empty hint).
+      skills: a set of ``spade.skills.SKILL_SETS``: "main" (the recipe's six), "two_skill"
+        (the recipe's curriculum ablation), "project" (the seed library's six).
+      skills_per_window: skills active per regeneration, consecutive disjoint blocks of the
+        skill list (recipe 3); 0 = every skill every window. Games are split evenly over
+        the active skills.
       use_memory: keep and feed back the environment memory (ablation: False).
       use_corpus: condition the designer on freshly sampled corpus documents (ablation: False).
-      train_designer: GRPO-update the designer role (self-generation ablation: False).
-      designer_mode: "self" (the policy designs) or "fixed_pool" (programs from pool_dir).
-      pool_dir: directory of ``*.py`` programs (+ ``*.hint.txt``) for designer_mode fixed_pool;
-        empty = the project's seed programs.
-      designer_reward: registered designer reward name: "hint_regret" or
-        "ema_learning_potential".
-      reward: the hint-regret reward's weights, band, thresholds and invalid penalty.
-      success_threshold: an episode return at or above this counts as solved (win rate).
-      baseline: "none" (SPADE) or a fixed-environment baseline on the reasoning-gym pool:
-        "fixed_env_grpo" (uniform tasks) or "fixed_env_rlve" (adaptive difficulty).
-      docs_per_prompt: corpus documents per designer prompt.
-      max_doc_chars: characters kept of each document in the prompt.
+      train_designer: train the designer role (self-generation ablation: False).
+      designer_mode: "self" (the policy designs) or "fixed_pool" (programs from pool_dir,
+        drawn without replacement across the run).
+      pool_dir: directory of programs for designer_mode fixed_pool (``*.py`` + hints or the
+        recipe's ``games/game_*.py``); empty = the project's seed programs.
+      designer_reward: registered designer reward rule ("blend", "solve_rate", "regret",
+        "learning_potential", "micro_lp", "hint_regret", ...); designer_reward_config: its
+        settings (None = the rule's defaults, or a dict of overrides).
+      designer_groups: the designer's advantage groups: "skill" (recipe: the samples of one
+        skill, totals < 0 dropped, the rule's advantages times the env reward scale; with
+        the rule's mean-centring estimator "dr_grpo" this is the recipe's per-skill
+        centring) or "prompt" (the samples of one designer prompt, unscaled: paper text).
+        The estimator itself is ``train.designer.advantage_estimator``.
+      max_env_reward_scale: cap of the designer advantage scale actor / designer samples x
+        interval (recipe 50).
+      contract: the game-program contract, "reference" (the recipe's ``*Env`` classes,
+        boxed actions) or "paper" (``class Environment``).
+      baseline: "none" (SPADE) or a fixed-environment baseline on the reasoning-gym pool.
+      docs_per_prompt / max_doc_chars: corpus documents per designer prompt, characters kept.
+      memory_capacity: environments the memory keeps (recipe: 200).
       memory_examples: memory records shown per designer prompt.
-      memory_train_envs: environments per round replayed from memory for agent training.
+      memory_train_envs: memory games replayed for agent training every round.
       learnable_window: rounds in the learnable-share window (the paper: 16).
       eval_every: run the held-out suites every N rounds (0 = never).
-      agent_advantage / designer_advantage: advantage estimator of each role (a name in
-        ``spade_jax.rl.advantage_estimators``: "grpo", "dr_grpo", "rloo"); the loss per
-        role is ``train.agent`` / ``train.designer``.
-      prompt_style: designer system prompt, "full" (contract, quality criteria, format) or
-        "compact" (a few lines, for CPU-sized policies).
+      prompt_style: designer system prompt of the paper contract, "full" or "compact"
+        (CPU-sized policies); the reference contract has one prompt family (no hint asked).
+      designer_thinking: the chat template's thinking switch for designer prompts (the
+        recipe: on for Qwen3-8B's designer only; the agent's is ``agent.enable_thinking``).
+      probe_episodes / probe_time_budget_s: scripted sandbox episodes per new program (and
+        their wall-clock budget) measuring the reward levels the PROGRAM can emit (the
+        paper's reward-level metrics); 0 = not measured.
     """
 
     rounds: int = 400
     envs_per_round: int = 24
-    designer_group_size: int = 4
-    n_hint: int = 16
-    designer_delay: int = 1
-    n_no_hint: int | None = None
+    regeneration_interval: int = 4
+    plays_per_game: int = 8
+    hint_plays: int = 16
+    designer_delay: int = 4
+    designer_group_size: int = 1
+    max_design_attempts: int = 5
+    invalid_penalty: float | None = None
+    hint_mode: str = "self"
+    hint_temperature: float = 0.3
+    hint_max_tokens: int = 4096
+    hint_attempts: int = 3
     skills: str = "main"
+    skills_per_window: int = 3
     use_memory: bool = True
     use_corpus: bool = True
     train_designer: bool = True
     designer_mode: str = "self"
     pool_dir: str = ""
-    designer_reward: str = "hint_regret"
-    reward: DesignerRewardConfig = dataclasses.field(default_factory=DesignerRewardConfig)
-    success_threshold: float = 1.0
+    designer_reward: str = "blend"
+    designer_reward_config: Any = None
+    designer_groups: str = "skill"
+    max_env_reward_scale: float = 50.0
+    contract: str = "reference"
     baseline: str = "none"
-    docs_per_prompt: int = 2
+    docs_per_prompt: int = 1
     max_doc_chars: int = 1500
+    memory_capacity: int = 512
     memory_examples: int = 2
     memory_train_envs: int = 0
     learnable_window: int = 16
     eval_every: int = 20
-    agent_advantage: str = "grpo"
-    designer_advantage: str = "grpo"
     prompt_style: str = "full"
+    designer_thinking: bool = False
+    probe_episodes: int = 4
+    probe_time_budget_s: float = 10.0
 
     def __post_init__(self):
-        for name in ("rounds", "envs_per_round", "designer_group_size", "n_hint",
-                     "designer_delay", "learnable_window"):
+        for name in ("rounds", "envs_per_round", "regeneration_interval", "plays_per_game",
+                     "designer_group_size", "max_design_attempts", "hint_attempts",
+                     "hint_max_tokens", "learnable_window", "memory_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"spade.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.success_threshold <= 1.0:
-            raise ValueError(f"spade.success_threshold must be in (0, 1], got {self.success_threshold}")
-        if self.n_no_hint is not None and self.n_no_hint < 1:
-            raise ValueError(f"spade.n_no_hint must be >= 1 or None, got {self.n_no_hint}")
-        if self.skills not in ("main", "two_skill"):
-            raise ValueError(f"spade.skills must be 'main' or 'two_skill', got {self.skills!r}")
-        from spade_jax import rl
+        for name in ("hint_plays", "designer_delay", "docs_per_prompt", "memory_examples",
+                     "memory_train_envs", "eval_every", "max_doc_chars", "skills_per_window",
+                     "probe_episodes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"spade.{name} must be >= 0, got {getattr(self, name)}")
+        if self.envs_per_round % self.designer_group_size:
+            raise ValueError(f"spade.envs_per_round ({self.envs_per_round}) must be a multiple "
+                             f"of spade.designer_group_size ({self.designer_group_size})")
+        from spade_jax.spade.skills import SKILL_SETS
 
-        for name in (self.agent_advantage, self.designer_advantage):
-            rl.advantage_estimators.get(name)  # KeyError listing the known names
+        if self.skills not in SKILL_SETS:
+            raise ValueError(f"spade.skills must be one of {sorted(SKILL_SETS)}, got {self.skills!r}")
+        if self.hint_mode not in HINT_MODES:
+            raise ValueError(f"spade.hint_mode must be one of {HINT_MODES}, got {self.hint_mode!r}")
+        if not self.hint_temperature >= 0:
+            raise ValueError(f"spade.hint_temperature must be >= 0, got {self.hint_temperature}")
+        if self.hint_mode != "none" and self.hint_plays < 1:
+            raise ValueError(f"spade.hint_mode={self.hint_mode!r} needs spade.hint_plays >= 1")
+        if self.designer_groups not in DESIGNER_GROUPS:
+            raise ValueError(f"spade.designer_groups must be one of {DESIGNER_GROUPS}, got "
+                             f"{self.designer_groups!r}")
+        if not self.max_env_reward_scale > 0:
+            raise ValueError(f"spade.max_env_reward_scale must be > 0, got {self.max_env_reward_scale}")
         if self.prompt_style not in ("full", "compact"):
             raise ValueError(f"spade.prompt_style must be 'full' or 'compact', got {self.prompt_style!r}")
         if self.designer_mode not in DESIGNER_MODES:
             raise ValueError(f"spade.designer_mode must be one of {DESIGNER_MODES}")
         if self.baseline not in BASELINES:
             raise ValueError(f"spade.baseline must be one of {BASELINES}, got {self.baseline!r}")
-        for name in ("docs_per_prompt", "memory_examples", "memory_train_envs", "eval_every",
-                     "max_doc_chars"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"spade.{name} must be >= 0")
+        if self.contract not in ("reference", "paper"):
+            raise ValueError(f"spade.contract must be 'reference' or 'paper', got {self.contract!r}")
+        if self.hint_mode == "designer" and self.contract == "reference" and \
+                self.designer_mode == "self":
+            raise ValueError("spade.hint_mode='designer' needs spade.contract='paper': the "
+                             "reference contract's designer prompt asks for a game without a "
+                             "hint (use hint_mode='self')")
 
     @property
-    def no_hint_episodes(self) -> int:
-        """Episodes in the no-hint arm: 16k in the paper (n_hint * k here)."""
-        return self.n_no_hint if self.n_no_hint is not None else self.n_hint * self.designer_delay
+    def num_slots(self) -> int:
+        """Designer prompts per regeneration (one GRPO group each)."""
+        return self.envs_per_round // self.designer_group_size
+
+    def is_regeneration(self, step: int) -> bool:
+        return step % self.regeneration_interval == 0
+
+    def window_start(self, step: int) -> int:
+        return step - step % self.regeneration_interval

@@ -1,19 +1,28 @@
-"""One SPADE self-play round, as plain Python around the jitted sampler and train step.
+"""One SPADE round = one optimizer step, as plain Python around the jitted sampler and step.
 
-    design   -> the policy (designer role) writes programs + hints, grounded in freshly
-                sampled corpus documents and examples from the environment memory
-    validate -> every program goes through the sandbox's validation; invalid ones get the
-                designer a fixed penalty and never reach the agent
-    rollout  -> the policy (agent role) plays each valid program n_hint times with the hint
-                and n_no_hint times without, through the multi-turn loop
-    reward   -> designer reward from returns only (hint-based regret + difficulty anchor),
-                computed here, in the trainer process
-    update   -> one GRPO step on both roles into the same weights; designer groups join the
-                update ``designer_delay - 1`` rounds after they were produced
+Rounds are grouped in regeneration windows of ``regeneration_interval`` rounds (the
+published recipe: 4). In every round:
 
-Designer delay: the no-hint arm runs ``n_hint * k`` episodes (the paper's 16k) in the round
-the environment was written, and the designer's update for that round is applied k - 1
-rounds later (k = 1: same round).
+    design   -> (regeneration rounds only) the policy, as designer, writes
+                ``envs_per_round`` programs grounded in corpus documents and memory
+                examples, rejection-sampled until they validate (design.py)
+    validate -> every program through the sandbox's validation; hint_mode "self": the
+                policy writes each valid game's hint in an untrained call
+    play     -> the agent plays every game of the window ``plays_per_game`` times (its GRPO
+                group); at the regeneration round also ``hint_plays`` times with the hint
+                (cached for the window, never trained); plus replays from memory
+    score    -> designer samples written ``designer_delay`` rounds ago are scored by the
+                designer reward rule on their window's returns so far (the last round
+                flushes them all)
+    advantage-> each role's update rule (``TrainConfig.agent`` / ``.designer``, a
+                ``rl.update_rule.RoleConfig``) turns its groups into training sequences:
+                agent group = the plays of one game this round; designer groups = one
+                skill's samples, times the env reward scale (recipe) or one prompt's
+    update   -> one step on agent and designer samples together
+
+A checkpoint taken after any round resumes exactly: windows, cached hint returns and
+pending designer samples are in ``state_dict()``, and every draw is seeded from
+(experiment seed, round, phase, index).
 """
 
 from __future__ import annotations
@@ -21,40 +30,47 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import gymnasium
-import jax
 import numpy as np
 
-from spade_jax import distributed, rl
-from spade_jax.envs import EnvPool, make_env, validate_program
+from spade_jax import distributed
+from spade_jax.envs import EnvPool, arm_order
 from spade_jax.rl.batch import TrainSequence
+from spade_jax.rl.episodes import StepContext
+from spade_jax.rl.forks import PolicyRollouts
+from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, apply_rule
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EpisodeRecord
-from spade_jax.spade import env_stats
+from spade_jax.seeding import Phase, derive_seed
+from spade_jax.spade import agreement, env_stats, step_metrics
 from spade_jax.spade.config import SpadeConfig
-from spade_jax.spade.corpus import CorpusSampler, Document
-from spade_jax.spade.diversity import ProgramFeaturiser, normalized_vendi_score
+from spade_jax.spade.corpus import CorpusSampler
+from spade_jax.spade.design import Designer, Generate
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
-from spade_jax.spade.prompts import (
-    DESIGNER_SYSTEM_PROMPTS,
-    DesignerOutput,
-    agent_first_observation,
-    designer_user_prompt,
-    parse_designer_output,
+from spade_jax.spade.prompts import agent_first_observation
+from spade_jax.spade.reward import (
+    DesignerRewardRule,
+    ScoredEnvironment,
+    env_reward_scale,
 )
-from spade_jax.spade.reward import DesignerRewardRule
-from spade_jax.spade.skills import Skill, get_skill_set
+from spade_jax.spade.window import (
+    DesignerSample,
+    Game,
+    GameStats,
+    Pending,
+    Window,
+    game_stats,
+)
 
 log = logging.getLogger(__name__)
 
 
 class HintedEnv(gymnasium.Wrapper):
-    """Shows the designer's hint to the agent with the first observation. The program
-    never sees it: only the observation text going to the policy changes."""
+    """Shows a hint to the agent with the first observation. The program never sees it:
+    only the observation text going to the policy changes."""
 
     def __init__(self, env: gymnasium.Env, hint: str):
         super().__init__(env)
@@ -65,31 +81,12 @@ class HintedEnv(gymnasium.Wrapper):
         return agent_first_observation(observation, self.hint), info
 
 
-@dataclasses.dataclass
-class Candidate:
-    """One designer sample: where it came from, what it wrote, what became of it."""
+class RunEpisodes(Protocol):
+    """Plays the episodes (sampler call i seeded from ``derive_seed(seed, i)``)."""
 
-    slot: int
-    skill: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    doc_ids: tuple[str, ...]
-    parsed: DesignerOutput | None = None
-    reason: str = ""  # "" valid, else the parse / validation reason code
-    env_id: str = ""
-    returns_hint: list[float] = dataclasses.field(default_factory=list)
-    returns_no_hint: list[float] = dataclasses.field(default_factory=list)
-    opening_observation: str = ""
-    reward: Any = None  # DesignerReward / LearningPotential
-    designer_return: float = 0.0
+    def __call__(self, specs: list[EpisodeSpec], *, seed: int) -> list[EpisodeRecord]: ...
 
 
-# What the loop needs from the outside: sampling and training are injected, so the round
-# logic runs the same with the real policy and with a scripted stand-in in tests.
-# generate(prompts, round_index) -> (tokens, logprobs) per prompt
-Generate = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]]]]
-RunEpisodes = Callable[[list[EpisodeSpec]], list[EpisodeRecord]]
 Update = Callable[[list[TrainSequence]], dict[str, float]]
 
 
@@ -101,37 +98,39 @@ class FixedEnvBaseline(Protocol):
 
     def feedback(self, returns_by_env: dict[str, list[float]]) -> None: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 class SpadeLoop:
-    """Holds the run state of self-play (memory, corpus cursor, trackers, designer queue)
-    and runs rounds. ``state_dict()`` is everything a checkpoint needs beyond the weights."""
+    """Run state of self-play (windows, pending designer samples, memory, corpus cursor,
+    trackers) and the rounds. ``state_dict()`` is everything a checkpoint needs beyond
+    the weights. Sampling, episodes and the update are injected callables, so the same
+    logic runs with the real policy and with a scripted one in tests."""
 
-    def __init__(
-        self,
-        config: SpadeConfig,
-        *,
-        tokenizer: Any,
-        pool: EnvPool,
-        generate: Generate,
-        run_episodes: RunEpisodes,
-        update: Update,
-        corpus_sampler: CorpusSampler | None,
-        memory: EnvironmentMemory,
-        reward_rule: DesignerRewardRule,
-        fixed_pool: Sequence[tuple[str, str, str]] = (),
-        baseline: FixedEnvBaseline | None = None,
-        seed: int = 0,
-    ):
-        self.config, self.tokenizer, self.pool = config, tokenizer, pool
-        self.generate, self.run_episodes, self.update = generate, run_episodes, update
+    def __init__(self, config: SpadeConfig, *, tokenizer: Any, pool: EnvPool | None,
+                 generate: Generate, run_episodes: RunEpisodes, update: Update,
+                 corpus_sampler: CorpusSampler | None, memory: EnvironmentMemory,
+                 reward_rule: DesignerRewardRule, fixed_pool: Sequence[tuple[str, Any, str]] = (),
+                 baseline: FixedEnvBaseline | None = None, seed: int = 0, max_turns: int = 25,
+                 rules: tuple[RoleConfig, RoleConfig] | None = None):
+        self.config, self.tokenizer = config, tokenizer
+        # Each role's update rule (TrainConfig.agent, TrainConfig.designer).
+        agent_rule, designer_rule = rules or (RoleConfig(), DEFAULT_DESIGNER_RULE)
+        self.rules = {"agent": agent_rule, "designer": designer_rule}
+        self.rule_metrics: dict[str, float] = {}
+        self.run_episodes, self.update = run_episodes, update
         self.corpus_sampler, self.memory, self.reward_rule = corpus_sampler, memory, reward_rule
         self.fixed_pool, self.baseline, self.seed = list(fixed_pool), baseline, seed
-        self.skills: tuple[Skill, ...] = get_skill_set(config.skills)
+        self.designer = Designer(config, tokenizer=tokenizer, pool=pool, generate=generate,
+                                 corpus_sampler=corpus_sampler, memory=memory, seed=seed,
+                                 max_turns=max_turns)
         self.learnable = env_stats.LearnableShareTracker(
             env_stats.LearnableShareConfig(window=config.learnable_window))
-        self.designer_queue: collections.deque = collections.deque()
-        self.featuriser = ProgramFeaturiser()
-        self.used_doc_ids: set[str] = set()
+        self.windows: dict[int, Window] = {}
+        self.pending: list[Pending] = []
+        self.pool_cursor = 0
 
     # ---- run state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -140,10 +139,11 @@ class SpadeLoop:
             "memory": self.memory.state_dict(),
             "learnable": self.learnable.state_dict(),
             "reward_rule": self.reward_rule.state_dict(),
-            "designer_queue": [
-                [r, [dataclasses.asdict(s) for s in seqs]] for r, seqs in self.designer_queue
-            ],
-            "used_doc_ids": sorted(self.used_doc_ids),
+            "designer": self.designer.state_dict(),
+            "windows": [w.to_json() for w in self.windows.values()],
+            "pending": [p.to_json() for p in self.pending],
+            "pool_cursor": self.pool_cursor,
+            "baseline": self.baseline.state_dict() if self.baseline else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -152,453 +152,352 @@ class SpadeLoop:
         self.memory.load_state_dict(state["memory"])
         self.learnable.load_state_dict(state["learnable"])
         self.reward_rule.load_state_dict(state["reward_rule"])
-        self.designer_queue = collections.deque(
-            (r, [TrainSequence(**s) for s in seqs]) for r, seqs in state["designer_queue"])
-        self.used_doc_ids = set(state.get("used_doc_ids", ()))
+        self.designer.load_state_dict(state["designer"])
+        self.windows = {int(w["start"]): Window.from_json(w) for w in state["windows"]}
+        self.pending = [Pending.from_json(p) for p in state["pending"]]
+        self.pool_cursor = int(state["pool_cursor"])
+        if self.baseline is not None and state.get("baseline") is not None:
+            self.baseline.load_state_dict(state["baseline"])
 
-    # ---- phases ------------------------------------------------------------------------
-    def _slot_skill(self, round_index: int, slot: int) -> Skill:
-        return self.skills[(round_index * self.num_slots + slot) % len(self.skills)]
-
-    @property
-    def num_slots(self) -> int:
-        return max(1, self.config.envs_per_round // self.config.designer_group_size)
-
-    def design(self, round_index: int) -> list[Candidate]:
-        """Designer prompts -> sampled programs (or the fixed pool's programs)."""
+    # ---- the round -----------------------------------------------------------------------
+    def run_round(self, step: int) -> dict[str, float]:
+        """One optimizer step: design (regeneration rounds), play, score, update."""
         cfg = self.config
+        if cfg.baseline != "none":
+            from spade_jax.spade.baseline_round import run_baseline_round
+
+            return run_baseline_round(self, step)
+        timer = step_metrics.PhaseTimer()
+        attempts: list[Any] = []
+        if cfg.is_regeneration(step):
+            with timer("design"):
+                attempts = self.regenerate(step)
+        window = self.windows[cfg.window_start(step)]
+        with timer("rollout"):
+            records = self.play(window, step)
+        agent = self.agent_sequences([r for r in records if not r.hinted], step)
+        with timer("score"):
+            scored, designer = self.score_due(step, num_agent=len(agent))
+        with timer("update"):
+            seqs = agent + designer
+            update_metrics = self.update(seqs) if seqs else {"skipped_no_data": 1.0}
+        self.remember(scored)
+        self._retire_windows(step)
+        metrics = step_metrics.round_metrics(
+            self, step=step, window=window, attempts=attempts, records=records, scored=scored,
+            num_agent=len(agent), num_designer=len(designer), update_metrics=update_metrics,
+            times=timer.times)
+        metrics.update(self.pop_rule_metrics())
+        return metrics
+
+    # ---- design --------------------------------------------------------------------------
+    def regenerate(self, step: int) -> list[Any]:
+        """New window at ``step``: games (designed or drawn from the pool), hints, and the
+        designer samples that wait for their delayed update. Returns the attempts made."""
+        cfg = self.config
+        attempts: list[Any] = []
         if cfg.designer_mode == "fixed_pool":
-            rng = np.random.default_rng([self.seed, round_index, 1])
-            picks = rng.choice(len(self.fixed_pool), size=cfg.envs_per_round,
-                               replace=len(self.fixed_pool) < cfg.envs_per_round)
-            return [Candidate(slot=i, skill=self.fixed_pool[p][2], prompt_ids=[], output_ids=[],
-                              output_logprobs=[], doc_ids=(),
-                              parsed=DesignerOutput(self.fixed_pool[p][0], self.fixed_pool[p][1], ""))
-                    for i, p in enumerate(picks)]
-        skills = [self._slot_skill(round_index, slot) for slot in range(self.num_slots)]
-        docs_per_slot, examples_per_slot = self._prompt_draws(skills)
-        prompts, meta = [], []
-        for slot, (skill, docs, examples) in enumerate(
-                zip(skills, docs_per_slot, examples_per_slot, strict=True)):
-            reused = [d.doc_id for d in docs if d.doc_id in self.used_doc_ids]
-            if reused:  # the sampler draws without replacement; guard the invariant
-                raise RuntimeError(f"corpus documents reused within a run: {reused}")
-            self.used_doc_ids.update(d.doc_id for d in docs)
-            user = designer_user_prompt(skill.name, [d.text for d in docs], examples,
-                                        max_doc_chars=cfg.max_doc_chars)
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "system", "content": DESIGNER_SYSTEM_PROMPTS[cfg.prompt_style]},
-                 {"role": "user", "content": user}],
-                add_generation_prompt=True, enable_thinking=False)
-            for _ in range(cfg.designer_group_size):
-                prompts.append(list(ids))
-                meta.append((slot, skill.name, tuple(d.doc_id for d in docs)))
-        tokens, logprobs = self.generate(prompts, round_index)
-        return [Candidate(slot=s, skill=k, prompt_ids=p, output_ids=list(t),
-                          output_logprobs=list(lp), doc_ids=d)
-                for p, t, lp, (s, k, d) in zip(prompts, tokens, logprobs, meta, strict=True)]
-
-    def _prompt_draws(self, skills: Sequence[Skill]) -> tuple[list[list[Document]],
-                                                               list[list[dict[str, Any]]]]:
-        """Corpus documents and memory examples for each designer slot of this round.
-
-        Multi-host: every host builds the same designer prompts (they are rows of one global
-        batch), but each reads its own corpus (the default one is extracted from locally
-        installed packages) and keeps its own memory, so process 0's draws are used
-        everywhere: one broadcast per round, a no-op on one host.
-        """
-        cfg = self.config
-        docs_per_slot: list[list[Document]] = []
-        examples_per_slot: list[list[dict[str, Any]]] = []
-        for skill in skills:
-            docs = []
-            if cfg.use_corpus and self.corpus_sampler is not None and cfg.docs_per_prompt:
-                docs = self.corpus_sampler.sample(cfg.docs_per_prompt)
-            examples = []
-            if cfg.use_memory and self.memory.records and cfg.memory_examples:
-                examples = [_memory_example(r) for r in
-                            self.memory.sample_for_prompt(cfg.memory_examples, skill.name)]
-            docs_per_slot.append(docs)
-            examples_per_slot.append(examples)
-        if jax.process_count() == 1:  # one host: nothing to agree on, objects untouched
-            return docs_per_slot, examples_per_slot
-        agreed = distributed.agree_json(
-            {"docs": [[dataclasses.astuple(d) for d in docs] for docs in docs_per_slot],
-             "examples": examples_per_slot})
-        return ([[Document(*d) for d in docs] for docs in agreed["docs"]], agreed["examples"])
-
-    def _replay_picks(self) -> list[EnvironmentRecord]:
-        """Memory environments replayed for agent training this round; process 0's picks
-        on every host (see ``_prompt_draws``). Called whenever the config asks for replay,
-        even with an empty memory, so every host makes the same collective calls."""
-        cfg = self.config
-        picks = (self.memory.sample_for_training(cfg.memory_train_envs)
-                 if self.memory.records else [])
-        if jax.process_count() == 1:
-            return picks
-        return [EnvironmentRecord.from_json(r)
-                for r in distributed.agree_json([r.to_json() for r in picks])]
-
-    def validate(self, candidates: list[Candidate], round_index: int) -> None:
-        for i, cand in enumerate(candidates):
-            cand.env_id = f"r{round_index}_c{i}"
-            cand.reason = self._check(cand)
-        if jax.process_count() > 1:
-            # Validation runs under wall-clock deadlines, so a program near one can pass
-            # here and fail on another host: every host keeps process 0's verdicts.
-            outcomes = self._agree_outcomes(
-                "validation", [c.env_id for c in candidates], [c.reason for c in candidates],
-                lambda i: self._check(candidates[i]))
-            for cand, reason in zip(candidates, outcomes, strict=True):
-                cand.reason = reason
-
-    def _check(self, cand: Candidate) -> str:
-        """Parses (if needed) and validates one candidate: "" valid, else the reason code."""
-        if cand.parsed is None:
-            text = self.tokenizer.decode(cand.output_ids, skip_special_tokens=True)
-            parsed = parse_designer_output(text)
-            if not isinstance(parsed, DesignerOutput):
-                return f"parse_{parsed.code}"
-            cand.parsed = parsed
-        report = validate_program(cand.parsed.program, hint=cand.parsed.hint, pool=self.pool)
-        if not report.ok:
-            return report.reason.split(":", 1)[0].strip() or "invalid"
-        return ""
-
-    def _agree_outcomes(self, stage: str, names: Sequence[str], local: Sequence[str],
-                        recheck: Callable[[int], str]) -> list[str]:
-        """Multi-host: process 0's per-item outcomes ("" ok, else a reason code), the same
-        on every host. An item process 0 rejected is dropped here whatever this host found;
-        one process 0 accepted but this host rejected (e.g. a deadline hit only here) is
-        rechecked once with ``recheck(i)`` (-> new local outcome). If it fails again, or
-        the hosts disagree on the item count, every host raises, since a host that went
-        on alone would wait forever in the next collective."""
-        agreed = [str(r) for r in distributed.agree_json(list(local))]
-        problems = []
-        if len(agreed) != len(local):
-            problems.append(f"{len(local)} items here, {len(agreed)} on process 0")
+            games, self.pool_cursor = self.designer.fixed_pool_games(
+                step, self.fixed_pool, self.pool_cursor)
+            samples: list[DesignerSample] = []
         else:
-            for i, (mine, primary) in enumerate(zip(local, agreed, strict=True)):
-                if mine and not primary:
-                    again = recheck(i)
-                    if again:
-                        problems.append(f"{names[i]} ({mine!r}, then {again!r} on a retry)")
-                    else:
-                        log.warning("%s: %s failed here (%s) but passed on process 0 and on a "
-                                    "retry; kept", stage, names[i], mine)
-                elif primary and not mine:
-                    log.warning("%s: %s passed here but failed on process 0 (%s); dropped",
-                                stage, names[i], primary)
-        failing = distributed.failing_hosts(bool(problems))
-        if failing:
-            here = (f"this host ({jax.process_index()}) rejects " + "; ".join(problems)
-                    if problems else f"this host ({jax.process_index()}) agrees with process 0")
-            raise RuntimeError(
-                f"multi-host {stage}: host(s) {failing} cannot reproduce process 0's outcome "
-                f"(process 0 accepted what they reject, even after a retry), so the hosts "
-                f"would train on different environments; {here}")
-        return agreed
+            games, samples, attempts = self.designer.design(step)
+        if cfg.hint_mode == "self":
+            self.designer.write_hints(games, step)
+        self.designer.probe_levels(games, step)
+        self.windows[step] = Window(step, games)
+        self.pending.append(Pending(step, samples if cfg.train_designer else []))
+        return attempts
 
-    def _open_envs(self, program: str, count: int) -> tuple[list[gymnasium.Env], str]:
-        """``count`` fresh sandboxed copies of a program (a fresh worker per episode: arms
-        never share state), stopping at the first that fails to load: (envs, reason)."""
-        envs = []
-        for _ in range(count):
-            try:
-                envs.append(make_env(program, self.pool))
-            except Exception as e:  # noqa: BLE001 - untrusted program; record, go on
-                return envs, f"load_error: {type(e).__name__}"
-        return envs, ""
+    # ---- play ----------------------------------------------------------------------------
+    def play(self, window: Window, step: int) -> list[EpisodeRecord]:
+        """This round's episodes of the window's games (plus the hint arm at the
+        regeneration round, plus memory replays), in one batch; returns go into the
+        games. Every record carries ``hinted`` and ``owner`` (the Game or memory record)."""
+        cfg = self.config
+        offset = step - window.start
+        live = [g for g in window.games if g.verdict.ok]
+        hint_counts = [cfg.hint_plays if offset == 0 and g.hint else 0 for g in live]
+        opened = self._open([g.env_id for g in live], [g.program for g in live],
+                            [n + cfg.plays_per_game for n in hint_counts])
+        specs, owners = [], []
+        for index, (game, n_hint, (envs, verdict)) in enumerate(zip(live, hint_counts, opened,
+                                                                   strict=True)):
+            if not verdict.ok:
+                game.verdict = verdict
+                continue
+            # Copies are assigned to the arms in a seeded interleaving, so neither arm
+            # always gets the first-opened workers.
+            order = arm_order(n_hint, cfg.plays_per_game,
+                              derive_seed(self.seed, step, Phase.ARM_ORDER, index))
+            for env, (arm, play) in zip(envs, order, strict=True):
+                hinted = arm == "hint"
+                phase = Phase.HINT_ARM if hinted else Phase.AGENT
+                specs.append(EpisodeSpec(env=HintedEnv(env, game.hint) if hinted else env,
+                                         env_id=game.env_id,
+                                         seed=derive_seed(self.seed, step, phase, index, play)))
+                owners.append((game, hinted))
+        specs, owners = self._add_replays(specs, owners, step)
+        records = self._run(specs, step)
+        for rec, (owner, hinted) in zip(records, owners, strict=True):
+            rec.hinted, rec.owner = hinted, owner
+            if isinstance(owner, Game):
+                (owner.hint_returns if hinted else owner.returns_by_offset[offset]).append(
+                    float(rec.return_))
+                if offset == 0 and not hinted and not owner.opening_observation and rec.observations:
+                    owner.opening_observation = rec.observations[0]
+        self._refresh_replayed(records, step)
+        return records
 
-    def _agree_loads(self, stage: str, names: Sequence[str], programs: Sequence[str],
-                     opened: list[tuple[list[gymnasium.Env], str]], count: int) -> None:
-        """Multi-host: every host keeps the programs that loaded on process 0 (in place in
-        ``opened``): ones that failed there are closed here; ones that failed only here
-        get their missing copies opened once more (see ``_agree_outcomes``)."""
-        def recheck(i: int) -> str:
+    def _open(self, names: list[str], programs: list[str], counts: list[int]
+              ) -> list[tuple[list[Any], Any]]:
+        """Fresh copies of each program; multi-host: process 0's load verdicts everywhere
+        (a copy that failed only here is opened once more)."""
+        opened = [self.designer.open_envs(p, n) for p, n in zip(programs, counts, strict=True)]
+
+        def recheck(i: int):
             envs, _ = opened[i]
-            more, reason = self._open_envs(programs[i], count - len(envs))
+            more, verdict = self.designer.open_envs(programs[i], counts[i] - len(envs))
             envs.extend(more)
-            return reason
+            return verdict
 
-        outcomes = self._agree_outcomes(stage, names, [reason for _, reason in opened], recheck)
-        for i, reason in enumerate(outcomes):
-            envs, _ = opened[i]
-            if reason:
+        verdicts = agreement.agree_verdicts("environment loading", names,
+                                            [v for _, v in opened], recheck)
+        out = []
+        for (envs, _), verdict in zip(opened, verdicts, strict=True):
+            if not verdict.ok:
                 for env in envs:
                     env.close()
                 envs = []
-            opened[i] = (envs, reason)
+            out.append((envs, verdict))
+        return out
 
-    def rollout(self, candidates: list[Candidate], round_index: int) -> list[EpisodeRecord]:
-        """Both arms of every valid candidate in one batch of episodes; fills in returns."""
-        cfg = self.config
-        rng = np.random.default_rng([self.seed, round_index, 2])
-        todo = [c for c in candidates if not c.reason]
-        count = cfg.n_hint + cfg.no_hint_episodes
-        seeds = [rng.integers(0, 2**31 - 1, size=count) for _ in todo]
-        opened = [self._open_envs(c.parsed.program, count) for c in todo]
-        if jax.process_count() > 1:  # a load deadline can also be hit on one host only
-            self._agree_loads("environment loading", [c.env_id for c in todo],
-                              [c.parsed.program for c in todo], opened, count)
-        specs, owners = [], []
-        for cand, cand_seeds, (envs, reason) in zip(todo, seeds, opened, strict=True):
-            if reason:
-                cand.reason = reason
-            # One host: the copies opened before a load failure still run (as they always
-            # have); their returns never count, since the candidate now has a reason.
-            for j, (env, seed) in enumerate(zip(envs, cand_seeds, strict=False)):
-                hinted = j < cfg.n_hint
-                if hinted:
-                    env = HintedEnv(env, cand.parsed.hint)
-                specs.append(EpisodeSpec(env=env, env_id=cand.env_id, seed=int(seed)))
-                owners.append((cand, hinted))
-        records = self.run_episodes(specs) if specs else []
-        for (cand, hinted), rec in zip(owners, records, strict=True):
-            ret = float(np.clip(rec.return_, 0.0, 1.0))
-            (cand.returns_hint if hinted else cand.returns_no_hint).append(ret)
-            if not hinted and not cand.opening_observation and rec.observations:
-                cand.opening_observation = rec.observations[0]
-        for spec in specs:
-            spec.env.close()
-        return [rec for (cand, hinted), rec in zip(owners, records, strict=True)
-                if not hinted and not cand.reason]
-
-    def score(self, candidates: list[Candidate]) -> None:
-        penalty = self.config.reward.invalid_penalty
-        for cand in candidates:
-            if cand.reason or not cand.returns_no_hint:
-                cand.designer_return = penalty
-                cand.reason = cand.reason or "no_episodes"
-                continue
-            cand.reward = self.reward_rule.score(cand.returns_hint or None, cand.returns_no_hint,
-                                                 skill=cand.skill)
-            cand.designer_return = float(cand.reward.total)
-
-    # ---- training data -----------------------------------------------------------------
-    def agent_sequences(self, records: list[EpisodeRecord], estimator: str) -> list[TrainSequence]:
-        """No-hint episodes, grouped per environment, with group-relative advantages."""
-        by_env: dict[str, list[EpisodeRecord]] = collections.defaultdict(list)
-        for rec in records:
-            if any(rec.loss_mask):
-                by_env[rec.env_id].append(rec)
-        seqs = []
-        for group in by_env.values():
-            adv = _group_advantages([r.return_ for r in group], estimator)
-            seqs += [TrainSequence(r.token_ids, r.loss_mask, r.logprobs, float(a), "agent")
-                     for r, a in zip(group, adv, strict=True)]
-        return seqs
-
-    def designer_sequences(self, candidates: list[Candidate], estimator: str) -> list[TrainSequence]:
-        by_slot: dict[int, list[Candidate]] = collections.defaultdict(list)
-        for cand in candidates:
-            if cand.output_ids:
-                by_slot[cand.slot].append(cand)
-        seqs = []
-        for group in by_slot.values():
-            adv = _group_advantages([c.designer_return for c in group], estimator)
-            for cand, a in zip(group, adv, strict=True):
-                ids = cand.prompt_ids + cand.output_ids
-                mask = [0] * len(cand.prompt_ids) + [1] * len(cand.output_ids)
-                lps = [0.0] * len(cand.prompt_ids) + cand.output_logprobs
-                seqs.append(TrainSequence(ids, mask, lps, float(a), "designer"))
-        return seqs
-
-    # ---- the round ---------------------------------------------------------------------
-    def run_round(self, round_index: int) -> dict[str, float]:
-        cfg, times, metrics = self.config, {}, {}
-        agent_estimator, designer_estimator = cfg.agent_advantage, cfg.designer_advantage
-        t0 = time.perf_counter()
-        if cfg.baseline != "none":
-            return self._baseline_round(round_index, agent_estimator)
-        candidates = self.design(round_index)
-        times["design"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        self.validate(candidates, round_index)
-        times["validate"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        records = self.rollout(candidates, round_index)
-        records += self._memory_replay(round_index)
-        if jax.process_count() > 1:
-            self._agree_returns(candidates, records)
-        self.score(candidates)
-        times["rollout"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        seqs = self.agent_sequences(records, agent_estimator)
-        if cfg.train_designer and cfg.designer_mode == "self":
-            self.designer_queue.append((round_index, self.designer_sequences(candidates,
-                                                                             designer_estimator)))
-        while self.designer_queue and self.designer_queue[0][0] <= round_index - (cfg.designer_delay - 1):
-            seqs += self.designer_queue.popleft()[1]
-        update_metrics = self.update(seqs) if seqs else {"skipped_no_data": 1.0}
-        times["update"] = time.perf_counter() - t0
-
-        self._remember(candidates, round_index)
-        metrics.update(self._round_metrics(candidates, records))
-        metrics.update({f"train/{k}": v for k, v in update_metrics.items()})
-        metrics.update({f"time/{k}": v for k, v in times.items()})
-        metrics["tokens/designer_generated"] = float(sum(len(c.output_ids) for c in candidates))
-        metrics["tokens/agent_generated"] = float(sum(r.cost.tokens_generated for r in records))
-        metrics["agent/parse_failures"] = float(sum(r.cost.parse_failures for r in records))
-        metrics["agent/env_seconds"] = float(sum(r.cost.env_seconds for r in records))
-        return metrics
-
-    def _memory_replay(self, round_index: int) -> list[EpisodeRecord]:
-        """Agent training episodes on environments sampled from memory (depth)."""
+    def _add_replays(self, specs: list, owners: list, step: int) -> tuple[list, list]:
+        """Memory environments replayed for agent training this round (depth)."""
         cfg = self.config
         if not (cfg.use_memory and cfg.memory_train_envs):
-            return []
-        picks = self._replay_picks()
-        rng = np.random.default_rng([self.seed, round_index, 3])
-        seeds = [rng.integers(0, 2**31 - 1, size=cfg.n_hint) for _ in picks]
-        opened = [self._open_envs(rec.program_source, cfg.n_hint) for rec in picks]
-        if jax.process_count() > 1:
-            self._agree_loads("memory replay loading", [f"mem_{r.env_id}" for r in picks],
-                              [r.program_source for r in picks], opened, cfg.n_hint)
-        specs = [EpisodeSpec(env=env, env_id=f"mem_{rec.env_id}", seed=int(seed))
-                 for rec, rec_seeds, (envs, _) in zip(picks, seeds, opened, strict=True)
-                 for env, seed in zip(envs, rec_seeds, strict=False)]
-        records = self.run_episodes(specs) if specs else []
-        for spec in specs:
-            spec.env.close()
+            return specs, owners
+        picks = self.replay_picks()
+        opened = self._open([f"mem_{r.env_id}" for r in picks], [r.program_source for r in picks],
+                            [cfg.plays_per_game] * len(picks))
+        for index, (record, (envs, _)) in enumerate(zip(picks, opened, strict=True)):
+            for j, env in enumerate(envs):
+                specs.append(EpisodeSpec(env=env, env_id=f"mem_{record.env_id}",
+                                         seed=derive_seed(self.seed, step, Phase.MEMORY_REPLAY,
+                                                          index, j)))
+                owners.append((record, False))
+        return specs, owners
+
+    def replay_picks(self) -> list[EnvironmentRecord]:
+        """Memory environments replayed this round; process 0's picks on every host.
+        Called whenever replay is on, even with an empty memory, so every host makes the
+        same collective calls."""
+        picks = (self.memory.sample_for_training(self.config.memory_train_envs)
+                 if self.memory.records else [])
+        return agreement.agree_records(picks)
+
+    def _run(self, specs: list[EpisodeSpec], step: int) -> list[EpisodeRecord]:
+        """One batch of episodes; process 0's returns on every host."""
+        try:
+            records = (self.run_episodes(specs, seed=derive_seed(self.seed, step, Phase.AGENT))
+                       if specs else [])
+        finally:
+            for spec in specs:
+                spec.env.close()
+        returns = agreement.agree_returns([float(r.return_) for r in records])
+        for rec, ret in zip(records, returns, strict=True):
+            rec.return_ = ret
         return records
 
-    def _agree_returns(self, candidates: list[Candidate], records: list[EpisodeRecord]) -> None:
-        """Multi-host: process 0's episode returns on every host (one broadcast a round).
-
-        Rewards come from untrusted programs under wall-clock deadlines, so an episode can
-        time out on one host only; the returns behind the agent advantages and the designer
-        reward are made process 0's. (The tokens of such an episode still differ: the
-        rollout loop would have to agree each turn's observation for those to match.)
-        """
-        local = {"hint": [c.returns_hint for c in candidates],
-                 "no_hint": [c.returns_no_hint for c in candidates],
-                 "records": [float(r.return_) for r in records]}
-        agreed = distributed.agree_json(local)
-
-        def shape(returns: dict[str, Any]) -> list[Any]:  # episodes per candidate arm, records
-            return [[len(x) for x in returns["hint"]], [len(x) for x in returns["no_hint"]],
-                    len(returns["records"])]
-
-        failing = distributed.failing_hosts(shape(local) != shape(agreed))
-        if failing:
-            raise RuntimeError(
-                f"multi-host rollout: host(s) {failing} ran a different set of episodes than "
-                f"process 0 (episodes per hinted arm, no-hint arm, records: this host "
-                f"({jax.process_index()}) {shape(local)}, process 0 {shape(agreed)}), so "
-                "their training batches would differ")
-        for cand, hint, no_hint in zip(candidates, agreed["hint"], agreed["no_hint"], strict=True):
-            cand.returns_hint = [float(x) for x in hint]
-            cand.returns_no_hint = [float(x) for x in no_hint]
-        for rec, ret in zip(records, agreed["records"], strict=True):
-            rec.return_ = float(ret)
-
-    def _remember(self, candidates: list[Candidate], round_index: int) -> None:
-        if not self.config.use_memory:
-            return
-        for cand in candidates:
-            if cand.reason or cand.reward is None or not hasattr(cand.reward, "regime"):
-                continue
-            returns = cand.returns_hint + cand.returns_no_hint
-            self.memory.add(EnvironmentRecord.from_reward(
-                cand.env_id, cand.parsed.program, cand.parsed.hint, cand.skill, round_index,
-                cand.reward, reward_levels=env_stats.reward_levels(returns),
-                strict_partial_levels=env_stats.strict_partial_levels(returns),
-                corpus_doc_ids=cand.doc_ids))
-
-    def _round_metrics(self, candidates: list[Candidate], records) -> dict[str, float]:
-        valid = [c for c in candidates if not c.reason]
-        m: dict[str, float] = {"candidates": float(len(candidates)),
-                               "valid_envs": float(len(valid)),
-                               "validity_rate": len(valid) / max(1, len(candidates))}
-        for reason, count in collections.Counter(c.reason for c in candidates if c.reason).items():
-            m[f"invalid/{reason}"] = float(count)
-        m["designer/reward_mean"] = float(np.mean([c.designer_return for c in candidates])) \
-            if candidates else 0.0
-        scored = [c for c in valid if c.reward is not None]
-        # Every round logs the same keys (NaN: no valid environment this round), so a
-        # stretch with nothing to score shows up as a gap in the curves, not a missing key.
-        nan = float("nan")
-        m.update({k: nan for k in ("regret_raw_mean", "regret_clipped_mean", "regret_negative_share",
-                                   "return_hint_mean", "return_no_hint_mean", "win_rate_mean",
-                                   "designer/anchor_mean", "designer/total_mean",
-                                   "reward_levels_mean", "strict_partial_levels_mean",
-                                   "formula_reveal_rate")})
-        if scored and hasattr(scored[0].reward, "regret"):
-            regrets = np.array([c.reward.regret for c in scored])
-            m.update({
-                "regret_raw_mean": float(regrets.mean()),
-                "regret_clipped_mean": float(np.mean([c.reward.clipped for c in scored])),
-                "regret_negative_share": float(np.mean(regrets < 0)),
-                "return_hint_mean": float(np.mean([c.reward.mean_hint for c in scored])),
-                "return_no_hint_mean": float(np.mean([c.reward.mean_no_hint for c in scored])),
-                "win_rate_mean": float(np.mean([c.reward.win_rate for c in scored])),
-                "designer/anchor_mean": float(np.mean([c.reward.anchor for c in scored])),
-                "designer/total_mean": float(np.mean([c.reward.total for c in scored])),
-            })
-            for regime in ("frontier", "mastered", "intractable"):
-                m[f"regime/{regime}"] = float(sum(str(c.reward.regime) == regime for c in scored))
-        elif scored:
-            m["designer/total_mean"] = float(np.mean([c.reward.total for c in scored]))
-        threshold = self.config.success_threshold
-        win_rates = [float(np.mean(np.asarray(c.returns_no_hint) >= threshold))
-                     for c in valid if c.returns_no_hint]
-        m["learnable_share"] = self.learnable.record_round(win_rates)
-        if len(valid) >= 1:
-            sources = [c.parsed.program for c in valid]
-            try:
-                m["vendi_per_n"] = normalized_vendi_score(self.featuriser(sources))
-            except ValueError:
-                m["vendi_per_n"] = float("nan")
-            levels = [env_stats.reward_levels(c.returns_hint + c.returns_no_hint) for c in valid]
-            partial = [env_stats.strict_partial_levels(c.returns_hint + c.returns_no_hint)
-                       for c in valid]
-            m["reward_levels_mean"] = float(np.mean(levels))
-            m["strict_partial_levels_mean"] = float(np.mean(partial))
-            m["formula_reveal_rate"] = float(np.mean(
-                [env_stats.formula_reveal(c.opening_observation) for c in valid]))
-        else:
-            m["vendi_per_n"] = nan
-        for name, count in self.memory.regime_counts().items():
-            m[f"memory/{name}"] = float(count)
-        return m
-
-    # ---- fixed-environment baselines ----------------------------------------------------
-    def _baseline_round(self, round_index: int, estimator: str) -> dict[str, float]:
-        if self.baseline is None:
-            raise ValueError(f"baseline {self.config.baseline!r} needs a FixedEnvBaseline")
-        t0 = time.perf_counter()
-        specs = self.baseline.episodes(round_index, self.config.n_hint)
-        records = self.run_episodes(specs)
-        if jax.process_count() > 1:
-            self._agree_returns([], records)
-        t_roll = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        update_metrics = self.update(self.agent_sequences(records, estimator))
+    def _refresh_replayed(self, records: list[EpisodeRecord], step: int) -> None:
+        """Replayed memory environments get this round's no-hint statistics."""
         by_env: dict[str, list[float]] = collections.defaultdict(list)
         for rec in records:
-            by_env[rec.env_id].append(rec.return_)
-        threshold = self.config.success_threshold
-        win_rates = [float(np.mean(np.asarray(v) >= threshold)) for v in by_env.values()]
-        self.baseline.feedback(by_env)
-        return {
-            "return_no_hint_mean": float(np.mean([r.return_ for r in records])) if records else 0.0,
-            "learnable_share": self.learnable.record_round(win_rates),
-            **{f"train/{k}": v for k, v in update_metrics.items()},
-            "time/rollout": t_roll, "time/update": time.perf_counter() - t0,
-        }
+            if isinstance(rec.owner, EnvironmentRecord):
+                by_env[rec.owner.env_id].append(float(rec.return_))
+        for env_id, returns in by_env.items():
+            if env_id in self.memory:
+                self.memory.update(env_id, step, win_rate_no_hint=float(np.mean(np.array(returns) > 0)),
+                                   mean_return_no_hint=float(np.clip(np.mean(returns), -1, 1)))
+
+    # ---- score ---------------------------------------------------------------------------
+    def score_due(self, step: int, num_agent: int) -> tuple[list[ScoredGame], list[TrainSequence]]:
+        """Scores the windows whose designer samples are due (written ``designer_delay``
+        rounds ago; every one at the last round) and returns their designer sequences."""
+        cfg = self.config
+        last = step == cfg.rounds - 1
+        due = [p for p in self.pending if last or p.produced_at + cfg.designer_delay <= step]
+        self.pending = [p for p in self.pending if p not in due]
+        scored: list[ScoredGame] = []
+        samples, totals = [], []
+        for pending in due:
+            window = self.windows[pending.produced_at]
+            observed = min(step - window.start + 1, cfg.regeneration_interval)
+            by_id = {}
+            for game in window.games:
+                if game.verdict.ok and any(game.returns_by_offset[:observed]):
+                    result = self.reward_rule.score(game.hint_returns,
+                                                    game.returns_by_offset[:observed],
+                                                    skill=game.skill)
+                    by_id[game.env_id] = result
+                    scored.append(ScoredGame(game, window.start, game_stats(game), result))
+            for sample in pending.samples:
+                total = (float(by_id[sample.env_id].total) if sample.env_id in by_id
+                         else cfg.invalid_penalty)
+                if total is not None:
+                    samples.append((pending.produced_at, sample))
+                    totals.append(total)
+        return scored, self.designer_sequences(samples, totals, num_agent, step)
+
+    def designer_sequences(self, samples: list[tuple[int, DesignerSample]],
+                           totals: list[float], num_agent: int, step: int) -> list[TrainSequence]:
+        """The designer's update rule on its due samples. ``designer_groups`` "skill" (the
+        recipe): groups of one skill, totals < 0 dropped, advantages times the env reward
+        scale; "prompt": the samples of one designer prompt, unscaled."""
+        cfg = self.config
+        if not samples:
+            return []
+        groups: dict[Any, list[int]] = {}
+        scale = 1.0
+        if cfg.designer_groups == "skill":
+            scale = env_reward_scale(len(samples), num_agent, cfg.regeneration_interval,
+                                     cfg.max_env_reward_scale)
+        for i, ((produced, sample), total) in enumerate(zip(samples, totals, strict=True)):
+            if cfg.designer_groups == "prompt":
+                groups.setdefault((produced, sample.slot), []).append(i)
+            elif total >= 0:
+                groups.setdefault(sample.skill, []).append(i)
+        members = list(groups.values())
+        sequences, kept = self.apply_rule("designer", [
+            Group([_designer_episode(samples[i][1]) for i in group], [totals[i] for i in group])
+            for group in members], step, scale)
+        order = [i for g in kept for i in members[g]]  # back into the samples' order
+        return [seq for _, seq in sorted(zip(order, sequences, strict=True), key=lambda x: x[0])]
+
+    def agent_sequences(self, records: list[EpisodeRecord], step: int) -> list[TrainSequence]:
+        """No-hint episodes through the agent's update rule; group = the plays of one game
+        in this round."""
+        groups: dict[str, list[EpisodeRecord]] = {}
+        for rec in records:
+            if any(rec.loss_mask):
+                groups.setdefault(rec.env_id, []).append(rec)
+        return self.apply_rule("agent", [Group(g) for g in groups.values()], step)[0]
+
+    def apply_rule(self, role: str, groups: list[Group], step: int,
+                   scale: float = 1.0) -> tuple[list[TrainSequence], list[int]]:
+        """``role``'s update rule on ``groups``: (training sequences, indices of the groups
+        kept). Its metrics go to ``rule_metrics``; forks and policy judges go through this
+        round's :class:`PolicyRollouts`; multi-host: process 0's advantages everywhere
+        (forked returns can differ per host)."""
+        rule = self.rules[role]
+        context = StepContext(rollouts=self._rollouts(groups), role=role,
+                              seed_parts=(self.seed, step, Phase.CREDIT, ROLE_INDEX[role]))
+        out = apply_rule(rule, groups, role_name=role, context=context, advantage_scale=scale)
+        self.rule_metrics.update({f"rule/{role}/{k}": v for k, v in out.metrics.items()})
+        kept = [g for g in range(len(groups)) if g not in set(out.dropped_groups)]
+        return _agree_advantages(out.sequences), kept
+
+    def pop_rule_metrics(self) -> dict[str, float]:
+        """The update rules' metrics since the last call (``rule/<role>/<part>/<name>``)."""
+        metrics, self.rule_metrics = self.rule_metrics, {}
+        return metrics
+
+    def _rollouts(self, groups: list[Group]) -> PolicyRollouts:
+        programs = {ep.env_id: _program_of(ep) for g in groups for ep in g.episodes}
+
+        def make_env(env_id: str):
+            envs, verdict = self.designer.open_envs(programs[env_id], 1)
+            if not verdict.ok or not envs:
+                raise RuntimeError(f"forking {env_id!r}: the program did not load ({verdict})")
+            return envs[0]
+
+        def run(specs: list[EpisodeSpec], seed: int) -> list[EpisodeRecord]:
+            return self.run_episodes(specs, seed=seed)
+
+        return PolicyRollouts(run_episodes=run, make_env=make_env, complete_fn=self._complete)
+
+    def _complete(self, prompts, seed: int) -> list[str]:
+        """The policy's single-turn replies (a policy judge), with the hint writer's
+        sampler settings."""
+        tok = self.tokenizer
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}],
+                                       add_generation_prompt=True) for p in prompts]
+        tokens, _ = self.designer.generate(ids, seed=seed, purpose="hint")
+        return [tok.decode(t, skip_special_tokens=True) for t in tokens]
+
+    # ---- memory --------------------------------------------------------------------------
+    def remember(self, scored: list[ScoredGame]) -> None:
+        """Scored games enter memory with the loop's own statistics (any reward rule)."""
+        if not self.config.use_memory:
+            return
+        for item in scored:
+            game, stats = item.game, item.stats
+            if game.env_id in self.memory:
+                continue
+            self.memory.add(EnvironmentRecord(
+                env_id=game.env_id, program_source=game.program, hint=game.hint or "",
+                skill=game.skill, round_index=item.window_start,
+                regime=self.memory.classify(stats.regret, stats.hint_mean, stats.mean_return),
+                regret=stats.regret,
+                win_rate_hint=float(np.mean(np.array(game.hint_returns) > 0))
+                if game.hint_returns else 0.0,
+                win_rate_no_hint=stats.solve_rate,
+                mean_return_hint=float(np.clip(stats.hint_mean, -1, 1)),
+                mean_return_no_hint=float(np.clip(stats.mean_return, -1, 1)),
+                designer_reward=float(item.result.total), corpus_doc_ids=game.doc_ids,
+                reward_levels=_count(game.reward_levels),
+                strict_partial_levels=_count(game.strict_partial_levels)))
+
+    def _retire_windows(self, step: int) -> None:
+        """Drops windows that are neither current nor awaited by pending samples."""
+        keep = {self.config.window_start(step + 1), *(p.produced_at for p in self.pending)}
+        self.windows = {s: w for s, w in self.windows.items() if s in keep}
 
 
-def _group_advantages(rewards: Sequence[float], estimator: str) -> np.ndarray:
-    rule = rl.advantage_estimators.get(estimator)
-    rewards = np.asarray(rewards, np.float32)
-    adv, _ = rule.fn(rewards, len(rewards), rule.make_config())
-    return np.asarray(adv, np.float32)
+@dataclasses.dataclass(frozen=True)
+class ScoredGame:
+    """A game scored at its designer samples' due round: the loop's own statistics and
+    the designer reward rule's result."""
+
+    game: Game
+    window_start: int
+    stats: GameStats
+    result: ScoredEnvironment
 
 
-def _memory_example(record: EnvironmentRecord) -> dict[str, Any]:
-    return {"program": record.program_source, "hint": record.hint, "regime": str(record.regime),
-            "win_rate": record.win_rate_no_hint, "regret": record.regret}
+ROLE_INDEX = {"agent": 0, "designer": 1}
+
+
+def _program_of(episode: EpisodeRecord) -> str | None:
+    """The program an agent episode ran (its owner: a window's Game or a memory record)."""
+    owner = getattr(episode, "owner", None)
+    return getattr(owner, "program", None) or getattr(owner, "program_source", None)
+
+
+def _agree_advantages(sequences: list[TrainSequence]) -> list[TrainSequence]:
+    """Multi-host: every host trains on process 0's advantages."""
+    if agreement.single_host():
+        return sequences
+    local = [s.advantage if isinstance(s.advantage, float) else [float(x) for x in s.advantage]
+             for s in sequences]
+    agreed = distributed.agree_json(local)
+    failing = distributed.failing_hosts(len(agreed) != len(local))
+    if failing:
+        raise RuntimeError(f"multi-host update rule: host(s) {failing} built a different "
+                           f"number of training sequences than process 0")
+    return [dataclasses.replace(s, advantage=a if isinstance(a, float) else np.asarray(
+        a, np.float32)) for s, a in zip(sequences, agreed, strict=True)]
+
+
+def _designer_episode(sample: DesignerSample) -> EpisodeRecord:
+    """A designer sample as a one-turn episode (its output is the turn)."""
+    rec = EpisodeRecord(env_id=sample.env_id, seed=0)
+    rec.append(list(sample.prompt_ids), policy=False)
+    rec.append(list(sample.output_ids), policy=True, logprobs=list(sample.output_logprobs))
+    rec.turn_spans.append((len(sample.prompt_ids), len(rec.token_ids)))
+    return rec
+
+
+def _count(value: float) -> int:
+    """A probed level count as the memory stores it (0: not measured)."""
+    return int(value) if np.isfinite(value) else 0

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from spade_jax.spade.reward import DesignerReward, Regime
+from spade_jax.spade.reward import DesignerReward, DesignerRewardConfig, Regime, classify_regime
 
 # Lower value = evicted first.
 _EVICTION_PRIORITY = {Regime.INTRACTABLE: 0, Regime.MASTERED: 1, Regime.FRONTIER: 2}
@@ -40,9 +40,9 @@ class EnvironmentRecord:
     round_index: int  # round the environment was created in
     regime: Regime
     regret: float  # raw mean_hint - mean_no_hint
-    win_rate_hint: float
+    win_rate_hint: float  # share of episodes won (return > 0, or >= the success threshold)
     win_rate_no_hint: float
-    mean_return_hint: float
+    mean_return_hint: float  # in [-1, 1]: the recipe's games may score a loss as -1
     mean_return_no_hint: float
     designer_reward: float
     reward_levels: int = 0  # distinct per-episode returns observed
@@ -57,15 +57,11 @@ class EnvironmentRecord:
             raise ValueError("EnvironmentRecord.env_id must be non-empty")
         if not self.program_source.strip():
             raise ValueError(f"EnvironmentRecord {self.env_id!r} has an empty program")
-        for name in (
-            "win_rate_hint",
-            "win_rate_no_hint",
-            "mean_return_hint",
-            "mean_return_no_hint",
-        ):
+        for name, low in (("win_rate_hint", 0.0), ("win_rate_no_hint", 0.0),
+                          ("mean_return_hint", -1.0), ("mean_return_no_hint", -1.0)):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"EnvironmentRecord.{name} must be in [0, 1], got {value}")
+            if not low <= value <= 1.0:
+                raise ValueError(f"EnvironmentRecord.{name} must be in [{low}, 1], got {value}")
         if self.last_evaluated_round < 0:
             object.__setattr__(self, "last_evaluated_round", self.round_index)
 
@@ -119,6 +115,9 @@ class MemoryConfig:
       training_regime_weights: relative draw weight of each regime when sampling agent
         training environments; weight 0 excludes the regime.
       seed: seeds every draw (PCG64 on [seed, draw counter]).
+      regimes: thresholds of the frontier / mastered / intractable classification
+        (``frontier_regret``, ``mastered_return``); the loop classifies with them whatever
+        the designer reward rule is.
     """
 
     capacity: int = 512
@@ -127,6 +126,7 @@ class MemoryConfig:
         default_factory=lambda: {"frontier": 1.0, "mastered": 0.1, "intractable": 0.0}
     )
     seed: int = 0
+    regimes: DesignerRewardConfig = dataclasses.field(default_factory=DesignerRewardConfig)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -190,22 +190,24 @@ class EnvironmentMemory:
         self._records[record.env_id] = record
         return evicted
 
-    def update(self, env_id: str, round_index: int, reward: DesignerReward, **extra: Any) -> None:
-        """Replaces a record's statistics after the environment was replayed in `round_index`."""
+    def update(self, env_id: str, round_index: int, *, win_rate_no_hint: float,
+               mean_return_no_hint: float, **extra: Any) -> None:
+        """Refreshes a record's no-hint statistics after the environment was replayed in
+        `round_index` (replays have no hint arm: regret and hint statistics stay, the
+        regime is re-derived from them and the new no-hint mean). `extra` sets other fields."""
         if env_id not in self._records:
             raise KeyError(f"environment {env_id!r} is not in memory")
+        old = self._records[env_id]
+        regime = self.classify(extra.get("regret", old.regret),
+                               extra.get("mean_return_hint", old.mean_return_hint),
+                               mean_return_no_hint)
         self._records[env_id] = dataclasses.replace(
-            self._records[env_id],
-            regime=reward.regime,
-            regret=reward.regret,
-            win_rate_hint=reward.win_rate_hint,
-            win_rate_no_hint=reward.win_rate,
-            mean_return_hint=reward.mean_hint,
-            mean_return_no_hint=reward.mean_no_hint,
-            designer_reward=reward.total,
-            last_evaluated_round=round_index,
-            **extra,
-        )
+            old, regime=regime, win_rate_no_hint=win_rate_no_hint,
+            mean_return_no_hint=mean_return_no_hint, last_evaluated_round=round_index, **extra)
+
+    def classify(self, regret: float, mean_hint: float, mean_no_hint: float) -> Regime:
+        """The regime of an environment with these statistics (memory's own thresholds)."""
+        return classify_regime(regret, mean_hint, mean_no_hint, self.config.regimes)
 
     def _rng(self) -> np.random.Generator:
         self._draws += 1

@@ -32,6 +32,10 @@ from spade_jax.envs.contract import (
     REFERENCE_MAX_TURNS,
     render_reference_contract,
 )
+
+# The hint presentation lives in the rollout layer (evaluation uses it too); re-exported
+# here, next to the other role prompts.
+from spade_jax.rollout.hints import agent_first_observation  # noqa: F401
 from spade_jax.spade.skills import SKILL_SETS, Skill
 
 # --------------------------------------------------------------------------- system prompts
@@ -313,15 +317,39 @@ def designer_user_prompt(
     return "\n\n".join(parts)
 
 
-def agent_first_observation(observation: str, hint: str | None) -> str:
-    """The agent's first user turn: the observation, with "Hint: ..." appended when the
-    episode is in the hint arm (`hint` is not None). Later turns never carry the hint, and
-    the environment program never receives it."""
-    if hint is None:
-        return observation
-    if not isinstance(hint, str) or not hint.strip():
-        raise ValueError("hint arm needs a non-empty hint (pass None for the no-hint arm)")
-    return f"{observation}\n\nHint: {hint.strip()}"
+# --------------------------------------------------------------------------- hint writer
+
+# hint_mode "self": after a game validates, the same policy reads the program and writes a
+# short strategy hint in a separate call that is never trained (the recipe's self-hint).
+HINT_WRITER_SYSTEM_PROMPT: str = """\
+You read the source code of a text game and write a short hint for a player who will
+play it. The player never sees the code: only the game's text messages. Its answers go
+in \\boxed{...}. Your hint is added to the player's first message.
+
+Work out what puzzle the game poses as the player sees it, how a correct answer is
+found, and what form the answer takes. Then write 1 to 3 sentences (under 100 words)
+with the key idea or method for this particular game and the expected answer format
+(for example: one integer, a word, a comma-separated list).
+
+Do not give the answer itself, do not name variables or functions of the code, and do
+not give generic advice such as "think carefully". Reply with the hint text only."""
+
+
+def hint_writer_messages(program: str) -> list[dict[str, str]]:
+    """Chat messages asking the policy for a strategy hint on ``program``."""
+    fence = _fence_for(program)
+    return [{"role": "system", "content": HINT_WRITER_SYSTEM_PROMPT},
+            {"role": "user", "content": f"Game code:\n{fence}python\n{program}\n{fence}"}]
+
+
+def parse_hint(text: str, max_chars: int = 1000) -> str | None:
+    """The hint in a hint-writer reply (reasoning removed, whitespace trimmed, cut to
+    ``max_chars``), or None when nothing usable is left."""
+    visible = _strip_thinking(text) if isinstance(text, str) else None
+    if visible is None:
+        return None
+    hint = visible.strip()
+    return hint[:max_chars].strip() or None
 
 
 def _resolve_skill(skill: str | Skill) -> Skill:
@@ -478,8 +506,11 @@ def _strip_thinking(text: str) -> str | None:
     return text
 
 
-def parse_designer_output(text: str) -> DesignerOutput | ParseFailure:
+def parse_designer_output(text: str, *, require_hint: bool = True) -> DesignerOutput | ParseFailure:
     """Reads a designer reply into (program, hint); never raises.
+
+    With ``require_hint=False`` (hints written separately, ``hint_mode`` "self" / "none") a
+    reply without a usable hint parses with ``hint=""``.
 
     The program is the last fenced block tagged python/py (or, when none is tagged, the
     last untagged block), verbatim. The hint is the content of the last
@@ -505,6 +536,8 @@ def parse_designer_output(text: str) -> DesignerOutput | ParseFailure:
     if not block.content.strip():
         return ParseFailure("empty_program", "the program block is empty", raw)
     hint = _find_hint(visible[: block.start], visible[block.end :])
+    if not require_hint:
+        return DesignerOutput(program=block.content, hint=(hint or "").strip(), raw=raw)
     if hint is None:
         return ParseFailure("no_hint", "no <hint>...</hint> outside the program block", raw)
     if not hint.strip():

@@ -12,6 +12,7 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,8 @@ from spade_jax.rl.train_step import (
     make_train_step,
     needs_reference,
 )
-from spade_jax.rollout import generate
 from spade_jax.rollout.agent_loop import run_episodes
+from spade_jax.rollout.sampler import SamplerConfig, sample
 from spade_jax.spade import seed_programs
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
 from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
@@ -209,6 +210,47 @@ def _abstract(blob_like: dict[str, Any]) -> dict[str, Any]:
             for k, v in blob_like.items()}
 
 
+# ---- the loop -----------------------------------------------------------------------------
+def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokenizer: Any,
+                  mesh: Any) -> tuple[Callable, Callable]:
+    """The loop's two sampling callables over the current policy: ``generate(prompts, *,
+    seed, purpose)`` with the whole sampler config of the purpose (buckets, chunking,
+    compaction, ``max_rows``) and the loop's per-call seed, and ``run_episodes(specs, *,
+    seed)``."""
+    samplers = _loop_samplers(config)
+
+    def generate_fn(prompts, *, seed, purpose):
+        out = sample(policy(), prompts, dataclasses.replace(samplers[purpose], seed=seed),
+                     mesh=mesh)
+        return out.tokens, out.logprobs
+
+    def episodes_fn(specs, *, seed):
+        return run_episodes(policy(), tokenizer, specs, config.agent, mesh=mesh, seed=seed)
+
+    return generate_fn, episodes_fn
+
+
+def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
+               policy: Callable[[], Qwen3], update: Callable, mesh: Any) -> SpadeLoop:
+    """The SPADE loop of an experiment over the current policy and the train step."""
+    spade = config.spade
+    fixed_pool = []
+    if spade.designer_mode == "fixed_pool":
+        programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
+                    else seed_programs.SEED_PROGRAMS)
+        fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
+    corpus_sampler = build_corpus_sampler(config)
+    _check_corpus_agrees(corpus_sampler)
+    generate_fn, episodes_fn = loop_sampling(config, policy, tokenizer, mesh)
+    return SpadeLoop(
+        spade, tokenizer=tokenizer, pool=pool, generate=generate_fn, run_episodes=episodes_fn,
+        update=update, corpus_sampler=corpus_sampler,
+        memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed)),
+        reward_rule=make_designer_reward(spade.designer_reward, spade.designer_reward_config),
+        fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
+        max_turns=config.agent.max_turns, rules=(config.train.agent, config.train.designer))
+
+
 # ---- the run -----------------------------------------------------------------------------
 def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     """Runs (or resumes) ``config`` in ``workdir``: a local directory or ``gs://...``."""
@@ -238,16 +280,6 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     def policy() -> Qwen3:
         return nnx.merge(graphdef, holder["state"].params)
 
-    def generate_fn(prompts, round_index):
-        s = config.designer_sampler
-        out = generate(policy(), prompts, s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                       top_k=s.top_k, seed=config.seed * 100_003 + round_index,
-                       cache_dtype=s.cache_dtype, mesh=mesh)
-        return out.tokens, out.logprobs
-
-    def episodes_fn(specs):
-        return run_episodes(policy(), tokenizer, specs, config.agent, mesh=mesh)
-
     data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
     pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways)
 
@@ -258,24 +290,8 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         holder["state"], metrics = step_fn(holder["state"], batch)
         return {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
 
-    fixed_pool = []
-    if config.spade.designer_mode == "fixed_pool":
-        programs = (seed_programs.load_program_pool(config.spade.pool_dir) if config.spade.pool_dir
-                    else seed_programs.SEED_PROGRAMS)
-        fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
-    reward_name = config.spade.designer_reward
-    reward_rule = (make_designer_reward(reward_name, config=config.spade.reward,
-                                        success_threshold=config.spade.success_threshold)
-                   if reward_name == "hint_regret" else make_designer_reward(reward_name))
-    corpus_sampler = build_corpus_sampler(config)
-    _check_corpus_agrees(corpus_sampler)
-    loop = SpadeLoop(
-        config.spade, tokenizer=tokenizer, pool=pool, generate=generate_fn,
-        run_episodes=episodes_fn, update=update_fn,
-        corpus_sampler=corpus_sampler,
-        memory=EnvironmentMemory(MemoryConfig(seed=config.seed)), reward_rule=reward_rule,
-        fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
-    )
+    loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=policy, update=update_fn,
+                      mesh=mesh)
 
     ckpt = CheckpointManager(
         CheckpointConfig(workdir / "checkpoints", save_every_steps=config.checkpoint_every,
@@ -293,6 +309,23 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     elif config.warm_start.steps:
         holder["state"] = _warm_start(config, tokenizer, graphdef, holder["state"], loop)
 
+    try:
+        _train_rounds(config, loop, ckpt, holder, start_round, workdir,
+                      evaluate=lambda r: _held_out_eval(config, policy(), tokenizer, r))
+    finally:
+        pool.close()
+    if distributed.is_primary():  # metrics.jsonl exists on process 0 only
+        from spade_jax.spade.report import write_report
+
+        write_report(workdir, title=f"SPADE run: {config.name}")
+
+
+def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointManager,
+                  holder: dict[str, Any], start_round: int, workdir: Any,
+                  evaluate: Callable[[int], dict[str, float]]) -> None:
+    """The rounds from ``start_round``: one loop round each, held-out evaluation every
+    ``eval_every``, metrics, and checkpoints (every ``checkpoint_every``, the last, a new
+    best)."""
     writer = MetricsWriter(workdir)
     progress = Progress(config.spade.rounds, start_step=start_round, every_seconds=0.0,
                         print_fn=lambda _: None)
@@ -301,7 +334,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
             t0 = time.perf_counter()
             metrics = loop.run_round(round_index)
             if config.spade.eval_every and (round_index + 1) % config.spade.eval_every == 0:
-                metrics.update(_held_out_eval(config, policy(), tokenizer, round_index))
+                metrics.update(evaluate(round_index))
             metrics["time/round"] = time.perf_counter() - t0
             writer.write(round_index, metrics)
             line = progress.update(round_index + 1, {k: metrics[k] for k in
@@ -321,11 +354,6 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     finally:
         ckpt.wait()
         writer.close()
-        pool.close()
-    if distributed.is_primary():  # metrics.jsonl exists on process 0 only
-        from spade_jax.spade.report import write_report
-
-        write_report(workdir, title=f"SPADE run: {config.name}")
 
 
 def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:
@@ -339,6 +367,15 @@ def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:
         log.warning("host %d's corpus (fingerprint %s) differs from process 0's (%s); "
                     "process 0's documents are used on every host", jax.process_index(),
                     sampler.fingerprint, primary)
+
+
+def _loop_samplers(config: ExperimentConfig) -> dict[str, SamplerConfig]:
+    """The loop's sampler per purpose: the designer's, and the hint writer's (the designer
+    sampler at the hint temperature and token budget)."""
+    designer = config.designer_sampler
+    return {"design": designer,
+            "hint": dataclasses.replace(designer, temperature=config.spade.hint_temperature,
+                                        max_new_tokens=config.spade.hint_max_tokens)}
 
 
 def _with_sampler_temperatures(config: ExperimentConfig):

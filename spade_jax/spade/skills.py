@@ -20,8 +20,8 @@ class Skill:
     description: str
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").isalnum():
-            raise ValueError(f"Skill.name must be a non-empty identifier, got {self.name!r}")
+        if not self.name or not self.name.replace("_", "").replace(" ", "").isalnum():
+            raise ValueError(f"Skill.name must be non-empty words, got {self.name!r}")
         if not self.description.strip():
             raise ValueError(f"Skill {self.name!r} needs a description")
 
@@ -57,17 +57,68 @@ CODE = Skill(
     "a simulated API, repair a state machine through multi-turn interaction",
 )
 
+# The project's own six (the seed-program library is organised by them).
 MAIN_SKILLS: tuple[Skill, ...] = (MATH, ALGORITHMS, LOGIC, COGNITION, SCIENCE, CODE)
 TWO_SKILL_CURRICULUM: tuple[Skill, ...] = (MATH, SCIENCE)
 
+# The published recipe's six games skills, in the recipe's order (3 are active per
+# regeneration window, consecutive disjoint blocks: the first three, then the last three).
+# Names are the recipe's (memory and reward-rule keys); descriptions are ours.
+MATHEMATICAL_REASONING = Skill(
+    "Mathematical Reasoning",
+    "solving mathematical problems: equations, counting, number theory, probability, "
+    "geometry, where every answer can be checked exactly",
+)
+LOGICAL_DEDUCTION = Skill(
+    "Logical Deduction",
+    "drawing conclusions from premises and rules: constraint puzzles, inference chains, "
+    "consistency checks over hidden state",
+)
+SPATIAL_REASONING = Skill(
+    "Spatial Reasoning",
+    "spatial relations and mental transformation: grids, positions, directions, "
+    "rotations and reflections tracked over several moves",
+)
+PATTERN_RECOGNITION = Skill(
+    "Pattern Recognition",
+    "finding the rule behind sequences, strings, grids or input-output pairs, then "
+    "applying it to a new case",
+)
+OPTIMIZATION = Skill(
+    "Optimization",
+    "finding the best solution under constraints: packing, scheduling, routing, "
+    "allocation, with feedback on how good a proposal is",
+)
+CAUSAL_INFERENCE = Skill(
+    "Causal Inference",
+    "working out cause and effect in a simulated system: intervene, observe the outcome, "
+    "and predict what a change will do",
+)
+RECIPE_SKILLS: tuple[Skill, ...] = (
+    MATHEMATICAL_REASONING, LOGICAL_DEDUCTION, SPATIAL_REASONING, PATTERN_RECOGNITION,
+    OPTIMIZATION, CAUSAL_INFERENCE)
+RECIPE_TWO_SKILL: tuple[Skill, ...] = (MATHEMATICAL_REASONING, PATTERN_RECOGNITION)
+
 SKILL_SETS: dict[str, tuple[Skill, ...]] = {
-    "main": MAIN_SKILLS,
-    "two_skill": TWO_SKILL_CURRICULUM,
+    "main": RECIPE_SKILLS,
+    "two_skill": RECIPE_TWO_SKILL,
+    "project": MAIN_SKILLS,
+    "project_two_skill": TWO_SKILL_CURRICULUM,
 }
 
 
+def active_skills(skills: tuple[Skill, ...], window: int, per_window: int) -> tuple[Skill, ...]:
+    """The skills of regeneration window ``window`` (0, 1, ...): ``per_window`` consecutive
+    skills, the block advancing by ``per_window`` every window (wrapping around), as the
+    recipe rotates them; ``per_window`` 0 or >= len(skills) keeps them all."""
+    if per_window <= 0 or per_window >= len(skills):
+        return skills
+    start = (window * per_window) % len(skills)
+    return tuple(skills[(start + j) % len(skills)] for j in range(per_window))
+
+
 def get_skill_set(name: str) -> tuple[Skill, ...]:
-    """The named skill set ("main" or "two_skill"); unknown names raise KeyError."""
+    """The named skill set (see ``SKILL_SETS``); unknown names raise KeyError."""
     if name not in SKILL_SETS:
         raise KeyError(f"unknown skill set {name!r}; known: {sorted(SKILL_SETS)}")
     return SKILL_SETS[name]

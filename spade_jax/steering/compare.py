@@ -11,93 +11,23 @@ and reports, per condition, mean tokens generated per completion, accuracy (pass
 evaluation harness's own scoring), the relative token change vs unmodified
 ``(tokens - tokens_0) / tokens_0`` and the accuracy delta ``acc - acc_0``.
 
-:class:`SteeredSamplerPolicy` is the harness's ``TextPolicy`` over ``rollout.generate`` with
-the router hook and first-answer detector passed through, counting generated tokens.
+Each condition samples through ``evaluation.policy.SamplerPolicy`` (the harness's policy)
+with the condition's router hook and first-answer detector; its ``generated_tokens`` are
+the token counts this table averages.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from spade_jax.seeding import derive_seed
-
 CONDITIONS = ("unmodified", "steered", "random-control", "prompt-control")
 ANSWER_MARKERS = ("\\boxed{", "<answer>", "answer is", "Answer:")
-
-
-@dataclasses.dataclass(frozen=True)
-class SteeredPolicyConfig:
-    """Attributes:
-    temperature: sampling temperature (0 = greedy).
-    top_p: nucleus mass in (0, 1].
-    top_k: 0 = off.
-    batch_size: prompts per ``generate`` call at most.
-    enable_thinking: passed to the chat template's generation prompt.
-    system_prompt: system turn put before every conversation lacking one.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    batch_size: int = 64
-    enable_thinking: bool = False
-    system_prompt: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"bad sampling settings: {self}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-
-
-class SteeredSamplerPolicy:
-    """``TextPolicy`` over ``rollout.generate`` with a router hook; counts generated tokens.
-
-    ``generated_tokens`` collects, per completion in call order, the number of tokens the
-    sampler generated (a stop token that ended the row counts).
-    """
-
-    def __init__(self, model: Any, tokenizer: Any, config: SteeredPolicyConfig | None = None,
-                 *, router_hook: Callable | None = None, answer_detector: Any = None) -> None:
-        self.model, self.tokenizer = model, tokenizer
-        self.config = config or SteeredPolicyConfig()
-        self.router_hook, self.answer_detector = router_hook, answer_detector
-        self.generated_tokens: list[int] = []
-
-    def _messages(self, conversation: list[dict[str, str]]) -> list[dict[str, str]]:
-        messages = [dict(m) for m in conversation]
-        if self.config.system_prompt is not None and messages[0]["role"] != "system":
-            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
-        return messages
-
-    def complete(self, conversations: Sequence[list[dict[str, str]]], *, n: int, seed: int,
-                 max_new_tokens: int) -> list[list[str]]:
-        from spade_jax.rollout import generate
-
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got {n}, {max_new_tokens}")
-        prompts = [list(self.tokenizer.apply_chat_template(
-            self._messages(list(c)), add_generation_prompt=True,
-            enable_thinking=self.config.enable_thinking)) for c in conversations]
-        rows = [p for p in prompts for _ in range(n)]  # row = conversation * n + sample
-        texts: list[str] = []
-        size = self.config.batch_size
-        for start in range(0, len(rows), size):
-            result = generate(
-                self.model, rows[start : start + size], max_new_tokens,
-                temperature=self.config.temperature, top_p=self.config.top_p,
-                top_k=self.config.top_k, seed=derive_seed(seed, start),
-                stop_tokens=sorted(self.tokenizer.eos_ids), router_hook=self.router_hook,
-                answer_detector=self.answer_detector)
-            self.generated_tokens.extend(len(t) for t in result.tokens)
-            texts.extend(self.tokenizer.decode(t, skip_special_tokens=True) for t in result.tokens)
-        return [texts[i * n : (i + 1) * n] for i in range(len(conversations))]
 
 
 def answer_token_patterns(tokenizer: Any, markers: Sequence[str] = ANSWER_MARKERS

@@ -1,41 +1,38 @@
-"""First-mistake step-level advantages from environment step rewards (Cliff-style).
+"""First-mistake step credit located by a reward drop (Cliff's split, the mistake found
+from the environment's own partial rewards; :mod:`.cliff` finds it with a judge instead).
 
-Cliff (AWS + UIUC) splits a trajectory at its first mistake: the correct prefix gets
-positive credit, everything from the mistake on gets negative credit, since after the
-first error the rest of the trajectory carries no information about what was right. SPADE
-environments pay partial rewards per ``step()``, so the mistake is located from them: the
-first step whose reward drops below the previous step's (the step before step 0 has
-reward ``initial_reward``)::
+After the first error the rest of a trajectory carries no information about what was
+right, so the trajectory is split there: the correct prefix gets positive credit,
+everything from the mistake on negative credit. SPADE environments pay partial rewards
+per ``step()``, so here the mistake is the first step whose reward drops below the
+previous step's (the step before step 0 has reward ``initial_reward``)::
 
     drop_is   = step_mask_is and r_is < r_i,s-1 - tolerance
-    m_i       = min{ s : drop_is }   (S when no step drops)
-    A_it      = prefix_advantage  if 0 <= step(t) < m_i
-              = suffix_advantage  if step(t) >= m_i
-              = 0                 if step(t) = -1 (prompt / observation / padding token)
+    m_i       = min{ s : drop_is }   (S when no step drops: all prefix)
+    A_it      = A_i + prefix_advantage  if 0 <= step(t) < m_i
+              = A_i + suffix_advantage  if step(t) >= m_i
+              = 0                       if step(t) = -1 (prompt / observation / padding)
 
-A trajectory without a drop is all prefix. The trainer typically adds this to the
-outcome advantage of the sequence (``A_outcome[:, None] + A_step``).
+with A_i the episode's outcome advantage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
+import numpy as np
 
-from spade_jax.rl.registry import Metrics, step_advantage_estimators
-
-Array = jax.Array
+from spade_jax.rl.episodes import EpisodeBatch, StepContext
+from spade_jax.rl.registry import Metrics, step_credits
 
 
 @dataclasses.dataclass(frozen=True)
 class FirstMistakeConfig:
-    """Settings of the first-mistake estimator.
+    """Settings of the reward-drop first-mistake credit.
 
     Attributes:
-      prefix_advantage: credit of tokens in steps before the first mistake (>= 0).
-      suffix_advantage: credit of tokens in the mistake step and after it (<= 0).
+      prefix_advantage: added to the tokens of steps before the first mistake (>= 0).
+      suffix_advantage: added to the tokens of the mistake step and after it (<= 0).
       tolerance: a drop smaller than this is not a mistake (reward noise).
       initial_reward: the reference the first step's reward is compared with.
     """
@@ -54,39 +51,44 @@ class FirstMistakeConfig:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
 
 
-@step_advantage_estimators.register("first_mistake", config=FirstMistakeConfig)
-def first_mistake_advantages(
-    step_rewards: Array, step_mask: Array, token_step: Array, cfg: FirstMistakeConfig
-) -> tuple[Array, Metrics]:
-    """Positive credit before the first reward drop, negative from it on; ``[B, T]``.
+def reward_drop_steps(
+    step_rewards_bs: np.ndarray, step_mask_bs: np.ndarray, tolerance: float, initial: float
+) -> np.ndarray:
+    """``[B]`` index of each episode's first reward drop, S where there is none."""
+    rewards_bs = np.asarray(step_rewards_bs, np.float64)
+    previous_bs = np.concatenate([np.full_like(rewards_bs[:, :1], initial),
+                                  rewards_bs[:, :-1]], axis=1)
+    drop_bs = (np.asarray(step_mask_bs) > 0) & (rewards_bs < previous_bs - tolerance)
+    return np.where(drop_bs.any(axis=1), np.argmax(drop_bs, axis=1), rewards_bs.shape[1])
 
-    Args:
-      step_rewards: ``[B, S]`` reward returned by each environment step.
-      step_mask: ``[B, S]`` 1 for steps that happened, 0 for padding after the episode.
-      token_step: ``[B, T]`` int, the step each token's action belongs to, -1 for none.
-    """
-    if step_rewards.ndim != 2 or step_mask.shape != step_rewards.shape:
-        raise ValueError(
-            f"step_rewards and step_mask must both be [B, S], got {step_rewards.shape} "
-            f"and {step_mask.shape}"
-        )
-    if token_step.ndim != 2 or token_step.shape[0] != step_rewards.shape[0]:
-        raise ValueError(
-            f"token_step must be [B, T] with B = {step_rewards.shape[0]}, got {token_step.shape}"
-        )
-    num_steps = step_rewards.shape[1]
-    rewards_bs = step_rewards.astype(jnp.float32)
-    initial_b1 = jnp.full_like(rewards_bs[:, :1], cfg.initial_reward)
-    previous_bs = jnp.concatenate([initial_b1, rewards_bs[:, :-1]], axis=1)
-    drop_bs = (step_mask > 0) & (rewards_bs < previous_bs - cfg.tolerance)
-    has_mistake_b = jnp.any(drop_bs, axis=1)
-    first_mistake_b = jnp.where(has_mistake_b, jnp.argmax(drop_bs, axis=1), num_steps)
-    before_mistake_bt = token_step < first_mistake_b[:, None]
-    credit_bt = jnp.where(before_mistake_bt, cfg.prefix_advantage, cfg.suffix_advantage)
-    advantages_bt = jnp.where(token_step >= 0, credit_bt, 0.0).astype(jnp.float32)
-    metrics = {
-        "mistake_frac": jnp.mean(has_mistake_b.astype(jnp.float32)),
-        "first_mistake_step": jnp.sum(jnp.where(has_mistake_b, first_mistake_b, 0))
-        / jnp.maximum(jnp.sum(has_mistake_b), 1),
+
+def split_at_mistake(
+    mistake_b: np.ndarray, token_step_bt: np.ndarray, prefix_bt: np.ndarray,
+    suffix_bt: np.ndarray,
+) -> np.ndarray:
+    """``[B, T]``: ``prefix`` on policy tokens of steps before the mistake, ``suffix`` from
+    it on, 0 on non-policy tokens (``prefix``/``suffix`` broadcast to [B, T])."""
+    before_bt = token_step_bt < np.asarray(mistake_b)[:, None]
+    credit_bt = np.where(before_bt, prefix_bt, suffix_bt)
+    return np.where(token_step_bt >= 0, credit_bt, 0.0)
+
+
+@step_credits.register("first_mistake", config=FirstMistakeConfig)
+def first_mistake_credit(
+    episodes: EpisodeBatch, outcome_advantages: np.ndarray, cfg: FirstMistakeConfig,
+    context: StepContext,
+) -> tuple[np.ndarray, Metrics]:
+    """Outcome advantage plus prefix / suffix credit around the first reward drop."""
+    del context
+    mistake_b = reward_drop_steps(episodes.step_rewards_bs, episodes.step_mask_bs,
+                                  cfg.tolerance, cfg.initial_reward)
+    outcome_b1 = np.asarray(outcome_advantages, np.float64)[:, None]
+    advantages_bt = split_at_mistake(mistake_b, episodes.token_step_bt,
+                                     outcome_b1 + cfg.prefix_advantage,
+                                     outcome_b1 + cfg.suffix_advantage)
+    has_mistake_b = mistake_b < episodes.step_rewards_bs.shape[1]
+    return advantages_bt, {
+        "mistake_frac": float(np.mean(has_mistake_b)),
+        "first_mistake_step": float(np.sum(np.where(has_mistake_b, mistake_b, 0))
+                                    / max(int(np.sum(has_mistake_b)), 1)),
     }
-    return advantages_bt, metrics

@@ -2,6 +2,9 @@
 reward of the other N-1 samples of its group::
 
     A_i = r_i - (1/(N-1)) sum_{j != i} r_j  =  N/(N-1) * (r_i - mean_j r_j)
+
+A group of one sample has no other sample to compare with: its advantage is 0 (a SPADE
+designer skill can have a single sample in a window).
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ class RLOOAdvantageConfig:
 def rloo_advantages(
     rewards: Array, group_size: int, cfg: RLOOAdvantageConfig
 ) -> tuple[Array, Metrics]:
-    """Leave-one-out baseline per sample; returns ``[B]``. Needs ``group_size >= 2``."""
+    """Leave-one-out baseline per sample; returns ``[B]`` (0 for groups of one)."""
     del cfg
-    if group_size < 2:
-        raise ValueError(f"RLOO needs group_size >= 2 for a leave-one-out mean, got {group_size}")
     rewards_gn = grouped(rewards, group_size)
+    if group_size == 1:
+        return jnp.zeros(rewards_gn.shape[0], jnp.float32), {"reward_mean": jnp.mean(rewards_gn)}
     others_sum_gn = jnp.sum(rewards_gn, axis=1, keepdims=True) - rewards_gn
     baseline_gn = others_sum_gn / (group_size - 1)
     advantages_gn = rewards_gn - baseline_gn

@@ -1,0 +1,357 @@
+"""The plan: the experiment's train step, sampler prefill and one decode step lowered with
+``jax.ShapeDtypeStruct`` inputs that carry the experiment's ``NamedSharding``s, compiled by
+the TPU compiler for a topology's abstract devices, and measured per chip. Nothing is
+allocated. The programs come from the public lowering entries of the trainer
+(``rl.train_step.TrainStep.lower``) and the sampler (``rollout.sampler.lower_prefill`` /
+``lower_decode_step``): the planner compiles exactly what a run executes.
+
+Peak bytes of a program = argument + output - aliased (donated) + temp. While the sampler
+runs, the Adam moments stay resident on the chip (the sampler reads the master params), so
+they are added to the sampler programs' peaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from spade_jax.aot.cost import (
+    Parallelism,
+    analytic_cost,
+    matmul_params,
+    next_pow2,
+    parallelism,
+    round_up,
+)
+from spade_jax.aot.topology import Topology, parse_topology, topology_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class AotConfig:
+    """What to compile.
+
+    Attributes:
+      experiment: experiment name (experiments/<name>.py) or path, ``name:arg`` allowed.
+      topology: slice name, e.g. "v5p-64", "v4-8", "v5e-16", "v6e-8".
+      overrides: ``section.field=value`` config overrides (as ``--set`` of the trainer).
+      train_batch: global train rows B (0 = microbatches x data-parallel ways, i.e. one
+        sequence per data-parallel chip per microbatch).
+      seq_len: train sequence length T (0 = the agent's ``max_episode_tokens``).
+      sample_batch: sampler rows (0 = agent episodes of a regeneration round = envs_per_round
+        x (plays_per_game + hint_plays), at most the agent sampler's ``max_rows``, rounded up to the
+        batch shards).
+      prompt_len: prefill length (0 = next power of two >= max_episode_tokens -
+        max_turn_tokens, the last turn's prompt).
+      new_tokens: decode buffer (0 = the agent sampler's ``max_new_tokens``).
+      hbm_fraction: a program fits when its peak is at most this share of HBM.
+      programs: which programs to compile, from "train", "prefill", "decode".
+    """
+
+    experiment: str
+    topology: str
+    overrides: tuple[str, ...] = ()
+    train_batch: int = 0
+    seq_len: int = 0
+    sample_batch: int = 0
+    prompt_len: int = 0
+    new_tokens: int = 0
+    hbm_fraction: float = 0.85
+    programs: tuple[str, ...] = ("train", "prefill", "decode")
+
+    def __post_init__(self) -> None:
+        parse_topology(self.topology)
+        for name in ("train_batch", "seq_len", "sample_batch", "prompt_len", "new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = derived), got {getattr(self, name)}")
+        if not 0 < self.hbm_fraction <= 1:
+            raise ValueError(f"hbm_fraction must be in (0, 1], got {self.hbm_fraction}")
+        unknown = set(self.programs) - {"train", "prefill", "decode"}
+        if unknown or not self.programs:
+            raise ValueError(f"programs must be a non-empty subset of train/prefill/decode, "
+                             f"got {self.programs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+    """One compiled program, per chip (XLA's memory_analysis / cost_analysis)."""
+
+    name: str
+    shape: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    resident_bytes: int  # other state live on the chip meanwhile (Adam moments)
+    flops: float
+    bytes_accessed: float
+    xla_optimal_seconds: float  # XLA's own estimate; negative when it has none (loops)
+    tokens: int  # tokens processed per call, whole slice
+    model_flops: float  # 6 (train) or 2 (sampler) x N_active x tokens, whole slice
+    compile_seconds: float
+    # Analytic counts (see ``analytic_cost``): XLA's cost analysis counts the body of a loop
+    # once, and the layers, microbatches and attention blocks are all loops.
+    hardware_flops: float = 0.0  # whole slice, recomputation included
+    hbm_traffic: float = 0.0  # bytes per chip, a lower bound
+    ici_traffic: float = 0.0  # bytes per chip received over ICI (collectives), a lower bound
+
+    @property
+    def peak_bytes(self) -> int:
+        return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+                + self.resident_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    experiment: str
+    topology: Topology
+    mesh_shape: dict[str, int]
+    params: int
+    active_params: int
+    hbm_fraction: float
+    programs: tuple[ProgramCost, ...]
+
+    def fits(self, program: ProgramCost) -> bool:
+        return program.peak_bytes <= self.hbm_fraction * self.topology.chip.hbm_bytes
+
+    def seconds(self, program: ProgramCost) -> float:
+        """Roofline step time: max(FLOPs / peak, HBM bytes / HBM bandwidth, ICI bytes / ICI
+        bandwidth) per chip from the analytic counts, i.e. perfect overlap of compute, memory
+        and communication: a lower bound on the step time, so MFU is an upper bound. Plans
+        written before the analytic counts existed fall back to XLA's (per-loop-trip) ones."""
+        chip = self.topology.chip
+        if program.hardware_flops:
+            return max(program.hardware_flops / self.topology.chips / chip.peak_flops,
+                       program.hbm_traffic / chip.hbm_bandwidth,
+                       program.ici_traffic / chip.ici_bandwidth)
+        return max(program.flops / chip.peak_flops, program.bytes_accessed / chip.hbm_bandwidth)
+
+    def bound(self, program: ProgramCost) -> str:
+        """Which roofline term sets :meth:`seconds`: "compute", "HBM" or "ICI"."""
+        chip = self.topology.chip
+        terms = {"compute": program.hardware_flops / self.topology.chips / chip.peak_flops,
+                 "HBM": program.hbm_traffic / chip.hbm_bandwidth,
+                 "ICI": program.ici_traffic / chip.ici_bandwidth}
+        return max(terms, key=terms.get)
+
+    def mfu(self, program: ProgramCost) -> float:
+        peak = self.topology.chips * self.topology.chip.peak_flops * self.seconds(program)
+        return program.model_flops / peak if peak > 0 else float("nan")
+
+    def tokens_per_second_per_chip(self, program: ProgramCost) -> float:
+        seconds = self.seconds(program)
+        return program.tokens / seconds / self.topology.chips if seconds > 0 else float("nan")
+
+
+def _sds(abstract: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs carrying ``shardings`` (a tree whose leaves may sit at nnx Variables)."""
+    import jax
+    from flax import nnx
+
+    def one(sharding, value):
+        def leaf(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        return jax.tree.map(leaf, value)
+
+    return jax.tree.map(one, shardings, abstract,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _bytes_per_chip(tree: Any) -> int:
+    """Bytes of one chip's shard of every ShapeDtypeStruct in ``tree``."""
+    import jax
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _program(name: str, shape: str, compiled, seconds: float, *, resident: int, tokens: int,
+             model_flops: float, **analytic: float) -> ProgramCost:
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return ProgramCost(
+        name=name, shape=shape,
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        resident_bytes=resident,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        xla_optimal_seconds=float(cost.get("optimal_seconds", -1.0)),
+        tokens=tokens, model_flops=model_flops, compile_seconds=seconds, **analytic,
+    )
+
+
+def _timed_compile(lowered, name: str) -> tuple[Any, float]:
+    start = time.time()
+    compiled = lowered.compile()
+    seconds = time.time() - start
+    print(f"[aot] compiled {name} in {seconds:.0f} s", file=sys.stderr, flush=True)
+    return compiled, seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    """What every program of one plan shares: the experiment on the slice's mesh."""
+
+    experiment: Any
+    arch: Any  # ModelConfig
+    options: Any  # ModelOptions
+    mesh: Any
+    rules: Any
+    train: Any  # TrainConfig
+    graphdef: Any  # the training model (remat as configured)
+    sample_graphdef: Any  # the sampling model (no remat)
+    state: Any  # abstract TrainState with its shardings
+    moments_bytes: int  # Adam moments per chip, resident while the sampler runs
+    par: Parallelism
+
+
+def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
+    """Loads the experiment and builds its abstract train state on the slice's mesh."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from spade_jax import sharding
+    from spade_jax.experiment import load_experiment, train_config_for_run
+    from spade_jax.models import abstract_model, preset
+    from spade_jax.rl.optim import MASTER_DTYPES, make_optimizer
+    from spade_jax.rl.train_step import TrainState
+
+    topology = parse_topology(config.topology)
+    experiment = load_experiment(config.experiment, list(config.overrides))
+    devices = list(devices) if devices is not None else topology_devices(topology)
+    mesh = sharding.make_mesh(experiment.mesh, devices)
+    rules = sharding.DEFAULT_RULES  # what spade.run trains with
+    spec = experiment.model
+    arch = preset(spec.preset) if spec.preset else spec.architecture
+    if arch is None:
+        raise ValueError(f"{experiment.name}: the plan needs model.preset or "
+                         "model.architecture (a checkpoint's shape is not read here)")
+    options = spec.options()
+    graphdef, abstract_params = nnx.split(abstract_model(arch, options))
+    # The sampler never differentiates, so remat changes nothing in its programs (and
+    # nnx.remat around a layer that writes the KV cache does not trace).
+    sample_graphdef, _ = nnx.split(abstract_model(arch, dataclasses.replace(options, remat=False)))
+    train = train_config_for_run(experiment)
+    master = MASTER_DTYPES[train.optimizer.master_dtype]
+    optimizer = make_optimizer(train.optimizer)
+
+    def fresh(params):
+        params = jax.tree.map(lambda p: p.astype(master), params)
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                          jax.random.PRNGKey(0))
+
+    state_abstract = jax.eval_shape(fresh, abstract_params)
+    state = _sds(state_abstract, sharding.tree_shardings(state_abstract, mesh, rules))
+    return _Setting(
+        experiment=experiment, arch=arch, options=options, mesh=mesh, rules=rules, train=train,
+        graphdef=graphdef, sample_graphdef=sample_graphdef, state=state,
+        moments_bytes=_bytes_per_chip(state.opt_state),
+        par=parallelism(dict(mesh.shape), len(devices), rules))
+
+
+def _train_program(config: AotConfig, s: _Setting) -> ProgramCost:
+    """The train step on a batch of B rows x T tokens, split over the data-parallel ways."""
+    import jax
+    import jax.numpy as jnp
+
+    from spade_jax import sharding
+    from spade_jax.rl.batch import TrainBatch
+    from spade_jax.rl.train_step import make_train_step
+
+    train, data_ways = s.train, s.par.batch
+    b = config.train_batch or train.microbatches * data_ways
+    t = config.seq_len or s.experiment.agent.max_episode_tokens
+    if b % (train.microbatches * data_ways):
+        raise ValueError(f"train_batch {b} must be a multiple of microbatches x data ways "
+                         f"= {train.microbatches} x {data_ways}")
+    rows = sharding.named_sharding(("batch",), s.mesh, s.rules)
+    rows2 = sharding.named_sharding(("batch", None), s.mesh, s.rules)
+
+    def abstract(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows2 if len(shape) == 2 else rows)
+
+    batch = TrainBatch(
+        input_ids=abstract((b, t), jnp.int32), loss_mask=abstract((b, t), jnp.float32),
+        old_logp=abstract((b, t), jnp.float32), advantages=abstract((b,), jnp.float32),
+        role_id=abstract((b,), jnp.int32), attention_mask=abstract((b, t), jnp.int32))
+    step = make_train_step(s.graphdef, train, s.mesh, s.rules)
+    compiled, seconds = _timed_compile(step.lower(s.state, batch), "train")
+    # The TPU compiler's cost analysis counts every trip of the microbatch scan (checked:
+    # M=1 and M=4 report the same FLOPs for the same batch).
+    return _program(
+        "train", f"B={b} T={t} M={train.microbatches}", compiled, seconds, resident=0,
+        tokens=b * t, **analytic_cost("train", s.arch, s.options, s.par, rows=b, length=t,
+                                      keys=t, microbatches=train.microbatches))
+
+
+def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
+    """The agent sampler's prefill of the last turn's prompt and one decode step."""
+    import jax
+
+    from spade_jax.rollout import sampler as sampler_lib
+
+    agent, spade = s.experiment.agent, s.experiment.spade
+    episodes = spade.envs_per_round * (spade.plays_per_game + spade.hint_plays)
+    b = round_up(config.sample_batch or min(episodes, agent.sampler.max_rows or episodes),
+                 s.par.batch)
+    p = config.prompt_len or next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
+    n = round_up(config.new_tokens or agent.sampler.max_new_tokens,
+                 agent.sampler.new_tokens_bucket)
+    # Sampling with the experiment's settings; router recording and top-k left out (the
+    # plan's programs are the plain agent sampler's).
+    sampler = dataclasses.replace(agent.sampler, max_new_tokens=n, top_k=0, return_router=False)
+    lowered = sampler_lib.lower_prefill(s.sample_graphdef, s.state.params, s.options, sampler,
+                                        rows=b, prompt_len=p, mesh=s.mesh, rules=s.rules)
+    compiled, seconds = _timed_compile(lowered, "prefill")
+    programs = []
+    if "prefill" in config.programs:
+        programs.append(_program(
+            "prefill", f"B={b} P={p} S={p + n}", compiled, seconds, resident=s.moments_bytes,
+            tokens=b * p, **analytic_cost("prefill", s.arch, s.options, s.par, rows=b,
+                                          length=p, keys=p + n)))
+    if "decode" in config.programs:
+        state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                             lowered.out_info[0], compiled.output_shardings[0])
+        lowered = sampler_lib.lower_decode_step(s.sample_graphdef, s.state.params, s.options,
+                                                sampler, state, mesh=s.mesh, rules=s.rules)
+        compiled, seconds = _timed_compile(lowered, "decode")
+        cache_itemsize = np.dtype(jax.tree.leaves(state.cache.k)[0].dtype).itemsize
+        programs.append(_program(
+            "decode", f"B={b} S={p + n} (1 token)", compiled, seconds,
+            resident=s.moments_bytes, tokens=b, **analytic_cost(
+                "decode", s.arch, s.options, s.par, rows=b, length=1, keys=p + n,
+                cache_itemsize=cache_itemsize)))
+    return programs
+
+
+def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
+    """Compiles the experiment's programs for ``config.topology`` and measures them.
+
+    ``devices`` defaults to libtpu's abstract devices of the topology (tests may pass CPU
+    devices to check the plumbing without libtpu).
+    """
+    s = _setting(config, devices)
+    programs: list[ProgramCost] = []
+    if "train" in config.programs:
+        programs.append(_train_program(config, s))
+    if {"prefill", "decode"} & set(config.programs):
+        programs += _sampler_programs(config, s)
+    return Plan(
+        experiment=s.experiment.name, topology=parse_topology(config.topology),
+        mesh_shape={k: int(v) for k, v in s.mesh.shape.items()},
+        params=s.arch.param_count(), active_params=matmul_params(s.arch),
+        hbm_fraction=config.hbm_fraction, programs=tuple(programs),
+    )

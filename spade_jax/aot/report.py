@@ -1,0 +1,116 @@
+"""Plans on disk and on screen: ``--json_out`` files (the compile results, re-costed later
+by today's cost model without recompiling), the per-chip report and the markdown table row."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from spade_jax.aot.cost import analytic_cost, parallelism, round_up
+from spade_jax.aot.planner import Plan, ProgramCost
+from spade_jax.aot.topology import GIB, parse_topology
+
+
+def write_plan(result: Plan, path: str) -> None:
+    """The plan's raw numbers as JSON (re-reported later without recompiling)."""
+    import json
+
+    data = dataclasses.asdict(result)
+    data["topology"] = result.topology.name
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def recost(result: Plan, overrides: tuple[str, ...] = ()) -> Plan:
+    """The stored compile results with the analytic counts recomputed by today's
+    :func:`analytic_cost` (memory is the compiler's; the cost model can improve later).
+    Shapes come from each program's ``shape`` string, the model from the experiment."""
+    import re
+
+    from spade_jax.experiment import load_experiment
+    from spade_jax.models import preset
+
+    experiment = load_experiment(result.experiment, list(overrides))
+    spec = experiment.model
+    arch = preset(spec.preset) if spec.preset else spec.architecture
+    par = parallelism(result.mesh_shape, result.topology.chips)
+    cache = experiment.agent.sampler.cache_dtype or spec.dtype
+    programs = []
+    for p in result.programs:
+        dims = {k: int(v) for k, v in re.findall(r"([A-Z])=(\d+)", p.shape)}
+        if p.name == "train":
+            cost = analytic_cost("train", arch, spec.options(), par, rows=dims["B"],
+                                 length=dims["T"], keys=dims["T"], microbatches=dims["M"])
+        elif p.name == "prefill":
+            keys = dims.get("S") or dims["P"] + round_up(  # (older plans: no S label)
+                experiment.agent.sampler.max_new_tokens, experiment.agent.sampler.new_tokens_bucket)
+            cost = analytic_cost("prefill", arch, spec.options(), par, rows=dims["B"],
+                                 length=dims["P"], keys=keys)
+        else:
+            cost = analytic_cost("decode", arch, spec.options(), par, rows=dims["B"], length=1,
+                                 keys=dims["S"], cache_itemsize=_itemsize(cache))
+        programs.append(dataclasses.replace(p, **cost))
+    return dataclasses.replace(result, programs=tuple(programs))
+
+
+def _itemsize(dtype: str) -> int:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype).itemsize
+
+
+def read_plan(path: str) -> Plan:
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    data["topology"] = parse_topology(data["topology"])
+    data["programs"] = tuple(ProgramCost(**p) for p in data["programs"])
+    return Plan(**data)
+
+
+def format_plan(result: Plan) -> str:
+    """A per-chip report, one block per program."""
+    from spade_jax.models.config import human_count
+
+    topo = result.topology
+    hbm = topo.chip.hbm_bytes
+    lines = [
+        f"{result.experiment} on {topo.name} ({topo.chips} chips {topo.libtpu_topology}, "
+        f"{hbm / GIB:.0f} GiB HBM, {topo.chip.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip)",
+        f"mesh {result.mesh_shape}; {human_count(result.params)} params, "
+        f"{human_count(result.active_params)} active per token",
+    ]
+    for p in result.programs:
+        verdict = "fits" if result.fits(p) else "DOES NOT FIT"
+        lines += [
+            f"  {p.name:8s} {p.shape}  (compiled in {p.compile_seconds:.0f} s)",
+            f"    per chip: arguments {p.argument_bytes / GIB:.2f} GiB, outputs "
+            f"{p.output_bytes / GIB:.2f} GiB (aliased {p.alias_bytes / GIB:.2f}), temp "
+            f"{p.temp_bytes / GIB:.2f} GiB, resident {p.resident_bytes / GIB:.2f} GiB",
+            f"    peak {p.peak_bytes / GIB:.2f} GiB = {100 * p.peak_bytes / hbm:.1f}% of HBM "
+            f"(limit {100 * result.hbm_fraction:.0f}%): {verdict}",
+            f"    XLA (each loop body counted once): {p.flops / 1e12:.3f} TFLOP, "
+            f"{p.bytes_accessed / GIB:.2f} GiB accessed per chip, optimal_seconds "
+            f"{p.xla_optimal_seconds * 1e3:,.1f} ms",
+            f"    analytic per chip: {p.hardware_flops / topo.chips / 1e12:,.1f} TFLOP, HBM "
+            f"{p.hbm_traffic / GIB:,.1f} GiB, ICI {p.ici_traffic / GIB:,.1f} GiB",
+            f"    roofline {result.seconds(p) * 1e3:,.1f} ms ({result.bound(p)}-bound); MFU at "
+            f"most {100 * result.mfu(p):.1f}%, {result.tokens_per_second_per_chip(p):,.0f} "
+            f"tokens/s/chip",
+        ]
+    return "\n".join(lines)
+
+
+TABLE_HEADER = ("| experiment | topology | mesh | train step | prefill | decode (1 token) |\n"
+                "|---|---|---|---|---|---|")
+
+
+def table_row(result: Plan) -> str:
+    """One markdown row: experiment | topology | mesh | per-program HBM%, ms, MFU."""
+    cells = [result.experiment, result.topology.name,
+             "x".join(f"{k}{v}" for k, v in result.mesh_shape.items() if v > 1) or "1"]
+    for p in result.programs:
+        hbm = 100 * p.peak_bytes / result.topology.chip.hbm_bytes
+        cells.append(f"{p.name}: {hbm:.0f}% HBM, {result.seconds(p) * 1e3:,.1f} ms "
+                     f"({result.bound(p)}), MFU ≤{100 * result.mfu(p):.0f}%")
+    return "| " + " | ".join(cells) + " |"

@@ -1,0 +1,143 @@
+"""What one SPADE round logs (``metrics.jsonl``, one object per round).
+
+Every round logs the same core keys (NaN when a round has nothing to measure), so a
+stretch with nothing to score shows as a gap in the curves, not a missing key.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from spade_jax.spade import env_stats
+from spade_jax.spade.diversity import ProgramFeaturiser, normalized_vendi_score
+from spade_jax.spade.window import Window, game_stats
+
+NAN = float("nan")
+_FEATURISER = ProgramFeaturiser()
+
+
+class PhaseTimer:
+    """``with timer("design"): ...`` accumulates wall seconds per phase name."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if len(values) else NAN
+
+
+def design_metrics(attempts: Sequence[Any], window: Window, regeneration: bool) -> dict[str, float]:
+    """Validity of this round's designer attempts (rejection sampling included)."""
+    if not regeneration:
+        return {"validity_rate": NAN}
+    m = {"candidates": float(len(attempts)), "valid_envs": float(len(window.games)),
+         "validity_rate": (sum(a.verdict.ok for a in attempts) / len(attempts)) if attempts
+         else (1.0 if window.games else NAN)}
+    for label, count in collections.Counter(a.verdict.label for a in attempts
+                                            if not a.verdict.ok).items():
+        m[f"invalid/{label}"] = float(count)
+    m["hints_written"] = float(sum(g.hint is not None for g in window.games))
+    # Reward levels of the new PROGRAMS (sandbox probes; the paper's metric).
+    levels = [g.reward_levels for g in window.games if math.isfinite(g.reward_levels)]
+    partial = [g.strict_partial_levels for g in window.games
+               if math.isfinite(g.strict_partial_levels)]
+    m["program_reward_levels_mean"] = _mean(levels)
+    m["program_strict_partial_levels_mean"] = _mean(partial)
+    sources = [g.program for g in window.games]
+    try:
+        m["vendi_per_n"] = normalized_vendi_score(_FEATURISER(sources)) if sources else NAN
+    except ValueError:
+        m["vendi_per_n"] = NAN
+    return m
+
+
+def window_metrics(window: Window, step: int) -> dict[str, float]:
+    """The current window's games as measured so far (matched-timing regret, win rate)."""
+    stats = [game_stats(g) for g in window.games if g.verdict.ok and g.returns_by_offset[0]]
+    regrets = np.array([s.regret for s in stats])
+    reveals = [env_stats.physics_formula_reveal(g.opening_observation, source=g.program,
+                                                skill=g.skill)
+               for g in window.games if g.opening_observation]
+    levels = [env_stats.agent_return_levels(sum(g.returns_by_offset, [])) for g in window.games
+              if any(g.returns_by_offset)]
+    return {
+        "window/offset": float(step - window.start),
+        "window/games": float(len(stats)),
+        "regret_raw_mean": _mean(regrets),
+        "regret_clipped_mean": _mean(np.clip(regrets, 0.0, 1.0)),
+        "regret_negative_share": _mean(regrets < 0),
+        "return_hint_mean": _mean([s.hint_mean for s in stats if s.plays]),
+        "win_rate_mean": _mean([s.mean_return for s in stats]),
+        "solve_rate_mean": _mean([s.solve_rate for s in stats]),
+        # Labelled for what they are: distinct returns the AGENT obtained (the program's
+        # own levels are the probed program_reward_levels_mean).
+        "agent_return_levels_mean": _mean(levels),
+        # Over physics-style environments only (NaN when the window has none).
+        "formula_reveal_rate": env_stats.formula_reveal_rate(reveals),
+    }
+
+
+def play_metrics(records: Sequence[Any]) -> dict[str, float]:
+    no_hint = [r.return_ for r in records if not r.hinted]
+    return {
+        "return_no_hint_mean": _mean(no_hint),
+        "episodes/no_hint": float(len(no_hint)),
+        "episodes/hint": float(sum(r.hinted for r in records)),
+        "tokens/agent_generated": float(sum(r.cost.tokens_generated for r in records)),
+        "agent/parse_failures": float(sum(r.cost.parse_failures for r in records)),
+        "agent/env_seconds": float(sum(r.cost.env_seconds for r in records)),
+    }
+
+
+def scored_metrics(scored: Sequence[Any]) -> dict[str, float]:
+    """The designer reward rule's parts, averaged over the games scored this round."""
+    m = {"designer/scored_games": float(len(scored)),
+         "designer/total_mean": _mean([float(s.result.total) for s in scored])}
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    for s in scored:
+        for key, value in s.result.as_metrics().items():
+            parts[key].append(float(value))
+    m.update({f"designer/{k}_mean": _mean(v) for k, v in parts.items() if k != "total"})
+    return m
+
+
+def round_metrics(loop: Any, *, step: int, window: Window, attempts: Sequence[Any],
+                  records: Sequence[Any], scored: Sequence[Any], num_agent: int,
+                  num_designer: int, update_metrics: dict[str, float],
+                  times: dict[str, float]) -> dict[str, float]:
+    cfg = loop.config
+    m: dict[str, float] = {}
+    m.update(design_metrics(attempts, window, cfg.is_regeneration(step)))
+    m.update(window_metrics(window, step))
+    m.update(play_metrics(records))
+    m.update(scored_metrics(scored))
+    # Win rate of a game in this round = its mean episode score (the recipe's); the logged
+    # share pools the last ``learnable_window`` rounds.
+    offset = step - window.start
+    m["learnable_share"] = loop.learnable.record_step(
+        [float(np.mean(g.returns_by_offset[offset])) for g in window.games
+         if g.verdict.ok and g.returns_by_offset[offset]])
+    m["batch/agent"], m["batch/designer"] = float(num_agent), float(num_designer)
+    m["designer/pending"] = float(sum(len(p.samples) for p in loop.pending))
+    m["tokens/designer_generated"] = float(sum(len(a.output_ids) for a in attempts))
+    for name, count in loop.memory.regime_counts().items():
+        m[f"memory/{name}"] = float(count)
+    m.update({f"train/{k}": v for k, v in update_metrics.items()})
+    m.update({f"time/{k}": v for k, v in times.items()})
+    return m

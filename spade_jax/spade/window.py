@@ -1,0 +1,176 @@
+"""The state a regeneration window carries between rounds, as plain JSON-able dataclasses.
+
+    Game            one validated program of a window: its hint, the cached hint-arm
+                    returns (played once, at the regeneration round) and the no-hint
+                    returns of every round of the window (offset 0 first)
+    Window          the games written at round ``start``, played until the next regeneration
+    DesignerSample  one designer output to train (a valid program, or an invalid attempt
+                    under the paper text's penalty), waiting for its delayed update
+    Pending         the designer samples written at round ``produced_at``: scored and trained
+                    at round ``produced_at + designer_delay`` from their window's statistics
+    GameStats       what the loop itself measures of a game (regret, win rate...) for memory
+                    and metrics, independent of the designer reward rule
+
+Everything resumes from ``to_json`` / ``from_json``: there is no random state to carry,
+since every draw of a round is seeded from (experiment seed, round, phase, index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+class Outcome(enum.StrEnum):
+    """What became of a designer attempt or a game: valid, or why not."""
+
+    VALID = "valid"
+    PARSE_ERROR = "parse_error"  # the reply holds no program in the expected format
+    INVALID = "invalid"  # the sandbox's validation rejected the program
+    LOAD_ERROR = "load_error"  # validated, but a copy failed to open for play
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """An outcome and its reason code (``""`` for a valid one), e.g. (INVALID, "timeout")."""
+
+    outcome: Outcome
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.VALID
+
+    @property
+    def label(self) -> str:
+        """Metric key suffix: the outcome, plus the reason code when there is one."""
+        return f"{self.outcome.value}/{self.reason}" if self.reason else self.outcome.value
+
+    def to_json(self) -> list[str]:
+        return [self.outcome.value, self.reason]
+
+    @classmethod
+    def from_json(cls, data: Sequence[str]) -> Verdict:
+        return cls(Outcome(data[0]), data[1])
+
+
+VALID = Verdict(Outcome.VALID)
+
+
+@dataclasses.dataclass
+class Game:
+    """A validated program of a window and the agent's returns on it so far."""
+
+    env_id: str
+    slot: int
+    skill: str
+    program: str
+    hint: str | None  # None: no hint arm (hint_mode "none", or the hint writer failed)
+    doc_ids: tuple[str, ...]
+    returns_by_offset: list[list[float]]  # no-hint returns per round of the window
+    hint_returns: list[float] = dataclasses.field(default_factory=list)
+    opening_observation: str = ""
+    verdict: Verdict = VALID  # LOAD_ERROR once a copy failed to open: never played again
+    # Reward levels of the PROGRAM, probed in the sandbox with seeded scripted play at the
+    # regeneration round (NaN: not probed, or the probe could not play it).
+    reward_levels: float = float("nan")
+    strict_partial_levels: float = float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["doc_ids"], data["verdict"] = list(self.doc_ids), self.verdict.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Game:
+        return cls(**{**data, "doc_ids": tuple(data["doc_ids"]),
+                      "verdict": Verdict.from_json(data["verdict"])})
+
+
+@dataclasses.dataclass
+class Window:
+    """The games written at round ``start``; played every round until the next one."""
+
+    start: int
+    games: list[Game]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start": self.start, "games": [g.to_json() for g in self.games]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Window:
+        return cls(int(data["start"]), [Game.from_json(g) for g in data["games"]])
+
+
+@dataclasses.dataclass
+class DesignerSample:
+    """A designer output to train: prompt, sampled tokens and their sampler log-probs."""
+
+    slot: int
+    skill: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    env_id: str | None  # the game it wrote; None for an invalid attempt (penalty only)
+    verdict: Verdict = VALID
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["verdict"] = self.verdict.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DesignerSample:
+        return cls(**{**data, "verdict": Verdict.from_json(data["verdict"])})
+
+
+@dataclasses.dataclass
+class Pending:
+    """Designer samples written at round ``produced_at`` (a regeneration round)."""
+
+    produced_at: int
+    samples: list[DesignerSample]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"produced_at": self.produced_at, "samples": [s.to_json() for s in self.samples]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Pending:
+        return cls(int(data["produced_at"]), [DesignerSample.from_json(s) for s in data["samples"]])
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if len(values) else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GameStats:
+    """The loop's own measurements of one game over its window (the recipe's definitions;
+    an empty set of returns has mean 0). They feed memory and metrics, never the reward.
+
+    hint_mean: mean hint-arm return; offset0_mean: mean no-hint return of the
+    regeneration round; regret = hint_mean - offset0_mean (matched timing);
+    mean_return: mean of every no-hint return of the window so far; solve_rate: share of
+    those returns > 0 (a win); plays: how many there were.
+    """
+
+    hint_mean: float
+    offset0_mean: float
+    regret: float
+    mean_return: float
+    solve_rate: float
+    plays: int
+
+
+def game_stats(game: Game) -> GameStats:
+    window_returns = [r for step in game.returns_by_offset for r in step]
+    hint_mean = _mean(game.hint_returns)
+    offset0 = _mean(game.returns_by_offset[0]) if game.returns_by_offset else 0.0
+    solved = [r > 0 for r in window_returns]
+    return GameStats(hint_mean=hint_mean, offset0_mean=offset0, regret=hint_mean - offset0,
+                     mean_return=_mean(window_returns), solve_rate=_mean(solved),
+                     plays=len(window_returns))
