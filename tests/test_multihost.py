@@ -26,6 +26,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_HOSTS = 2
+# Every test reads the one two-process JAX run of the `hosts` fixture.
+pytestmark = pytest.mark.slow
 
 
 # ---- the worker (runs in each subprocess) --------------------------------------------------

@@ -76,6 +76,7 @@ def test_main_command_runs_reports_and_resumes(tmp_path):
     assert [row["step"] for row in _rounds(workdir)] == [0, 1, 2]
 
 
+@pytest.mark.slow  # JAX subprocesses (~14 s loaded)
 def test_bad_flags_get_clear_errors(tmp_path):
     r = _train(tmp_path / "x", "--set", "spade.roundz=3", timeout=120)
     assert r.returncode == 2 and "roundz" in r.stderr
