@@ -30,7 +30,6 @@ import typing
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
-from test_rollout_agent_loop import model, tokenizer  # noqa: F401 - shared fixtures
 
 from spade_jax.envs import EnvPool, EnvProgramError, SandboxConfig, make_env, validate_program
 from spade_jax.envs.contract import detect_contract
@@ -641,7 +640,7 @@ def test_reference_designer_user_prompt():
         reference_designer_user_prompt("logic", [], [{"program": "x"}], max_doc_chars=10)
 
 
-def test_run_episodes_plays_a_recipe_game_the_recipe_way(model, tokenizer, pool):  # noqa: F811
+def test_run_episodes_plays_a_recipe_game_the_recipe_way(chat_model, chat_tokenizer, pool):
     """The agent loop with the recipe's interface: the first turn framed by the template,
     boxed parsing by default, and a return equal to the recipe's score (the game pays 0.4
     per unboxed turn, which must not count)."""
@@ -652,15 +651,15 @@ def test_run_episodes_plays_a_recipe_game_the_recipe_way(model, tokenizer, pool)
                               compact_batch=False),
     )  # fmt: skip
     env = make_env(SHAPED, pool, contract="reference", max_turns=3)
-    (rec,) = run_episodes(model, tokenizer, [EpisodeSpec(env, "shaped", 0)], config)
+    (rec,) = run_episodes(chat_model, chat_tokenizer, [EpisodeSpec(env, "shaped", 0)], config)
     env.close()
     first = REFERENCE_AGENT_FIRST_TURN_TEMPLATE.replace("{observation}", rec.observations[0])
-    opening = list(tokenizer.apply_chat_template(
+    opening = list(chat_tokenizer.apply_chat_template(
         [{"role": "user", "content": first}], add_generation_prompt=True, enable_thinking=False))
     assert rec.token_ids[:len(opening)] == opening
     parse = ActionParser(action_format="boxed")
     for (start, end), action in zip(rec.turn_spans, rec.actions, strict=True):
-        text = tokenizer.decode(rec.token_ids[start:end], skip_special_tokens=True)
+        text = chat_tokenizer.decode(rec.token_ids[start:end], skip_special_tokens=True)
         assert action == parse(text)[0]
     assert rec.cost.parse_failures == rec.cost.turns == 3  # a random policy writes no box
     assert rec.observations[1:] == ["keep going"] * 3

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import gymnasium
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from spade_jax.models import ModelConfig, abstract_model
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import (
     ActionParser,
@@ -18,7 +16,6 @@ from spade_jax.rollout.agent_loop import (
     EpisodeSpec,
     run_episodes,
 )
-from spade_jax.tokenizers import train_sentencepiece
 
 TEMPERATURE = 0.9
 TURN_TOKENS = 6
@@ -43,25 +40,14 @@ class ScriptedEnv(gymnasium.Env):
                 last and self.end == "terminated", last and self.end == "truncated", {})
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    text = ["alpha start seed obs beta gamma 0 1 2 3 4 5 6 7 8 9 " * 4, "user assistant\n"]
-    return train_sentencepiece(text, tmp_path_factory.mktemp("spm") / "tok", vocab_size=300)
+@pytest.fixture
+def tokenizer(chat_tokenizer):
+    return chat_tokenizer  # conftest.py: shared with the envs tests
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    """A random dense model, filled from NumPy (eager nnx init compiles op by op: slow)."""
-    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48)
-    graphdef, shapes = nnx.split(abstract_model(cfg))
-    rs = np.random.RandomState(0)
-
-    def fill(x):  # norms (1-D) near 1, matrices small
-        noise = rs.normal(0, 0.1, x.shape)
-        return jnp.asarray((1 + noise if len(x.shape) == 1 else noise).astype(x.dtype))
-
-    return nnx.merge(graphdef, jax.tree.map(fill, shapes))
+@pytest.fixture
+def model(chat_model):
+    return chat_model
 
 
 def _chatml(role: str, content: str) -> str:

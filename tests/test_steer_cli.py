@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_steering_model import PLANTED, TOP_K, planted_moe
+from planted_moe import PLANTED, TOP_K, planted_moe
 
 from spade_jax.models import save_hf
 from spade_jax.steer import main

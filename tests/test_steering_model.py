@@ -1,6 +1,6 @@
 """Steering wired to a real Qwen3 MoE: a planted behaviour, telemetry capture, the judge.
 
-The planted model (``planted_moe``) is built by hand so every claim has a known answer:
+The planted model (``planted_moe``, in ``tests/planted_moe.py``) is built by hand so every claim has a known answer:
 
 * attention output projections are zero, so each position sees only its own token;
 * token ``t``'s embedding is ``a * e_0 * (+1 if t in B else -1) + e_2 + e_{3+t}`` (one-hot);
@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from planted_moe import NUM_EXPERTS, PLANTED, TOP_K, planted_moe
 
-from spade_jax.models import ModelConfig, Qwen3, abstract_model
 from spade_jax.rollout import generate
 from spade_jax.steering import make_steering_hook
 from spade_jax.steering.capture import (
@@ -46,58 +43,6 @@ from spade_jax.steering.labels import BEHAVIOURS, PolicyJudge, label_trace_with_
 from spade_jax.steering.probe import group_split, probe_router_layers
 from spade_jax.steering.schedule import TokenPatternDetector
 from spade_jax.steering.telemetry import TelemetryReader, TelemetryWriter
-
-NUM_EXPERTS, TOP_K = 8, 2
-PLANTED = (2, 5)
-
-
-def planted_moe(vocab_size: int, behaviour: set[int], target: int,
-                successor: dict[int, int], seed: int = 0) -> Qwen3:
-    """The hand-built MoE of the module docstring (hidden size = vocab + 3)."""
-    d = vocab_size + 3
-    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=vocab_size, hidden_size=d,
-                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
-                      intermediate_size=16, num_experts=NUM_EXPERTS,
-                      num_experts_per_tok=TOP_K, moe_intermediate_size=4, norm_topk_prob=True,
-                      max_position_embeddings=512)
-    # Built from the abstract structure: eager random init of every tensor costs ~10 s on
-    # CPU and every weight is overwritten anyway (attention q/k/v do not matter: o = 0).
-    graphdef, abstract = nnx.split(abstract_model(cfg))
-    zeros_or_ones = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: (jnp.ones if "weight" in jax.tree_util.keystr(path) else jnp.zeros)(
-            leaf.shape, leaf.dtype), abstract)
-    model = nnx.merge(graphdef, zeros_or_ones)
-    rng = np.random.default_rng(seed)
-    embed = np.zeros((vocab_size, d), np.float32)
-    embed[:, 0] = np.where(np.isin(np.arange(vocab_size), list(behaviour)), 2.0, -2.0)
-    embed[:, 2] = 1.0
-    embed[np.arange(vocab_size), 3 + np.arange(vocab_size)] = 1.0
-    router = np.zeros((d, NUM_EXPERTS), np.float32)
-    router[3:] = 0.3 * rng.normal(size=(vocab_size, NUM_EXPERTS))
-    router[:, list(PLANTED)] = 0.0
-    router[0, list(PLANTED)] = 4.0
-    gate = np.zeros((NUM_EXPERTS, d, 4), np.float32)
-    down = np.zeros((NUM_EXPERTS, 4, d), np.float32)
-    for e in PLANTED:
-        gate[e, 2, :] = 3.0
-        down[e, :, 1] = 5.0
-    head = np.zeros((d, vocab_size), np.float32)
-    head[1, target] = 1.0
-    for t, nxt in successor.items():
-        head[3 + t, nxt] = 1.0
-
-    def put(param, value):
-        param[...] = jnp.asarray(value, param[...].dtype)
-
-    put(model.embed_vd, embed)
-    put(model.lm_head_dv, head)
-    for i, layer in enumerate(model.layers):
-        put(layer.moe.router_de, router if i == 0 else np.zeros_like(router))
-        put(layer.moe.gate_edf, gate if i == 0 else np.zeros_like(gate))
-        put(layer.moe.up_edf, gate if i == 0 else np.zeros_like(gate))
-        put(layer.moe.down_efd, down if i == 0 else np.zeros_like(down))
-    return model
-
 
 V, X, B = 24, 20, {3, 9, 15}
 # t -> t + 1 skipping X; after X the chain restarts at 4, so X recurs every 7 tokens.
