@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NUM_HOSTS, DEVICES_PER_HOST = 2, 2
 EOS = 0
 

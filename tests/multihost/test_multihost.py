@@ -24,7 +24,7 @@ from typing import Any
 import gymnasium
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NUM_HOSTS = 2
 # Every test reads the one two-process JAX run of the `hosts` fixture.
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ from spade_jax.rl.train_step import init_train_state, make_train_step
 from spade_jax.rl.update_rule import PARTS, Group, apply_rule
 from spade_jax.rollout.records import EpisodeRecord
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _loop_takes_rules() -> bool:
@@ -182,7 +182,7 @@ def test_every_built_in_part_runs_in_scripted_spade_rounds():
     --set on the tiny experiment, runs in two scripted rounds (no model)."""
     import dataclasses
 
-    from test_spade_loop import ALL_VALID, ScriptedPolicy, _loop
+    from spade.test_loop import ALL_VALID, ScriptedPolicy, _loop  # tests/spade/test_loop.py
 
     from spade_jax.envs import EnvPool, SandboxConfig
 

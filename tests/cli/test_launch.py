@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "tpu.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "tpu.py"
 SLICE = ["--name=spade30b", "--zone=us-east5-a", "--accelerator=v5p-64", "--dry_run"]
 
 

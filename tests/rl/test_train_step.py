@@ -33,7 +33,7 @@ from spade_jax.rl.train_step import (
     shard_batch,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 24
 
 

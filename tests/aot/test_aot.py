@@ -23,7 +23,7 @@ import pytest
 from spade_jax import aot, distributed
 from spade_jax.experiment import load_experiment
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="libtpu not installed (pip install libtpu==0.0.42.1): no TPU compiler on this host")

@@ -19,7 +19,7 @@ from spade_jax.envs import (
     validate_program,
 )
 
-VALID_DIR = pathlib.Path(__file__).parent / "envs_fixtures" / "valid"
+VALID_DIR = pathlib.Path(__file__).parent / "fixtures" / "valid"
 VALID = sorted(VALID_DIR.glob("*.py"))
 
 

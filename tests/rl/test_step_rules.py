@@ -338,7 +338,7 @@ def test_apply_rule_filters_estimates_credits_and_groups():
 def test_every_built_in_part_is_registered_and_documented():
     from pathlib import Path
 
-    doc = (Path(__file__).parents[1] / "docs" / "update_rules.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "update_rules.md").read_text()
     for name, reg in (("group_filters", rl.group_filters),
                       ("advantage_estimators", rl.advantage_estimators),
                       ("step_credits", rl.step_credits),
