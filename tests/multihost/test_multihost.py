@@ -6,7 +6,7 @@ retried, a persistent one stops both hosts with a clear error); the trained toke
 process 0's; host seeds (and so the sandbox pools' seeds) differ; agree() round-trips
 ints, strings, lists of strings and bytes; only process 0 writes metrics and INFO logs.
 
-The same file is the worker: ``python tests/test_multihost.py OUT_DIR`` with
+The same file is the worker: ``python tests/multihost/test_multihost.py OUT_DIR`` with
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set, as a TPU-pod launch
 would set them, so ``distributed.maybe_initialize()`` is exercised too.
 """

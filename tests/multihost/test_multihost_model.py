@@ -13,7 +13,7 @@ parameters as the single process; each episode was reset and stepped on exactly 
 (its owner), the hosts' shares cover the batch; an env deadline that fires on its owner
 only is everyone's outcome (both hosts end that episode the same way, the streams agree).
 
-The same file is the worker: ``python tests/test_multihost_model.py CKPT OUT_DIR``.
+The same file is the worker: ``python tests/multihost/test_multihost_model.py CKPT OUT_DIR``.
 """
 
 from __future__ import annotations
