@@ -58,6 +58,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # CLI subprocesses (~12 s in the fast-tier run)
 def test_cli_with_scripted_policy(tmp_path):
     math_file = _write(tmp_path / "aime.jsonl", [
         json.dumps({"id": "p1", "problem": "CLI-ONE", "answer": "12"}),

@@ -640,6 +640,7 @@ def test_reference_designer_user_prompt():
         reference_designer_user_prompt("logic", [], [{"program": "x"}], max_doc_chars=10)
 
 
+@pytest.mark.slow  # ~16 s: compiles the sampler for the chat model
 def test_run_episodes_plays_a_recipe_game_the_recipe_way(chat_model, chat_tokenizer, pool):
     """The agent loop with the recipe's interface: the first turn framed by the template,
     boxed parsing by default, and a return equal to the recipe's score (the game pays 0.4

@@ -137,6 +137,7 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+@pytest.mark.slow  # three CLI subprocesses (~21 s in the fast-tier run)
 def test_cli_killed_mid_run_then_resumed_equals_uninterrupted(tmp_path):
     tasks = _tasks_file(tmp_path / "tasks.jsonl", extra=6)
     script = tmp_path / "policy.json"
