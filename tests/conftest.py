@@ -1,11 +1,47 @@
-"""Test-wide setup: 8 simulated CPU devices for the sharded tests.
+"""Test-wide setup: 8 simulated CPU devices for the sharded tests, and the session fixtures
+that several test files share (built once per pytest run, so their compiles are paid once).
 
-The flag must be set before JAX initialises its backend, hence here and not in a fixture.
+The device flag must be set before JAX initialises its backend, hence at import and not in
+a fixture.
 """
 
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """A 300-piece sentencepiece tokenizer with the chat-template tokens (agent-loop tests)."""
+    from spade_jax.tokenizers import train_sentencepiece
+
+    text = ["alpha start seed obs beta gamma 0 1 2 3 4 5 6 7 8 9 " * 4, "user assistant\n"]
+    return train_sentencepiece(text, tmp_path_factory.mktemp("spm") / "tok", vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def chat_model(chat_tokenizer):
+    """A random 2-layer dense Qwen3 over ``chat_tokenizer``'s vocabulary, filled from NumPy
+    (eager nnx init compiles op by op: slow). Shared by the rollout and envs tests."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from spade_jax.models import ModelConfig, abstract_model
+
+    cfg = ModelConfig(vocab_size=chat_tokenizer.vocab_size, hidden_size=32, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48)
+    graphdef, shapes = nnx.split(abstract_model(cfg))
+    rs = np.random.RandomState(0)
+
+    def fill(x):  # norms (1-D) near 1, matrices small
+        noise = rs.normal(0, 0.1, x.shape)
+        return jnp.asarray((1 + noise if len(x.shape) == 1 else noise).astype(x.dtype))
+
+    return nnx.merge(graphdef, jax.tree.map(fill, shapes))

@@ -213,6 +213,7 @@ def straight_run(toy_root) -> dict[str, np.ndarray]:
     return _load(run_dir / "final.npz")
 
 
+@pytest.mark.slow  # JAX subprocesses
 def test_resume_after_kill_9_is_bitwise_identical(toy_root, straight_run):
     tmp_path = toy_root / "killed"
     proc = _start_toy(tmp_path, 6, "--block-after", "3")
@@ -237,6 +238,7 @@ def test_resume_after_kill_9_is_bitwise_identical(toy_root, straight_run):
     assert not np.array_equal(resumed["['params']['w1']"], straight_run["['params']['w1']"])
 
 
+@pytest.mark.slow  # JAX subprocesses
 def test_sigterm_saves_at_next_step_and_resume_is_bitwise_identical(toy_root, straight_run):
     tmp_path = toy_root / "sigterm"
     proc = _start_toy(tmp_path, 6, "--wait-for-sigterm-after", "2")

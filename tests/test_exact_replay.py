@@ -41,6 +41,7 @@ def exact_report(tmp_path_factory):
     return _run_driver(tmp_path_factory)
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_ordered_ops_sum_left_to_right_and_ignore_batch_shape(exact_report):
     assert exact_report["exact_cpu_math"]
     assert exact_report["numerics"] == dict(
@@ -48,12 +49,14 @@ def test_ordered_ops_sum_left_to_right_and_ignore_batch_shape(exact_report):
         position={"exp": 0, "log": 0})
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 @pytest.mark.parametrize("layers", ["loop", "scan"])
 def test_kv_cache_decode_is_bit_identical_to_forward(exact_report, layers):
     report = exact_report["decode"][layers]
     assert report["tokens"] > 0 and report["logits_diff"] == 0
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_router_replay_reproduces_sampler_logprobs_exactly(exact_report):
     report = exact_report["replay"]["invariant"]
     assert report["tokens"] >= 90
@@ -66,6 +69,7 @@ def test_router_replay_reproduces_sampler_logprobs_exactly(exact_report):
     assert exact_report["replay"]["default"]["differing"] > 0
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_sampler_batching_does_not_change_logprobs(exact_report):
     assert exact_report["batching"] == {"tokens_equal": True, "logprob_diff": 0}
 
@@ -78,6 +82,7 @@ def test_slot_engine_is_bit_exact_across_slot_counts_and_against_the_trainer(tmp
                                       "trainer_differing": 0, "tokens": 96}
 
 
+@pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_sharded_forward_is_bit_identical_to_one_device(exact_report):
     assert exact_report["sharded"] == {"1x2x2x2": 0, "2x2x2x1": 0, "8x1x1x1": 0}
 
@@ -117,6 +122,7 @@ def test_ordered_einsum_rejects_what_it_cannot_order():
         numerics.einsum("mm,md->d", jnp.ones((3, 3)), x, invariant=True)
 
 
+@pytest.mark.slow  # ~25 s loaded
 def test_exp_and_log_are_accurate_with_correct_gradients():
     rng = np.random.default_rng(2)
     x = (rng.standard_normal(5000) * 25).astype(np.float32)
@@ -142,6 +148,7 @@ def test_exp_and_log_are_accurate_with_correct_gradients():
     assert np.array_equal(np.asarray(g), [0.0, 1.0])
 
 
+@pytest.mark.slow  # ~19 s loaded
 def test_token_logprobs_match_log_softmax():
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((4, 6, 50)) * 3).astype(np.float32)
@@ -153,6 +160,7 @@ def test_token_logprobs_match_log_softmax():
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-6)
 
 
+@pytest.mark.slow  # 30-130 s loaded: fixed-order model compiles
 @pytest.mark.parametrize("kind, overrides", [
     ("moe", {}),
     ("dense", dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=2)),
@@ -218,6 +226,7 @@ app.run(train.main, argv=["train", "--workdir", sys.argv[1], *sys.argv[2:]])
 """
 
 
+@pytest.mark.slow  # JAX subprocesses
 @pytest.mark.parametrize("invariant", [True, False])
 def test_train_cli_turns_fma_off_for_batch_invariant_experiments(tmp_path, invariant):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")

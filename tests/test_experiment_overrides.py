@@ -58,6 +58,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow  # JAX subprocess
 def test_every_experiment_docstring_command_dry_runs():
     """The commands reference checkpoints (/ckpt/...) and buckets that do not exist here:
     --dry_run resolves and prints the config without opening either, so the test runs the

@@ -113,6 +113,7 @@ def test_export_round_trip_transformers_load_hf_and_load_policy(tmp_path, monkey
     assert policy.complete(conversation, n=1, seed=0, max_new_tokens=4) == expected
 
 
+@pytest.mark.slow  # ~26 s loaded: initialises an optimizer state
 def test_checkpoint_keys_follow_the_train_state_leaves():
     """param_keys names the same arrays spade.run._saveable stores (guards the format)."""
     config = ModelConfig.from_hf(tiny_hf.hf_config("moe").to_dict())
@@ -126,6 +127,7 @@ def test_checkpoint_keys_follow_the_train_state_leaves():
         assert np.array_equal(np.asarray(saved[key]), np.asarray(flat[path].get_value())), path
 
 
+@pytest.mark.slow  # JAX subprocess and a tiny run
 def test_export_bad_input_is_a_clear_error(tmp_path, capsys):
     def run(*args: str) -> str:
         assert export.main(list(args)) == 2

@@ -118,6 +118,7 @@ def test_progress_line_rate_and_eta():
         metrics_lib.Progress(10, start_step=11)
 
 
+@pytest.mark.slow  # JAX subprocess (~10 s loaded)
 def test_plot_entry_point_writes_one_png_per_group(tmp_path):
     rng = np.random.default_rng(0)
     with metrics_lib.MetricsWriter(tmp_path, metrics_lib.MetricsConfig(tensorboard=False)) as w:

@@ -22,8 +22,11 @@ from spade_jax.rl.batch import TrainBatch
 from spade_jax.rl.train_step import init_train_state, make_train_step, shard_batch
 from spade_jax.rollout.sampler import SamplerConfig, sample
 
-pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+pytestmark = [
+    pytest.mark.skipif(jax.device_count() < 8,
+                       reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8"),
+    pytest.mark.slow,  # expert-parallel compiles of the forward, sampler and train step
+]
 
 TINY_MOE = ModelConfig(
     architecture="Qwen3MoeForCausalLM", vocab_size=128, hidden_size=32, num_layers=2,

@@ -1,0 +1,172 @@
+"""`python -m spade_jax.train` end to end at a very small size, as a user runs it: a fresh
+workdir, metrics, report, checkpoints, then a resume that continues where it stopped."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+# The tiny experiment's own warm start and designer budget (so programs validate), but
+# a shorter run and a cheaper evaluation.
+SHRINK = [
+    "--set", "spade.rounds=2",
+    "--set", "spade.eval_every=2",
+    "--set", "eval.suites=('RG-Math',)",
+    "--set", "eval.tasks_per_suite=1",
+    "--set", "eval.problems_per_task=1",
+    "--set", "eval.max_new_tokens=4",
+    "--set", "agent.max_turn_tokens=8",
+    "--set", "checkpoint_every=1",
+]
+
+
+def _command(workdir, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "spade_jax.train", "--experiment=tiny", f"--workdir={workdir}",
+            *SHRINK, *extra]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+
+
+def _train(workdir, *extra: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(workdir, *extra), capture_output=True, text=True, env=_env(),
+                          timeout=timeout)
+
+
+def _rounds(workdir) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)  # two CLI runs with the tiny warm start (~10 min on 2 busy cores)
+def test_main_command_runs_reports_and_resumes(tmp_path):
+    workdir = tmp_path / "run"
+    r = _train(workdir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rounds(workdir)
+    assert [row["step"] for row in rows] == [0, 1]
+    for key in ("validity_rate", "regret_raw_mean", "regret_clipped_mean", "learnable_share",
+                "vendi_per_n", "time/design", "time/rollout", "time/score", "time/update"):
+        assert key in rows[-1] or key in rows[0], key
+    # Values, not keys (issue 16.8): programs validated, the regret is a number, and every
+    # step trained on a non-empty agent batch; the designer sample of step 0 was trained
+    # at step 1 (delay 1), the window's hint plays ran once, at step 0.
+    assert rows[0]["validity_rate"] > 0 and rows[0]["valid_envs"] > 0
+    assert math.isfinite(rows[0]["regret_raw_mean"])
+    assert all(row["batch/agent"] > 0 and row["episodes/no_hint"] > 0 for row in rows)
+    assert rows[0]["episodes/hint"] > 0 and rows[1]["episodes/hint"] == 0
+    assert rows[0]["batch/designer"] == 0 and rows[1]["batch/designer"] > 0
+    assert rows[0]["hints_written"] > 0
+    assert any(k.startswith("eval/") for k in rows[-1])
+    # Router replay (issue 22, tiny runs with it): telemetry every step per role; the
+    # designer's routing crossed its one-step delay (and sits in step 0's checkpoint).
+    for row, roles in zip(rows, (("agent",), ("agent", "designer")), strict=True):
+        for role in roles:
+            for stat in ("flip_rate", "flip_rate_free", "tis_clip_replay", "tis_clip_free"):
+                assert 0 <= row[f"train/replay/{role}/{stat}"] <= 1, (role, stat)
+            assert math.isfinite(row[f"train/replay/{role}/logp_gap_replay"])
+    assert "train/replay/designer/flip_rate" not in rows[0]
+    from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
+
+    with CheckpointManager(CheckpointConfig(workdir / "checkpoints")) as manager:
+        pending = manager.restore(0).run_state["loop"]["pending"]
+    routes = [s["routing"] for p in pending for s in p["samples"]]
+    assert routes and all(r["dtype"] == "|u1" and isinstance(r["data"], str) for r in routes)
+    report = (workdir / "report.md").read_text()
+    assert "validity_rate" in report and "plots/" in report
+    assert "## Router replay" in report and (workdir / "plots" / "router_replay.png").exists()
+    assert list((workdir / "plots").glob("*.png"))
+    assert (workdir / "checkpoints").is_dir()
+
+    # Resume: one more round continues from the checkpoint instead of starting over.
+    r = _train(workdir, "--set", "spade.rounds=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from round 1" in (workdir / "train.log").read_text()
+    assert [row["step"] for row in _rounds(workdir)] == [0, 1, 2]
+
+
+@pytest.mark.slow  # JAX subprocesses (~14 s loaded)
+def test_bad_flags_get_clear_errors(tmp_path):
+    r = _train(tmp_path / "x", "--set", "spade.roundz=3", timeout=120)
+    assert r.returncode == 2 and "roundz" in r.stderr
+    r = _train(tmp_path / "x", "--set", "spade.rounds=many", timeout=120)
+    assert r.returncode == 2 and "spade.rounds" in r.stderr
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=nope",
+                        f"--workdir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "unknown experiment" in r.stderr
+
+
+# A fixed pool of seed programs (no warm start needed for valid games), windows of 2 steps,
+# memory and replays on: a kill mid-window leaves games, cached hint returns, window
+# returns, pending scores and memory in flight.
+KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=5", "--set", "spade.eval_every=0",
+            "--set", "spade.designer_mode='fixed_pool'", "--set", "spade.hint_mode='designer'",
+            "--set", "agent.max_turn_tokens=8", "--set", "spade.memory_train_envs=1"]
+
+
+def _last_rows(workdir) -> dict[int, dict]:
+    """Step -> its last logged row without timings (a step rerun after the kill wins)."""
+    rows = {}
+    for row in _rounds(workdir):
+        rows[row["step"]] = {k: v for k, v in row.items() if not k.startswith("time/")
+                             and k != "wall_time" and not k.endswith("_seconds")}
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # three CLI runs (~6 min on 2 busy cores)
+def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """The CLI killed with SIGKILL once step 2's checkpoint is committed (mid-window:
+    rounds 2-3 are one window), then resumed, logs the same metrics (losses, returns,
+    regret, memory counts) and ends with bit-identical weights."""
+    import signal
+    import time
+
+    import jax
+    import numpy as np
+
+    from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, manifest_problem
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r = _train(straight, *KILL_RUN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # The same tokenizer for the second run (a fresh one is trained on the checkout's text,
+    # which may change between the runs).
+    run = [*KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'"]
+    proc = subprocess.Popen(_command(killed, *run), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 1200
+        while manifest_problem(killed / "checkpoints" / "2", 2) is not None:
+            assert proc.poll() is None and time.monotonic() < deadline, "no step-2 checkpoint"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        proc.kill()
+    r = _train(killed, *run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from round" in (killed / "train.log").read_text()
+    want, got = _last_rows(straight), _last_rows(killed)
+    assert sorted(got) == list(range(5))
+    for step in range(5):
+        assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
+
+    def leaves(run):
+        with CheckpointManager(CheckpointConfig(run / "checkpoints")) as manager:
+            restored = manager.restore(5)
+        flat = jax.tree_util.tree_flatten_with_path(restored.state)[0]
+        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}, restored.run_state
+
+    (want_state, want_run), (got_state, got_run) = leaves(straight), leaves(killed)
+    assert want_state.keys() == got_state.keys()
+    for name in want_state:
+        assert np.array_equal(want_state[name], got_state[name]), name
+    assert want_run == got_run

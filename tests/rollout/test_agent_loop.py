@@ -1,0 +1,214 @@
+"""The multi-turn agent loop on scripted environments: streams, masks, returns, log-probs."""
+
+from __future__ import annotations
+
+import gymnasium
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from spade_jax.rollout import SamplerConfig
+from spade_jax.rollout.agent_loop import (
+    ActionParser,
+    AgentLoopConfig,
+    ChatTurns,
+    EpisodeSpec,
+    run_episodes,
+)
+
+TEMPERATURE = 0.9
+TURN_TOKENS = 6
+
+
+class ScriptedEnv(gymnasium.Env):
+    """Rewards and ending scripted per step; records the actions it was given."""
+
+    def __init__(self, name: str, rewards: list[float], end: str | None):
+        self.name, self.rewards, self.end = name, rewards, end
+        self.actions: list[str] = []
+
+    def reset(self, *, seed=None, options=None):
+        self.t, self.actions = 0, []
+        return f"{self.name} start seed {seed}", {}
+
+    def step(self, action):
+        self.actions.append(action)
+        self.t += 1
+        last = self.t == len(self.rewards)
+        return (f"{self.name} obs {self.t}", self.rewards[self.t - 1],
+                last and self.end == "terminated", last and self.end == "truncated", {})
+
+
+@pytest.fixture
+def tokenizer(chat_tokenizer):
+    return chat_tokenizer  # conftest.py: shared with the envs tests
+
+
+@pytest.fixture
+def model(chat_model):
+    return chat_model
+
+
+def _chatml(role: str, content: str) -> str:
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+def test_chat_turn_pieces_match_chatml(tokenizer):
+    turns = ChatTurns(tokenizer, "be brief", enable_thinking=True)
+    assert turns.first_prompt("alpha obs 1") == tokenizer.encode(
+        _chatml("system", "be brief") + _chatml("user", "alpha obs 1") + "<|im_start|>assistant\n")
+    after = "\n" + _chatml("user", "beta 2") + "<|im_start|>assistant\n"
+    assert turns.after_policy("beta 2", closed=True) == tokenizer.encode(after)
+    assert turns.after_policy("beta 2", closed=False) == tokenizer.encode("<|im_end|>" + after)
+
+
+def test_action_parser():
+    assert ActionParser()("<think>plan</think> move left ") == ("move left", True)
+    assert ActionParser()("<think>never closed") == ("", False)
+    tagged = ActionParser(answer_tag="answer")
+    assert tagged("<think>x</think>so <answer>1</answer> or <answer> 42 </answer>") == ("42", True)
+    assert tagged("no tag here") == ("no tag here", False)
+
+
+def test_multi_turn_episodes_record_streams_masks_and_returns(model, tokenizer):
+    envs = {
+        "alpha": ScriptedEnv("alpha", [0.25, 0.5], "terminated"),
+        "beta": ScriptedEnv("beta", [1.0], "truncated"),
+        "gamma": ScriptedEnv("gamma", [0.125] * 10, None),  # never ends: hits max_turns
+    }
+    specs = [EpisodeSpec(env, name, seed=seed) for seed, (name, env) in enumerate(envs.items())]
+    config = AgentLoopConfig(
+        max_turns=3, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+        sampler=SamplerConfig(max_new_tokens=TURN_TOKENS, temperature=TEMPERATURE, seed=1,
+                              prompt_bucket_min=128, compact_batch=False),
+    )
+    records = run_episodes(model, tokenizer, specs, config,
+                           parser=ActionParser(answer_tag="answer"))
+
+    expected = {"alpha": ([0.25, 0.5], "terminated", 2), "beta": ([1.0], "truncated", 1),
+                "gamma": ([0.125] * 3, "max_turns", 3)}
+    turns = ChatTurns(tokenizer, None, enable_thinking=True)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids).logits)
+    for rec, (name, env) in zip(records, envs.items(), strict=True):
+        rewards, end_reason, n_turns = expected[name]
+        assert (rec.env_id, rec.seed, rec.end_reason) == (name, specs[records.index(rec)].seed,
+                                                         end_reason)
+        assert rec.step_rewards == rewards and rec.return_ == sum(rewards)
+        assert rec.observations == [f"{name} start seed {rec.seed}"] + [
+            f"{name} obs {t}" for t in range(1, n_turns + 1)]
+        assert env.actions == rec.actions and len(rec.turn_spans) == n_turns == rec.cost.turns
+        # Rebuild the stream from its parts: template pieces between the policy spans.
+        want = turns.first_prompt(rec.observations[0])
+        mask = [0] * len(want)
+        for t, (start, end) in enumerate(rec.turn_spans):
+            assert start == len(want)
+            policy = rec.token_ids[start:end]
+            assert 1 <= len(policy) <= TURN_TOKENS
+            want, mask = want + policy, mask + [1] * len(policy)
+            if t + 1 < n_turns:
+                closed = policy[-1] in turns.eos_ids
+                assert closed == (rec.turn_done_reasons[t] == "eos")
+                piece = turns.after_policy(rec.observations[t + 1], closed)
+                want, mask = want + piece, mask + [0] * len(piece)
+            text = tokenizer.decode(policy, skip_special_tokens=True)
+            assert rec.actions[t] == ActionParser(answer_tag="answer")(text)[0]
+        assert rec.token_ids == want and rec.loss_mask == mask
+        assert rec.cost.tokens_generated == sum(mask)
+        assert rec.cost.context_tokens == len(rec.token_ids)
+        assert rec.cost.parse_failures == n_turns  # a random policy writes no <answer> tags
+        assert rec.cost.env_seconds > 0
+        # Every sampled log-prob is recomputed by one forward pass over the final stream:
+        # the stream is exactly what the policy saw, turn after turn.
+        arrays = rec.arrays()
+        padded = np.zeros((1, 128), np.int32)  # one shape: one compile for all records
+        padded[0, :len(want)] = arrays["token_ids"]
+        logits = np.asarray(forward(state, padded)[0, :len(want)], np.float64) / TEMPERATURE
+        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        lp = logits[np.arange(len(want) - 1), arrays["token_ids"][1:]] - logz[:-1]
+        policy_pos = np.flatnonzero(arrays["loss_mask"])
+        np.testing.assert_allclose(arrays["logprobs"][policy_pos], lp[policy_pos - 1], atol=1e-4)
+        assert not arrays["logprobs"][arrays["loss_mask"] == 0].any()
+
+
+def test_env_errors_end_the_episode(model, tokenizer):
+    class Broken(ScriptedEnv):
+        def step(self, action):
+            raise RuntimeError("boom")
+
+    config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE,
+                                                   prompt_bucket_min=128, compact_batch=False))
+    (rec,) = run_episodes(model, tokenizer, [EpisodeSpec(Broken("alpha", [1.0], None), "b", 0)],
+                          config)
+    assert rec.end_reason == "env_error" and rec.step_rewards == [] and rec.cost.turns == 1
+    with pytest.raises(ValueError, match="max_turns"):
+        AgentLoopConfig(max_turns=0)
+
+
+def test_env_steps_overlap_decoding_of_other_episodes(model, tokenizer, monkeypatch):
+    """No per-turn barrier: while episode 1's slow env steps (0.3 s each), episode 0 (whose
+    env answers at once) keeps taking turns, so decode calls run during episode 1's steps."""
+    import time
+
+    from spade_jax.rollout import agent_loop
+
+    decode_calls = [0]
+    real_decode = agent_loop.SlotEngine.decode
+
+    def counted(self, steps):
+        decode_calls[0] += 1
+        return real_decode(self, steps)
+
+    monkeypatch.setattr(agent_loop.SlotEngine, "decode", counted)
+    overlapped: list[int] = []
+
+    class Slow(ScriptedEnv):
+        def step(self, action):
+            before = decode_calls[0]
+            time.sleep(0.3)
+            overlapped.append(decode_calls[0] - before)
+            return super().step(action)
+
+    config = AgentLoopConfig(max_turns=3, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE,
+                                                   chunk_steps=2))
+    specs = [EpisodeSpec(ScriptedEnv("alpha", [0.0] * 3, None), "alpha", 0),
+             EpisodeSpec(Slow("beta", [0.0] * 3, None), "beta", 1)]
+    records = run_episodes(model, tokenizer, specs, config)
+    assert [r.cost.turns for r in records] == [3, 3]
+    assert len(overlapped) == 3 and max(overlapped) > 0, overlapped  # (1st: compiles)
+
+
+def test_sampling_noise_is_keyed_by_the_batch_seed_episode_and_turn(model, tokenizer):
+    """Issue 16.3 / 18.3: turn t of episode i draws with derive_seed(seed, i, t). The loop
+    passes one seed per (step, phase, batch), so two steps' batches of the same episodes
+    draw different noise, and the same seed replays a batch exactly."""
+    from spade_jax.seeding import Phase, derive_seed
+
+    config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE, seed=5,
+                                                   prompt_bucket_min=128, compact_batch=False))
+
+    def batch(seed):
+        specs = [EpisodeSpec(ScriptedEnv(n, [0.0, 1.0], "terminated"), n, 7)
+                 for n in ("alpha", "beta", "gamma")]
+        return run_episodes(model, tokenizer, specs, config, seed=seed)
+
+    step_seeds = [derive_seed(0, step, Phase.AGENT, 0) for step in range(2)]
+    step0, step1, step0_again = batch(step_seeds[0]), batch(step_seeds[1]), batch(step_seeds[0])
+    for records, base in ((step0, step_seeds[0]), (step1, step_seeds[1])):
+        assert [r.sampler_seeds for r in records] == [
+            [derive_seed(base, i, t) for t in range(2)] for i in range(3)]
+    # Same seed: the same records (log-probs to float rounding: which rows shared a batch
+    # depends on when env results arrived; bit for bit with a batch-invariant model);
+    # another step's seed: other tokens on every episode.
+    for a, b in zip(step0, step0_again, strict=True):
+        assert (a.token_ids, a.actions) == (b.token_ids, b.actions)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+    assert all(a.token_ids != b.token_ids for a, b in zip(step0, step1, strict=True))
+    # No seed: the config's seed is the base.
+    default = batch(None)
+    assert default[0].sampler_seeds == [derive_seed(5, 0, 0), derive_seed(5, 0, 1)]
+    assert len(set(default[0].sampler_seeds + default[1].sampler_seeds)) == 4

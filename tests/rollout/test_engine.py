@@ -1,0 +1,203 @@
+"""The slot engine and the continuous-batching agent loop (issue 18 items 1-3, 6).
+
+The reference is the plain sampler on the *whole* stream: ``sample`` with one prompt and
+the request's seed re-prefills everything from token 0 each turn. The engine keeps each
+episode's KV cache from turn to turn (prefilling only what was added), schedules rows into
+slots in whatever order env results arrive, and shares the prefill of identical openings;
+none of that may change a token, and log-probs agree to float rounding (bit for bit with a
+batch-invariant model: ``exact_replay_driver.engine_checks``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+from test_agent_loop import ScriptedEnv, model, tokenizer  # noqa: F401 (fixtures)
+
+from spade_jax.rollout import SamplerConfig, sample
+from spade_jax.rollout.agent_loop import AgentLoopConfig, ChatTurns, EpisodeSpec, run_episodes
+from spade_jax.rollout.engine import Request, SlotEngine
+from spade_jax.seeding import derive_seed
+
+TURN_TOKENS = 6
+LOGPROB_TOL = 2e-5
+
+
+def _sampler(temperature: float, max_new: int = TURN_TOKENS) -> SamplerConfig:
+    return SamplerConfig(max_new_tokens=max_new, temperature=temperature, top_p=0.95,
+                         prompt_bucket_min=16, chunk_steps=3, compact_batch=False)
+
+
+def _reference_episode(model, tokenizer, spec: EpisodeSpec, index: int, config, base_seed):  # noqa: F811
+    """One episode the slow way: every turn re-prefills the whole stream (``sample`` on one
+    prompt, seeded ``derive_seed(base, episode, turn)``). Returns (stream, logprobs, actions)."""
+    turns = ChatTurns(tokenizer, None, config.enable_thinking)
+    obs, _ = spec.env.reset(seed=spec.seed)
+    stream, logprobs, actions = list(turns.first_prompt(obs)), [], []
+    for turn in range(config.max_turns):
+        budget = min(config.max_turn_tokens, config.max_episode_tokens - len(stream))
+        cfg = SamplerConfig(**{**_sampler(config.sampler.temperature).__dict__,
+                               "seed": derive_seed(base_seed, index, turn)})
+        out = sample(model, [stream], cfg, stop_tokens=sorted(turns.eos_ids),
+                     max_new_per_seq=[budget])
+        stream += out.tokens[0]
+        logprobs.append(out.logprobs[0])
+        action = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+        actions.append(action)
+        if out.done_reasons[0] != "eos" and len(stream) >= config.max_episode_tokens:
+            break
+        obs, _, terminated, truncated, _ = spec.env.step(action)
+        if terminated or truncated or turn + 1 == config.max_turns:
+            break
+        closed = stream[-1] in turns.eos_ids
+        stream += turns.after_policy(obs, closed)
+        if len(stream) >= config.max_episode_tokens:
+            break
+    return stream, logprobs, actions
+
+
+class SlowEnv(ScriptedEnv):
+    """Steps take a seeded random time, so results arrive in a shuffled order."""
+
+    def __init__(self, *args, delay_seed: int = 0):
+        super().__init__(*args)
+        self.delays = random.Random(delay_seed)
+
+    def step(self, action):
+        time.sleep(self.delays.uniform(0, 0.05))
+        return super().step(action)
+
+
+def _specs(delay_seed: int | None = None):
+    """Skewed episodes: 1 to 4 turns, observations of different lengths; two pairs share
+    their opening (same env name and reset seed: prefix sharing)."""
+    plan = [("alpha", [0.0] * 4, None, 1), ("beta gamma beta", [1.0], "terminated", 2),
+            ("alpha", [0.0] * 4, None, 1), ("gamma", [0.5, 0.5], "truncated", 3),
+            ("beta", [0.0, 0.0, 1.0], "terminated", 4), ("gamma", [0.5, 0.5], "truncated", 3)]
+    out = []
+    for k, (name, rewards, end, seed) in enumerate(plan):
+        env = (ScriptedEnv(name, rewards, end) if delay_seed is None
+               else SlowEnv(name, rewards, end, delay_seed=delay_seed * 100 + k))
+        out.append(EpisodeSpec(env, name, seed))
+    return out
+
+
+def _loop_config(temperature: float, slots: int = 0, max_episode_tokens: int = 4096):
+    return AgentLoopConfig(max_turns=4, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                           max_episode_tokens=max_episode_tokens, decode_slots=slots,
+                           sampler=_sampler(temperature))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_kv_reuse_across_turns_equals_a_full_reprefill(model, tokenizer, temperature):  # noqa: F811
+    config = _loop_config(temperature)
+    stats: dict = {}
+    records = run_episodes(model, tokenizer, _specs(), config, seed=11, stats=stats,
+                           parser=lambda text: (text.strip(), True))
+    for i, (rec, spec) in enumerate(zip(records, _specs(), strict=True)):
+        stream, logprobs, actions = _reference_episode(model, tokenizer, spec, i, config, 11)
+        assert rec.token_ids == stream
+        assert rec.actions == actions
+        got = [rec.logprobs[a:b] for a, b in rec.turn_spans]
+        for g, want in zip(got, logprobs, strict=True):
+            np.testing.assert_allclose(g, want, atol=LOGPROB_TOL)
+        assert rec.sampler_seeds == [derive_seed(11, i, t) for t in range(len(rec.turn_spans))]
+    # Each turn after the first prefilled only the tokens added since the last one: the
+    # stream but its decoded tokens (all generated ones but each turn's last) and its very
+    # last token; the twins' openings (episodes 2 and 5) were copied, not prefilled.
+    fed = sum(len(r.token_ids) - 1 - r.cost.tokens_generated + r.cost.turns for r in records)
+    openings = sum(records[i].turn_spans[0][0] for i in (2, 5))
+    assert stats["prefill_tokens"] == fed - openings
+    assert stats["shared_prefills"] == 2
+    assert [r.cost.turns for r in records] == [4, 1, 4, 2, 3, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_slot_count_and_arrival_order_do_not_change_records(model, tokenizer, slots):  # noqa: F811
+    """Greedy and sampled runs with 1, 3 or 8 slots, env results arriving in a shuffled
+    order (random step delays), give the records of the one-slot-per-episode run."""
+    for temperature in (0.0, 0.9):
+        base = run_episodes(model, tokenizer, _specs(), _loop_config(temperature), seed=3)
+        stats: dict = {}
+        got = run_episodes(model, tokenizer, _specs(delay_seed=slots),
+                           _loop_config(temperature, slots), seed=3, stats=stats)
+        assert stats["slots"] == min(slots, 6)
+        for a, b in zip(base, got, strict=True):
+            assert (a.token_ids, a.actions, a.end_reason, a.turn_done_reasons) == (
+                b.token_ids, b.actions, b.end_reason, b.turn_done_reasons)
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
+
+
+def test_episode_token_budget_ends_rows_mid_turn(model, tokenizer):  # noqa: F811
+    """Rows that run into the episode budget end on "max_tokens", as in the reference."""
+    config = _loop_config(0.9, slots=2, max_episode_tokens=40)
+    records = run_episodes(model, tokenizer, _specs(), config, seed=5)
+    assert {r.end_reason for r in records} >= {"max_tokens"}
+    for i, (rec, spec) in enumerate(zip(records, _specs(), strict=True)):
+        stream, _, _ = _reference_episode(model, tokenizer, spec, i, config, 5)
+        assert rec.token_ids == stream
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_engine_matches_the_sampler_on_eos_budgets_and_prompt_lengths(model, tokenizer,  # noqa: F811
+                                                                       temperature):
+    """Requests of mixed prompt lengths and budgets, a stop token that some rows draw,
+    admitted in two waves into 3 slots: each equals ``sample`` on that prompt and seed."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 17, 2, 9, 30)]
+    limits = [8, 3, 8, 6, 8]
+    config = _sampler(temperature, 8)
+    probe = sample(model, prompts[:1], SamplerConfig(**{**config.__dict__, "seed": 100}),
+                   stop_tokens=[])
+    stop = probe.tokens[0][2]  # ends row 0 (and maybe others) on a stop token
+    engine = SlotEngine(model, 3, config, stop_tokens=[stop], cache_len=16)
+    results, queue, in_slot = {}, list(range(len(prompts))), {}
+    while queue or engine.generating:
+        free = [s for s in range(engine.num_slots) if not engine.busy[s]]
+        wave = []
+        for slot in free[:len(queue)]:
+            in_slot[slot] = j = queue.pop(0)
+            engine.ensure_cache(len(prompts[j]) + limits[j])
+            wave.append(Request(slot, prompts[j], True, limits[j], 100 + j))
+        engine.admit(wave)
+        engine.decode(2)
+        for done in engine.finished():
+            results[in_slot[done.slot]] = done
+    reasons = set()
+    for j, p in enumerate(prompts):
+        want = sample(model, [p], SamplerConfig(**{**config.__dict__, "seed": 100 + j}),
+                      stop_tokens=[stop], max_new_per_seq=[limits[j]])
+        assert results[j].tokens == want.tokens[0] and results[j].reason == want.done_reasons[0]
+        np.testing.assert_allclose(results[j].logprobs, want.logprobs[0], atol=LOGPROB_TOL)
+        reasons.add(results[j].reason)
+    assert reasons == {"eos", "max_tokens"}
+    assert engine.cache_len == 64  # grown from 16 by doubling
+
+
+def test_moe_impl_auto_is_the_backends_fastest_and_explicit_values_win():
+    """Issue 18.4: "auto" (the default) becomes "blocked" on CPU and the grouped-matmul
+    dispatch on TPU / GPU when the model is built; an explicit choice is kept."""
+    from flax import nnx
+
+    from spade_jax.models import ModelConfig, ModelOptions, Qwen3
+    from spade_jax.models.qwen3 import auto_moe_impl
+
+    assert ModelOptions().moe_impl == "auto"
+    assert [auto_moe_impl(b) for b in ("cpu", "tpu", "gpu")] == [
+        "blocked", "expert_parallel", "expert_parallel"]
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=16,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=8)
+    built = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+    assert built.options.moe_impl == auto_moe_impl() == "blocked"  # the test box is a CPU
+    explicit = nnx.eval_shape(lambda: Qwen3(cfg, ModelOptions(moe_impl="ragged"),
+                                            rngs=nnx.Rngs(0)))
+    assert explicit.options.moe_impl == "ragged"
+    with pytest.raises(ValueError, match="moe_impl must be 'auto' or one of"):
+        ModelOptions(moe_impl="fast")
