@@ -1,7 +1,8 @@
 """Slot engine: continuous batching over a fixed set of decode slots, each holding one
 sequence's KV cache from request to request (turn to turn of an episode).
 
-    engine = SlotEngine(model, num_slots=8, config=SamplerConfig(max_new_tokens=64), ...)
+    engine = SlotEngine(model, num_slots=8, config=SamplerConfig(max_new_tokens=64),
+                        stop_tokens=[eos], stop_strings=["</answer>"], tokenizer=tok)
     engine.admit([Request(slot=0, tokens=prompt, fresh=True, limit=64, seed=s)])
     engine.decode(32)
     for done in engine.finished(): ...
@@ -18,6 +19,12 @@ How it runs:
   * ``decode`` runs up to n one-token steps of every slot in a ``lax.while_loop``; rows that
     are done (waiting for their next request, or empty) are masked: they write nothing
     valid and do not advance.
+  * Stop strings (they need the tokenizer) are checked on the host when results are
+    collected, as :func:`spade_jax.rollout.sampler.sample` checks them between decode chunks
+    (its helper): a row whose decoded text contains one is cut to the shortest prefix that
+    does, done reason "stop_string", and its cache rolled back to that prefix, so a
+    continuation sees the stream the record holds. The tokens it drew past the cut are
+    dropped; what a request returns does not depend on when the check ran.
   * A row's draw at its step n uses ``fold_in(fold_in(key(seed), 0), n)`` with the seed of
     its request: the key :func:`spade_jax.rollout.sampler.sample` gives a one-prompt call
     with that seed. A request's tokens therefore depend on its seed and its stream only,
@@ -51,6 +58,7 @@ from spade_jax.rollout.sampler import (
     _EOS,
     _MAX_TOKENS,
     _RUNNING,
+    _STOP_STRING,
     DONE_REASONS,
     SamplerConfig,
     _batch_bucket,
@@ -58,6 +66,7 @@ from spade_jax.rollout.sampler import (
     _moe_stack,
     _next_pow2,
     _round_up,
+    _StopStrings,
     _to_device,
     _to_host,
 )
@@ -83,8 +92,9 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """A request's result: generated tokens (a stop token that ended it included), their
-    log-probs and the done reason ("eos" or "max_tokens").
+    """A request's result: generated tokens (a stop token that ended it included; a stop
+    string's tokens up to the one completing it), their log-probs and the done reason
+    ("eos", "stop_string" or "max_tokens").
 
     routing: with ``SamplerConfig.return_router`` on an MoE model, the experts every token
       this request *fed* was routed to, ``[len(tokens of the request) + len(tokens) - 1, L,
@@ -238,6 +248,24 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, s
     return state, (_routing(out, static) if static.moe_layers else None)
 
 
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _cut(state: SlotState, cut_b) -> SlotState:
+    """Ends the rows with ``cut_b >= 0`` after their first ``cut_b`` tokens (a stop string):
+    their cache goes back to the stream before the last kept token (drawn, never fed), as
+    if they had stopped there. Every step of a running row fed one token and drew one, so
+    ``index - num_generated`` is the same at any step of a request."""
+    cut = cut_b >= 0
+    index_b = jnp.where(cut, state.cache.index - (state.num_generated_b - cut_b),
+                        state.cache.index)
+    slots_s = jnp.arange(state.cache.valid_bs.shape[1])
+    valid_bs = state.cache.valid_bs & (~cut[:, None] | (slots_s[None, :] < index_b[:, None]))
+    return state.replace(
+        cache=state.cache.replace(index=index_b, valid_bs=valid_bs),
+        num_generated_b=jnp.where(cut, cut_b, state.num_generated_b),
+        done_b=state.done_b | cut,
+        reason_b=jnp.where(cut, _STOP_STRING, state.reason_b))
+
+
 @functools.partial(jax.jit, static_argnames=("max_len",))  # new shapes: nothing to donate to
 def _grow(state: SlotState, *, max_len: int) -> SlotState:
     return state.replace(cache=state.cache.pad_to(max_len))
@@ -252,10 +280,14 @@ class SlotEngine:
     """
 
     def __init__(self, model: nnx.Module, num_slots: int, config: SamplerConfig, *,
-                 stop_tokens: Sequence[int], router_hook: Callable | None = None,
+                 stop_tokens: Sequence[int], stop_strings: Sequence[str] = (),
+                 tokenizer: Any = None, router_hook: Callable | None = None,
                  mesh: jax.sharding.Mesh | None = None, cache_len: int = 256):
+        """stop_strings: end a request once its decoded text contains one (needs
+        ``tokenizer``), checked by :meth:`finished`; shared by every request."""
         self.mesh, self.config = mesh, config
         self.num_slots = _round_up(num_slots, _batch_shards(mesh))
+        self.stop_text = _StopStrings([list(stop_strings)] * self.num_slots, tokenizer)
         self.graphdef, self.params = nnx.split(model)
         cfg = model.config
         moe_layers = (tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
@@ -360,6 +392,7 @@ class SlotEngine:
             for r, j in zip(requests, src, strict=True):
                 self.prefill_routing[r.slot] = routing[j, :len(r.tokens)]
         self.busy[[r.slot for r in requests]] = True
+        self.stop_text.settled.difference_update(r.slot for r in requests)
         self.stats["prefill_tokens"] += int(len_u.sum())
         self.stats["prefill_rows"] += len(home)
         self.stats["shared_prefills"] += len(requests) - len(home)
@@ -383,6 +416,7 @@ class SlotEngine:
     def finished(self) -> list[Finished]:
         """Results of the requests that finished since the last call, in slot order; their
         slots keep their caches (for a continuation) and may be admitted again."""
+        self._apply_stop_strings()
         done_b = _to_host(self.state.done_b)
         slots = np.flatnonzero(self.busy & done_b)
         if len(slots) == 0:
@@ -403,3 +437,24 @@ class SlotEngine:
                                 logprobs[j, :num[j]].tolist(), DONE_REASONS[int(reason[j])],
                                 routing))
         return out
+
+    def _apply_stop_strings(self) -> None:
+        """Cuts the busy rows whose decoded text now contains a stop string. A row that
+        finished is checked once more (it may have passed a stop string before its stop
+        token or budget), then settled."""
+        if not any(self.stop_text.per_row):
+            return
+        done_b, num_b, tokens_bn = (_to_host(x) for x in (
+            self.state.done_b, self.state.num_generated_b, self.state.tokens_bn))
+        cut_b = np.full((self.num_slots,), -1, np.int32)
+        for s in np.flatnonzero(self.busy):
+            if s in self.stop_text.settled:
+                continue
+            cut = self.stop_text.first_stop(int(s), tokens_bn[s, :num_b[s]].tolist())
+            if cut is not None:
+                cut_b[s] = cut
+            if cut is not None or done_b[s]:
+                self.stop_text.settled.add(int(s))
+        if (cut_b >= 0).any():
+            with self._mesh():
+                self.state = _cut(self.state, _to_device(cut_b, like=self.state.done_b))

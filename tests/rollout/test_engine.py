@@ -10,6 +10,7 @@ batch-invariant model: ``exact_replay_driver.engine_checks``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -143,40 +144,89 @@ def test_episode_token_budget_ends_rows_mid_turn(model, tokenizer):  # noqa: F81
         assert rec.token_ids == stream
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_engine_matches_the_sampler_on_eos_budgets_and_prompt_lengths(model, tokenizer,  # noqa: F811
-                                                                       temperature):
-    """Requests of mixed prompt lengths and budgets, a stop token that some rows draw,
-    admitted in two waves into 3 slots: each equals ``sample`` on that prompt and seed."""
+# Picked from the fixture model's own continuations of these prompts (checked below: each
+# ending occurs): "ۓ" and "מ" are two-byte characters whose bytes come from two tokens.
+STOP_STRINGS = ["ۓ", "מ", "mm", ".."]
+STOP_TOKENS = [150, 299]
+
+
+def _engine_jobs():
+    """Six two-turn jobs: prompts of 2 to 30 tokens, then an observation of 1 to 7 tokens
+    after the first turn; per-turn budgets from 3 to 8."""
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 17, 2, 9, 30)]
-    limits = [8, 3, 8, 6, 8]
-    config = _sampler(temperature, 8)
-    probe = sample(model, prompts[:1], SamplerConfig(**{**config.__dict__, "seed": 100}),
-                   stop_tokens=[])
-    stop = probe.tokens[0][2]  # ends row 0 (and maybe others) on a stop token
-    engine = SlotEngine(model, 3, config, stop_tokens=[stop], cache_len=16)
-    results, queue, in_slot = {}, list(range(len(prompts))), {}
-    while queue or engine.generating:
-        free = [s for s in range(engine.num_slots) if not engine.busy[s]]
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 17, 2, 9, 30, 12)]
+    extras = [rng.integers(3, 200, size=n).tolist() for n in (3, 1, 7, 2, 4, 1)]
+    return prompts, extras, [[8, 3, 8, 6, 8, 5], [4, 8, 2, 8, 6, 8]]
+
+
+def _drive_engine(model, tokenizer, config, slots: int, order_seed: int) -> dict:  # noqa: F811
+    """Runs every job's two turns through a ``slots``-slot engine; new jobs and
+    continuations arrive in a seeded random order and in random waves, decode chunks are
+    1 to 3 steps. Returns {(job, turn): Finished}."""
+    prompts, extras, limits = _engine_jobs()
+    engine = SlotEngine(model, slots, config, stop_tokens=STOP_TOKENS,
+                        stop_strings=STOP_STRINGS, tokenizer=tokenizer, cache_len=16)
+    order = random.Random(order_seed)
+    pending = list(range(len(prompts)))
+    order.shuffle(pending)
+    ready, holder, streams, results = [], {}, {}, {}  # holder: slot -> (job, turn)
+    while pending or ready or engine.generating:
+        order.shuffle(ready)
         wave = []
-        for slot in free[:len(queue)]:
-            in_slot[slot] = j = queue.pop(0)
-            engine.ensure_cache(len(prompts[j]) + limits[j])
-            wave.append(Request(slot, prompts[j], True, limits[j], 100 + j))
+        for _ in range(order.randint(0 if engine.generating else 1, len(ready)) if ready else 0):
+            j, slot, last = ready.pop()
+            holder[slot] = (j, 1)
+            wave.append(Request(slot, [last] + extras[j], False, limits[1][j], 200 + j))
+            streams[j] += extras[j]
+        free = [s for s in range(engine.num_slots) if s not in holder]
+        order.shuffle(free)
+        for slot in free[:order.randint(0, len(pending))]:
+            j = pending.pop()
+            holder[slot], streams[j] = (j, 0), list(prompts[j])
+            wave.append(Request(slot, prompts[j], True, limits[0][j], 100 + j))
+        for r in wave:
+            engine.ensure_cache(len(streams[holder[r.slot][0]]) + r.limit)
         engine.admit(wave)
-        engine.decode(2)
+        engine.decode(order.randint(1, 3))
         for done in engine.finished():
-            results[in_slot[done.slot]] = done
-    reasons = set()
-    for j, p in enumerate(prompts):
-        want = sample(model, [p], SamplerConfig(**{**config.__dict__, "seed": 100 + j}),
-                      stop_tokens=[stop], max_new_per_seq=[limits[j]])
-        assert results[j].tokens == want.tokens[0] and results[j].reason == want.done_reasons[0]
-        np.testing.assert_allclose(results[j].logprobs, want.logprobs[0], atol=LOGPROB_TOL)
-        reasons.add(results[j].reason)
-    assert reasons == {"eos", "max_tokens"}
+            j, turn = holder[done.slot]
+            results[(j, turn)] = done
+            streams[j] += done.tokens
+            if turn == 0:  # the slot stays the job's: its cache holds the stream
+                ready.append((j, done.slot, done.tokens[-1]))
+                holder[done.slot] = (j, -1)
+            else:
+                del holder[done.slot]
     assert engine.cache_len == 64  # grown from 16 by doubling
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_engine_matches_the_sampler_on_stop_strings_eos_budgets_and_slots(model, tokenizer,  # noqa: F811
+                                                                           temperature):
+    """Two turns per job (the second continues the first's KV cache) through 1, 3 and 8
+    slots with shuffled arrivals: each turn equals ``sample`` on the whole stream with that
+    turn's seed, whether it ended on a stop token, a stop string (the cache rolled back to
+    the cut) or its budget."""
+    config = _sampler(temperature, 8)
+    prompts, extras, limits = _engine_jobs()
+    runs = {slots: _drive_engine(model, tokenizer, config, slots, slots) for slots in (1, 3, 8)}
+    reasons = {turn: set() for turn in (0, 1)}
+    for j, prompt in enumerate(prompts):
+        stream = list(prompt)
+        for turn in (0, 1):
+            want = sample(model, [stream], dataclasses.replace(config, seed=100 * (turn + 1) + j),
+                          stop_tokens=STOP_TOKENS, stop_strings=STOP_STRINGS,
+                          tokenizer=tokenizer, max_new_per_seq=[limits[turn][j]])
+            for slots, results in runs.items():
+                got = results[(j, turn)]
+                assert (got.tokens, got.reason) == (want.tokens[0], want.done_reasons[0]), (
+                    slots, j, turn)
+                np.testing.assert_allclose(got.logprobs, want.logprobs[0], atol=LOGPROB_TOL)
+            reasons[turn].add(want.done_reasons[0])
+            stream += want.tokens[0] + extras[j]
+    assert reasons[0] == {"eos", "stop_string", "max_tokens"}  # continued after each kind
 
 
 def test_moe_impl_auto_is_the_backends_fastest_and_explicit_values_win():
