@@ -175,22 +175,25 @@ class KVCache:
         return self.replace(k=tuple(constrain(x, axes) for x in self.k),
                             v=tuple(constrain(x, axes) for x in self.v))
 
-    def take_rows(self, rows_b: jax.Array) -> KVCache:
-        """The cache of the given batch rows (batch compaction)."""
+    def take_rows(self, rows_b: jax.Array, length: int | None = None) -> KVCache:
+        """The cache of the given batch rows (batch compaction), or only their first
+        ``length`` slots (a window that holds everything the rows will attend to)."""
+        seq = slice(None, length)
         if self.stacked:
-            k, v = jnp.take(self.k, rows_b, axis=1), jnp.take(self.v, rows_b, axis=1)
+            k, v = (jnp.take(x, rows_b, axis=1)[:, :, seq] for x in (self.k, self.v))
         else:
-            k = tuple(jnp.take(x, rows_b, axis=0) for x in self.k)
-            v = tuple(jnp.take(x, rows_b, axis=0) for x in self.v)
+            k = tuple(jnp.take(x, rows_b, axis=0)[:, seq] for x in self.k)
+            v = tuple(jnp.take(x, rows_b, axis=0)[:, seq] for x in self.v)
         index = jnp.take(self.index, rows_b, axis=0) if self.per_row else self.index
-        return self.replace(k=k, v=v, valid_bs=jnp.take(self.valid_bs, rows_b, axis=0),
+        return self.replace(k=k, v=v, valid_bs=jnp.take(self.valid_bs, rows_b, axis=0)[:, seq],
                             index=index)
 
     def put_rows(self, rows_k: jax.Array, part: KVCache) -> KVCache:
         """This cache with ``part``'s rows written at batch rows ``rows_k`` (a per-row cache;
-        rows out of range are dropped, so padding entries may point past the batch)."""
+        rows out of range are dropped, so padding entries may point past the batch). A part
+        with fewer slots (a window from ``take_rows``) overwrites the first slots only."""
         def put(dst, src, axis):
-            at = (slice(None),) * axis + (rows_k,)
+            at = (slice(None),) * axis + (rows_k, slice(0, src.shape[axis + 1]))
             return dst.at[at].set(src.astype(dst.dtype), mode="drop")
 
         if self.stacked:
@@ -199,7 +202,7 @@ class KVCache:
             k = tuple(put(x, y, 0) for x, y in zip(self.k, part.k, strict=True))
             v = tuple(put(x, y, 0) for x, y in zip(self.v, part.v, strict=True))
         return self.replace(k=k, v=v, valid_bs=put(self.valid_bs, part.valid_bs, 0),
-                            index=put(self.index, part.index, 0))
+                            index=self.index.at[rows_k].set(part.index, mode="drop"))
 
     def pad_to(self, max_len: int) -> KVCache:
         """The same cache with ``max_len`` slots (new slots empty and invalid)."""

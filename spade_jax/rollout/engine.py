@@ -266,6 +266,27 @@ def _cut(state: SlotState, cut_b) -> SlotState:
         reason_b=jnp.where(cut, _STOP_STRING, state.reason_b))
 
 
+_PER_ROW = tuple(f.name for f in dataclasses.fields(SlotState) if f.name not in ("cache", "stop_m"))
+_MIN_WINDOW = 64  # smallest cache window a call works on (fewer shapes to compile)
+_MIN_DECODE_ROWS = 4  # a decode step of 1 row costs about what one of 4 does
+
+
+@functools.partial(jax.jit, static_argnames=("window",))
+def _gather(state: SlotState, rows_k, *, window: int) -> SlotState:
+    """Slots ``rows_k`` of the state, with only the first ``window`` slots of their caches."""
+    per_row = {f: None if getattr(state, f) is None else jnp.take(getattr(state, f), rows_k, axis=0)
+               for f in _PER_ROW}
+    return state.replace(cache=state.cache.take_rows(rows_k, window), **per_row)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _scatter(state: SlotState, rows_k, part: SlotState) -> SlotState:
+    """``state`` with ``part`` (from :func:`_gather`) written back at slots ``rows_k``."""
+    per_row = {f: None if getattr(state, f) is None
+               else getattr(state, f).at[rows_k].set(getattr(part, f)) for f in _PER_ROW}
+    return state.replace(cache=state.cache.put_rows(rows_k, part.cache), **per_row)
+
+
 @functools.partial(jax.jit, static_argnames=("max_len",))  # new shapes: nothing to donate to
 def _grow(state: SlotState, *, max_len: int) -> SlotState:
     return state.replace(cache=state.cache.pad_to(max_len))
@@ -308,10 +329,15 @@ class SlotEngine:
         with self._mesh():
             self.state = self._init_state(model, cache_dtype, _next_pow2(cache_len), stop_m)
         self.busy = np.zeros((self.num_slots,), bool)  # generating a request now
+        # Host copies of the cache index: a slot's stream length when it is not generating
+        # (its index after the prefill while it is), and the most it can reach.
+        self.length = np.zeros((self.num_slots,), np.int64)
+        self.reach = np.zeros((self.num_slots,), np.int64)
         self.prefill_routing: dict[int, np.ndarray] = {}  # slot -> its request's prefill
         self.stats = {"prefill_tokens": 0, "prefill_rows": 0, "shared_prefills": 0,
                       "prefill_calls": 0, "decode_calls": 0, "decode_steps": 0,
-                      "busy_slot_steps": 0, "cache_len": self.cache_len}
+                      "busy_slot_steps": 0, "decode_row_steps": 0,
+                      "cache_len": self.cache_len}
 
     def _mesh(self):
         import contextlib
@@ -349,16 +375,53 @@ class SlotEngine:
                 self.state = _grow(self.state, max_len=_next_pow2(length))
             self.stats["cache_len"] = self.cache_len
 
-    def admit(self, requests: Sequence[Request]) -> None:
-        """Prefills the requests into their slots (one call); they start generating."""
-        if not requests:
-            return
+    def _check(self, requests: Sequence[Request]) -> None:
+        slots = [r.slot for r in requests]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"one request per slot at a time, got slots {slots}")
         for r in requests:
-            if self.busy[r.slot] or not 0 <= r.slot < self.num_slots:
+            if not 0 <= r.slot < self.num_slots or self.busy[r.slot]:
                 raise ValueError(f"slot {r.slot} is busy or outside [0, {self.num_slots})")
             if not r.tokens or not 1 <= r.limit <= self.config.max_new_tokens:
                 raise ValueError(f"request for slot {r.slot}: needs tokens and a limit in "
                                  f"[1, {self.config.max_new_tokens}]")
+
+    def _working_set(self, slots: Sequence[int], length: int, min_rows: int = 1
+                     ) -> tuple[np.ndarray | None, int]:
+        """The slots and cache window a call on ``slots`` runs over: ``slots`` first,
+        padded with idle slots to a power-of-two count, and the first ``length`` cache
+        slots rounded up to a power of two (>= ``_MIN_WINDOW``). None: the whole state,
+        used when the rows or the window would exceed half of it (the copies in and out
+        would cost more than they save)."""
+        k = max(min(min_rows, self.num_slots), _batch_bucket(len(slots), _batch_shards(self.mesh)))
+        window = max(_MIN_WINDOW, _next_pow2(length))
+        k = self.num_slots if 2 * k > self.num_slots else k
+        window = self.cache_len if 2 * window > self.cache_len else window
+        if k == self.num_slots and window == self.cache_len:
+            return None, window
+        taken = set(slots)
+        idle = sorted((s for s in range(self.num_slots) if s not in taken),
+                      key=lambda s: (bool(self.busy[s]), s))  # a row that is not generating
+        return np.array(list(slots) + idle[:k - len(slots)], np.int32), window
+
+    def _run(self, fn: Callable, rows: np.ndarray | None, window: int):
+        """``fn(state)`` (-> (state, extra)) on the working set ``rows``/``window`` (None:
+        the whole state), written back into the engine's state; returns ``extra``."""
+        with self._mesh():
+            if rows is None:
+                self.state, extra = fn(self.state)
+                return extra
+            rows_k = _to_device(rows, self.mesh)
+            part, extra = fn(_gather(self.state, rows_k, window=window))
+            self.state = _scatter(self.state, rows_k, part)
+        return extra
+
+    def admit(self, requests: Sequence[Request]) -> None:
+        """Prefills the requests into their slots (one call); they start generating. The
+        call works on the requests' slots and the cache window their streams fill."""
+        if not requests:
+            return
+        self._check(requests)
         unique: dict[Any, int] = {}  # fresh prompts are shared; a continuation is its own
         home, src = [], []
         for r in requests:
@@ -367,30 +430,41 @@ class SlotEngine:
                 unique[key] = len(home)
                 home.append(r)
             src.append(unique[key])
-        shards = _batch_shards(self.mesh)
+        filled = {r.slot: (0 if r.fresh else int(self.length[r.slot])) + len(r.tokens)
+                  for r in requests}
+        for r in requests:
+            if filled[r.slot] + r.limit - 1 > self.cache_len:
+                raise ValueError(f"slot {r.slot}: {filled[r.slot]} tokens plus {r.limit} new "
+                                 f"exceed the cache ({self.cache_len}); call ensure_cache first")
+        rows, window = self._working_set([r.slot for r in requests], max(filled.values()))
+        at = ({s: s for s in range(self.num_slots)} if rows is None
+              else {int(s): j for j, s in enumerate(rows)})  # slot -> row of the call
+        pad = self.num_slots if rows is None else len(rows)  # a row index that is dropped
         # One bucket for both row counts (U <= K): fewer shapes to compile.
-        u = k = _batch_bucket(len(requests), shards)
+        u = k = min(pad, _batch_bucket(len(requests), _batch_shards(self.mesh)))
         t = max(self.config.prompt_bucket_min, _next_pow2(max(len(r.tokens) for r in home)))
         ids_ut = np.zeros((u, t), np.int32)
         for j, r in enumerate(home):
             ids_ut[j, :len(r.tokens)] = r.tokens
         pad_u, pad_k = u - len(home), k - len(requests)
-        home_u = np.array([r.slot for r in home] + [self.num_slots] * pad_u, np.int32)
+        home_u = np.array([at[r.slot] for r in home] + [pad] * pad_u, np.int32)
         fresh_u = np.array([r.fresh for r in home] + [True] * pad_u)
         len_u = np.array([len(r.tokens) for r in home] + [0] * pad_u, np.int32)
         src_k = np.array(src + [0] * pad_k, np.int32)
-        slots_k = np.array([r.slot for r in requests] + [self.num_slots] * pad_k, np.int32)
+        slots_k = np.array([at[r.slot] for r in requests] + [pad] * pad_k, np.int32)
         limit_k = np.array([r.limit for r in requests] + [1] * pad_k, np.int32)
         seed_k = np.array([r.seed for r in requests] + [0] * pad_k, np.int32)
         args = [_to_device(a, self.mesh) for a in (home_u, fresh_u, ids_ut, len_u, src_k,
                                                    slots_k, limit_k, seed_k)]
-        with self._mesh():
-            self.state, routing = _admit(self.graphdef, self.params, self.state, *args,
-                                         self.scalars, static=self.static)
+        routing = self._run(lambda state: _admit(self.graphdef, self.params, state, *args,
+                                                 self.scalars, static=self.static),
+                            rows, window)
         if routing is not None:
             routing = _to_host(routing)
             for r, j in zip(requests, src, strict=True):
                 self.prefill_routing[r.slot] = routing[j, :len(r.tokens)]
+        for r in requests:  # cache slots the request can fill: its stream, its draws but one
+            self.length[r.slot], self.reach[r.slot] = filled[r.slot], filled[r.slot] + r.limit - 1
         self.busy[[r.slot for r in requests]] = True
         self.stop_text.settled.difference_update(r.slot for r in requests)
         self.stats["prefill_tokens"] += int(len_u.sum())
@@ -403,14 +477,21 @@ class SlotEngine:
         return bool(self.busy.any())
 
     def decode(self, max_steps: int) -> int:
-        """Runs up to ``max_steps`` decode steps (fewer if every request finishes first)."""
-        with self._mesh():
-            self.state, counts = _decode(self.graphdef, self.params, self.state,
-                                         jnp.int32(max_steps), self.scalars, static=self.static)
+        """Runs up to ``max_steps`` decode steps (fewer if every request finishes first) on
+        the generating slots and the cache window they can fill."""
+        slots = np.flatnonzero(self.busy)
+        if len(slots) == 0:
+            return 0
+        rows, window = self._working_set(slots.tolist(), int(self.reach[slots].max()),
+                                         _MIN_DECODE_ROWS)
+        counts = self._run(lambda state: _decode(self.graphdef, self.params, state,
+                                                 jnp.int32(max_steps), self.scalars,
+                                                 static=self.static), rows, window)
         steps, busy = (int(c) for c in _to_host(counts))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += steps
         self.stats["busy_slot_steps"] += busy
+        self.stats["decode_row_steps"] += steps * (self.num_slots if rows is None else len(rows))
         return steps
 
     def finished(self) -> list[Finished]:
@@ -427,6 +508,7 @@ class SlotEngine:
         experts = (None if self.state.experts_bnlx is None  # only the finished rows move
                    else _to_host(self.state.experts_bnlx[jnp.asarray(slots)]))
         self.busy[slots] = False
+        self.length[slots] += num - 1  # fed: every token drawn but the last
         out = []
         for j, s in enumerate(slots):
             routing = None
