@@ -216,7 +216,8 @@ def engine_two_turns(model: Qwen3, slots: int) -> tuple[list, list, list]:
     extra = [rng.integers(2, VOCAB, size=n).tolist() for n in (4, 1, 6, 2, 3, 5, 1, 2)]
     config = SamplerConfig(max_new_tokens=6, temperature=TEMPERATURE, top_p=0.9,
                            chunk_steps=2, new_tokens_bucket=8)
-    engine = SlotEngine(model, slots, config, stop_tokens=[], cache_len=32)
+    # 128 cache slots: calls attend over a 64-slot window of them (the trainer: 32)
+    engine = SlotEngine(model, slots, config, stop_tokens=[], cache_len=128)
     streams = [list(p) for p in prompts]
     masks = [[0] * len(p) for p in prompts]
     logps = [[0.0] * len(p) for p in prompts]

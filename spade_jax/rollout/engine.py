@@ -336,7 +336,7 @@ class SlotEngine:
         self.prefill_routing: dict[int, np.ndarray] = {}  # slot -> its request's prefill
         self.stats = {"prefill_tokens": 0, "prefill_rows": 0, "shared_prefills": 0,
                       "prefill_calls": 0, "decode_calls": 0, "decode_steps": 0,
-                      "busy_slot_steps": 0, "decode_row_steps": 0,
+                      "busy_slot_steps": 0, "decode_row_steps": 0, "partial_calls": 0,
                       "cache_len": self.cache_len}
 
     def _mesh(self):
@@ -411,6 +411,7 @@ class SlotEngine:
             if rows is None:
                 self.state, extra = fn(self.state)
                 return extra
+            self.stats["partial_calls"] += 1
             rows_k = _to_device(rows, self.mesh)
             part, extra = fn(_gather(self.state, rows_k, window=window))
             self.state = _scatter(self.state, rows_k, part)

@@ -19,6 +19,7 @@ import pytest
 from test_agent_loop import ScriptedEnv, model, tokenizer  # noqa: F401 (fixtures)
 
 from spade_jax.rollout import SamplerConfig, sample
+from spade_jax.rollout import engine as engine_module
 from spade_jax.rollout.agent_loop import AgentLoopConfig, ChatTurns, EpisodeSpec, run_episodes
 from spade_jax.rollout.engine import Request, SlotEngine
 from spade_jax.seeding import derive_seed
@@ -198,17 +199,24 @@ def _drive_engine(model, tokenizer, config, slots: int, order_seed: int) -> dict
             else:
                 del holder[done.slot]
     assert engine.cache_len == 64  # grown from 16 by doubling
+    assert engine.stats["partial_calls"] > 0  # some calls ran on a window or fewer rows
+    if slots == 8:
+        assert engine.stats["decode_row_steps"] < 8 * engine.stats["decode_steps"]
     return results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_engine_matches_the_sampler_on_stop_strings_eos_budgets_and_slots(model, tokenizer,  # noqa: F811
-                                                                           temperature):
+                                                                           temperature,
+                                                                           monkeypatch):
     """Two turns per job (the second continues the first's KV cache) through 1, 3 and 8
     slots with shuffled arrivals: each turn equals ``sample`` on the whole stream with that
     turn's seed, whether it ended on a stop token, a stop string (the cache rolled back to
-    the cut) or its budget."""
+    the cut) or its budget. Calls run on the slots involved (8 slots: 4 or fewer generating
+    run as 4) and, with the smallest window lowered to 16 slots, on the part of the cache
+    they fill."""
+    monkeypatch.setattr(engine_module, "_MIN_WINDOW", 16)
     config = _sampler(temperature, 8)
     prompts, extras, limits = _engine_jobs()
     runs = {slots: _drive_engine(model, tokenizer, config, slots, slots) for slots in (1, 3, 8)}
