@@ -37,17 +37,24 @@ the CLI can choose the host platform first.
 from spade_jax.aot.cost import Parallelism, analytic_cost, parallelism
 from spade_jax.aot.planner import AotConfig, Plan, ProgramCost, plan
 from spade_jax.aot.report import (
+    DECODE_HEADER,
+    RL_HEADER,
     TABLE_HEADER,
+    decode_rows,
     format_plan,
     read_plan,
     recost,
+    rl_rows,
     table_row,
     write_plan,
 )
+from spade_jax.aot.rl_step import EpisodeShape, RlStepEstimate, estimate_rl_step
 from spade_jax.aot.topology import CHIPS, GIB, ChipSpec, Topology, parse_topology, topology_devices
 
 __all__ = [
-    "CHIPS", "GIB", "TABLE_HEADER", "AotConfig", "ChipSpec", "Parallelism", "Plan",
-    "ProgramCost", "Topology", "analytic_cost", "format_plan", "parallelism", "parse_topology",
-    "plan", "read_plan", "recost", "table_row", "topology_devices", "write_plan",
+    "CHIPS", "DECODE_HEADER", "GIB", "RL_HEADER", "TABLE_HEADER", "AotConfig", "ChipSpec",
+    "EpisodeShape", "Parallelism", "Plan", "ProgramCost", "RlStepEstimate", "Topology",
+    "analytic_cost", "decode_rows", "estimate_rl_step", "format_plan", "parallelism",
+    "parse_topology", "plan", "read_plan", "recost", "rl_rows", "table_row",
+    "topology_devices", "write_plan",
 ]
