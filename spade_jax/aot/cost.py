@@ -58,9 +58,12 @@ def local_params(arch, par: Parallelism) -> float:
 
 def reshard_bytes(arch, train: Parallelism, decode: Parallelism, param_itemsize: int) -> float:
     """Bytes one chip receives to build its shard of the sampler's copy of the weights from
-    the trainer's (once per step): at least what the decode shard holds beyond the train
-    shard (a lower bound; at most the whole decode shard)."""
-    return param_itemsize * max(0.0, local_params(arch, decode) - local_params(arch, train))
+    the trainer's (once per step). The decode shard spans the whole embed dim, of which the
+    chip's train shard holds one FSDP slice: it receives at least (fsdp - 1) / fsdp of its
+    decode shard (at most all of it)."""
+    if decode == train:
+        return 0.0
+    return param_itemsize * local_params(arch, decode) * (train.fsdp - 1) / train.fsdp
 
 
 def batch_axes(rules, mesh=None) -> tuple[str, ...]:

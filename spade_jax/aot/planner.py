@@ -117,7 +117,8 @@ class ProgramCost:
     # The program's own mesh when it is not the plan's (a decode layout), and the bytes per
     # chip moved over ICI once per step to reshard the trained weights onto it.
     mesh_shape: dict[str, int] | None = None
-    reshard_bytes: float = 0.0
+    reshard_bytes: float = 0.0  # analytic (``cost.reshard_bytes``)
+    reshard_hlo_bytes: float = 0.0  # the compiled reshard's collectives (``aot.hlo``)
     # Result bytes per chip of the compiled HLO's collectives by kind (``aot.hlo``: each
     # loop body counted once): which collectives the program issues.
     collectives: dict[str, int] | None = None
@@ -452,13 +453,28 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
     par = parallelism(dict(mesh.shape), s.par.chips, s.rules)
     cache_itemsize = np.dtype(jax.tree.leaves(state.cache.k)[0].dtype).itemsize
     keys = jax.tree.leaves(state.cache.valid_bs)[0].shape[1]
+    moved = {} if mesh is s.mesh else dict(
+        reshard_bytes=reshard_bytes(s.arch, s.par, par, s.param_itemsize),
+        reshard_hlo_bytes=_compiled_reshard_bytes(s, params, name))
     return _program(
         name, f"B={rows} S={keys} (1 token)", compiled, seconds, resident=s.moments_bytes,
-        tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh),
-        reshard_bytes=0.0 if mesh is s.mesh else reshard_bytes(
-            s.arch, s.par, par, s.param_itemsize),
+        tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved,
         **analytic_cost("decode", s.arch, s.options, par, rows=rows, length=1, keys=keys,
                         cache_itemsize=cache_itemsize, param_itemsize=s.param_itemsize))
+
+
+def _compiled_reshard_bytes(s: _Setting, target: Any, name: str) -> float:
+    """The per-step copy of the master parameters from the trainer's layout to ``target``'s
+    (the decode mesh: the same devices in the same order), compiled: result bytes per chip
+    of its collectives."""
+    import jax
+
+    from spade_jax.aot.hlo import collective_bytes
+
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    lowered = jax.jit(lambda p: p, out_shardings=shardings).lower(s.state.params)
+    compiled, _ = _timed_compile(lowered, f"reshard for {name}")
+    return float(sum(collective_bytes(compiled.as_text()).values()))
 
 
 def _shape(mesh) -> dict[str, int]:

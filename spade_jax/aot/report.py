@@ -105,8 +105,7 @@ def format_plan(result: Plan) -> str:
         ]
         if p.mesh_shape:
             lines.append(f"    decode mesh {_mesh(p.mesh_shape)}; resharding the weights to it "
-                         f"moves >= {p.reshard_bytes / GIB:.2f} GiB per chip per step "
-                         f"({result.reshard_seconds(p) * 1e3:,.1f} ms on ICI)")
+                         f"once per step: {_reshard(result, p)}")
     for r in result.rl_steps:
         lines.append(
             f"  RL step estimate ({r.layout} layout, cost model): {r.episodes} episodes, "
@@ -116,6 +115,15 @@ def format_plan(result: Plan) -> str:
             f"({r.train_shape}) = {r.seconds:,.1f} s; {r.tokens_per_second_per_chip:,.0f} "
             f"generated tokens/s/chip (anchor: ~{ANCHOR_TOKENS_PER_SECOND_PER_H100:.0f}/H100)")
     return "\n".join(lines)
+
+
+def _reshard(result: Plan, p: ProgramCost) -> str:
+    """The per-step reshard of a decode layout: analytic bytes per chip and seconds on ICI,
+    and the compiled copy's collective bytes."""
+    ici = result.topology.chip.ici_bandwidth
+    return (f"{p.reshard_bytes / GIB:.2f} GiB/chip, {p.reshard_bytes / ici * 1e3:,.1f} ms "
+            f"(compiled: {p.reshard_hlo_bytes / GIB:.2f} GiB, "
+            f"{p.reshard_hlo_bytes / ici * 1e3:,.1f} ms)")
 
 
 def _mesh(shape: dict[str, int]) -> str:
@@ -152,8 +160,7 @@ def decode_rows(result: Plan) -> list[str]:
         if not p.name.startswith("decode"):
             continue
         layout = p.name.partition(":")[2] or "train"
-        reshard = (f"{p.reshard_bytes / GIB:.2f} GiB, {result.reshard_seconds(p) * 1e3:,.1f} ms"
-                   if p.mesh_shape else "none")
+        reshard = _reshard(result, p) if p.mesh_shape else "none"
         rows.append(
             f"| {result.experiment} | {result.topology.name} | {layout} | "
             f"{_mesh(p.mesh_shape or result.mesh_shape)} | {p.shape.replace(' (1 token)', '')} | "

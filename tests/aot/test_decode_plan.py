@@ -76,10 +76,9 @@ def test_30b_decode_layout_is_hbm_bound_by_the_cost_model():
     chip = aot.CHIPS["v5p"]
     assert after["hbm_traffic"] / chip.hbm_bandwidth > after["ici_traffic"] / chip.ici_bandwidth
     assert before["ici_traffic"] / chip.ici_bandwidth > before["hbm_traffic"] / chip.hbm_bandwidth
-    # Resharding once per step: the decode shard beyond the train shard, fp32.
-    train_shard = dense / 4 + experts / 32
-    assert cost.reshard_bytes(arch, train_par, decode_par, 4) == pytest.approx(
-        4 * (shard - train_shard))
+    # Resharding once per step: 3/4 of the fp32 decode shard (a chip held one embed slice).
+    assert cost.reshard_bytes(arch, train_par, decode_par, 4) == pytest.approx(4 * shard * 3 / 4)
+    assert cost.reshard_bytes(arch, train_par, train_par, 4) == 0
 
 
 def test_rl_step_estimate_adds_up():
@@ -138,7 +137,9 @@ def test_decode_layout_gathers_no_weights_per_token(fsdp_plan):
     assert auto.collectives["all-reduce"] > 0
     assert auto.ici_traffic < 0.1 * train.ici_traffic
     assert result.bound(train) == "ICI" and result.bound(auto) == "HBM"
-    assert auto.reshard_bytes > 0 and result.reshard_seconds(auto) == pytest.approx(
+    # The compiled copy's collectives return at least what the analytic bound receives.
+    assert auto.reshard_hlo_bytes >= auto.reshard_bytes > 0 == train.reshard_hlo_bytes
+    assert result.reshard_seconds(auto) == pytest.approx(
         auto.reshard_bytes / result.topology.chip.ici_bandwidth)
     assert [r.layout for r in result.rl_steps] == ["train", "auto"]
     text = aot.format_plan(result)
