@@ -7,7 +7,8 @@ allocated. The programs come from the public lowering entries of the trainer
 
 Peak bytes of a program = argument + output - aliased (donated) + temp. While the sampler
 runs, the Adam moments stay resident on the chip (the sampler reads the master params), so
-they are added to the sampler programs' peaks.
+they are added to the sampler programs' peaks; with a decode layout the sampler reads its
+own copy of the parameters, and the trainer's are resident too.
 """
 
 from __future__ import annotations
@@ -456,8 +457,10 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
     moved = {} if mesh is s.mesh else dict(
         reshard_bytes=reshard_bytes(s.arch, s.par, par, s.param_itemsize),
         reshard_hlo_bytes=_compiled_reshard_bytes(s, params, name))
+    # While the sampler runs, the trainer's parameters stay too when it reads its own copy.
+    resident = s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
     return _program(
-        name, f"B={rows} S={keys} (1 token)", compiled, seconds, resident=s.moments_bytes,
+        name, f"B={rows} S={keys} (1 token)", compiled, seconds, resident=resident,
         tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved,
         **analytic_cost("decode", s.arch, s.options, par, rows=rows, length=1, keys=keys,
                         cache_itemsize=cache_itemsize, param_itemsize=s.param_itemsize))
