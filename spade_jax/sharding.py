@@ -278,10 +278,16 @@ def decode_mesh(mesh: Mesh, config: MeshConfig, arch) -> Mesh:
     return make_mesh(shape, list(mesh.devices.flat))
 
 
+def resharder(like: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """A jitted copy of trees shaped like ``like`` (parameters: nnx Variables carrying
+    ``axes``) onto ``mesh`` as the rules say. The decode mesh holds the same devices in the
+    same order, so this is one SPMD program over the global arrays (multi-host too), the
+    program ``spade_jax.aot`` compiles for the per-step reshard; compiled once, reused."""
+    return jax.jit(lambda tree: tree, out_shardings=tree_shardings(like, mesh, rules))
+
+
 def reshard(tree: Any, mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Any:
-    """``tree`` (parameters: nnx Variables carrying ``axes``) placed on ``mesh`` as the rules
-    say: one copy per call (the sampler's weights, once per training step); unchanged
-    without a mesh."""
+    """``tree`` copied onto ``mesh`` by :func:`resharder` (unchanged without a mesh)."""
     if mesh is None:
         return tree
-    return jax.device_put(tree, tree_shardings(tree, mesh, rules))
+    return resharder(tree, mesh, rules)(tree)

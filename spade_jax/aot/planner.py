@@ -456,7 +456,7 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
     keys = jax.tree.leaves(state.cache.valid_bs)[0].shape[1]
     moved = {} if mesh is s.mesh else dict(
         reshard_bytes=reshard_bytes(s.arch, s.par, par, s.param_itemsize),
-        reshard_hlo_bytes=_compiled_reshard_bytes(s, params, name))
+        reshard_hlo_bytes=_compiled_reshard_bytes(s, mesh, name))
     # While the sampler runs, the trainer's parameters stay too when it reads its own copy.
     resident = s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
     return _program(
@@ -466,16 +466,13 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
                         cache_itemsize=cache_itemsize, param_itemsize=s.param_itemsize))
 
 
-def _compiled_reshard_bytes(s: _Setting, target: Any, name: str) -> float:
-    """The per-step copy of the master parameters from the trainer's layout to ``target``'s
-    (the decode mesh: the same devices in the same order), compiled: result bytes per chip
-    of its collectives."""
-    import jax
-
+def _compiled_reshard_bytes(s: _Setting, mesh: Any, name: str) -> float:
+    """The run's per-step copy of the master parameters from the trainer's layout onto
+    ``mesh`` (``sharding.resharder``), compiled: result bytes per chip of its collectives."""
+    from spade_jax import sharding
     from spade_jax.aot.hlo import collective_bytes
 
-    shardings = jax.tree.map(lambda x: x.sharding, target)
-    lowered = jax.jit(lambda p: p, out_shardings=shardings).lower(s.state.params)
+    lowered = sharding.resharder(s.state.params, mesh, s.rules).lower(s.state.params)
     compiled, _ = _timed_compile(lowered, f"reshard for {name}")
     return float(sum(collective_bytes(compiled.as_text()).values()))
 

@@ -276,13 +276,14 @@ def decode_policy(mesh_config: sharding.MeshConfig, mesh: Any, graphdef: Any,
     sample_mesh = None if mesh is None else sharding.decode_mesh(mesh, mesh_config, arch)
     if sample_mesh is mesh:
         return (lambda: nnx.merge(graphdef, holder["state"].params)), mesh
-    copy: dict[str, Any] = {"of": None, "params": None}
+    copy: dict[str, Any] = {"of": None, "params": None, "copy": None}
 
     def policy() -> Qwen3:
         state = holder["state"]
         if copy["of"] is not state:
             copy["of"] = copy["params"] = None  # free the old copy before the new one
-            copy["params"] = sharding.reshard(state.params, sample_mesh)
+            copy["copy"] = copy["copy"] or sharding.resharder(state.params, sample_mesh)
+            copy["params"] = copy["copy"](state.params)
             copy["of"] = state
         return nnx.merge(graphdef, copy["params"])
 
