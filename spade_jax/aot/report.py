@@ -103,6 +103,9 @@ def format_plan(result: Plan) -> str:
             f"most {100 * result.mfu(p):.1f}%, {result.tokens_per_second_per_chip(p):,.0f} "
             f"tokens/s/chip",
         ]
+        if p.collectives:
+            lines.append("    HLO collectives (loop bodies once): " + ", ".join(
+                f"{kind} {n / GIB:.3f} GiB" for kind, n in p.collectives.items() if n))
         if p.mesh_shape:
             lines.append(f"    decode mesh {_mesh(p.mesh_shape)}; resharding the weights to it "
                          f"once per step: {_reshard(result, p)}")
@@ -148,8 +151,8 @@ def table_row(result: Plan) -> str:
 
 DECODE_HEADER = (
     "| experiment | topology | layout | mesh | shape | HBM per chip | HBM / token | "
-    "ICI / token | step (bound) | tokens/s/chip | reshard per step |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|")
+    "ICI / token | HLO all-gather | step (bound) | tokens/s/chip | reshard per step |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def decode_rows(result: Plan) -> list[str]:
@@ -166,6 +169,7 @@ def decode_rows(result: Plan) -> list[str]:
             f"{_mesh(p.mesh_shape or result.mesh_shape)} | {p.shape.replace(' (1 token)', '')} | "
             f"{100 * p.peak_bytes / result.topology.chip.hbm_bytes:.0f}% | "
             f"{p.hbm_traffic / GIB:,.2f} GiB | {p.ici_traffic / GIB:,.2f} GiB | "
+            f"{(p.collectives or {}).get('all-gather', 0) / 2**20:,.1f} MiB | "
             f"{result.seconds(p) * 1e3:,.2f} ms ({result.bound(p)}) | "
             f"{result.tokens_per_second_per_chip(p):,.0f} | {reshard} |")
     return rows
