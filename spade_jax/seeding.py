@@ -34,7 +34,9 @@ class Phase(enum.IntEnum):
 
 
 def _entropy(parts: tuple[int, ...]) -> list[int]:
-    out = []
+    # The tuple's length leads: SeedSequence pads its entropy with zeros, so without it
+    # (1, 2) and (1, 2, 0) would name the same stream.
+    out = [len(parts)]
     for p in parts:
         p = int(p)
         if p < 0:
