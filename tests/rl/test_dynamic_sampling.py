@@ -57,7 +57,7 @@ def context(rollouts, seed=SEED) -> StepContext:
                        refill_seed_parts=(seed, STEP, Phase.REFILL, ROLE))
 
 
-def expected_refill(dropped_envs, rounds, seed=SEED):
+def expected_refill(dropped_envs, rounds, seed=SEED, step=STEP, plays=PLAYS, pays=pays):
     """Re-derives "dropped"-mode refill: [(env id, seeds)] requested, the env ids still
     all-equal after at most ``rounds`` rounds, and the rounds run."""
     requested, missing, run = [], list(dropped_envs), 0
@@ -67,8 +67,8 @@ def expected_refill(dropped_envs, rounds, seed=SEED):
         run += 1
         still = []
         for j, env_id in enumerate(missing):
-            seeds = [derive_seed(seed, STEP, Phase.REFILL, ROLE, r, 1 + j, p)
-                     for p in range(PLAYS)]
+            seeds = [derive_seed(seed, step, Phase.REFILL, ROLE, r, 1 + j, p)
+                     for p in range(plays)]
             requested.append((env_id, seeds))
             if len({pays(env_id, s) for s in seeds}) == 1:
                 still.append(env_id)
@@ -180,3 +180,88 @@ def test_refill_needs_a_rollout_service_and_a_valid_config():
         dapo(max_refill_rounds=-1)
     with pytest.raises(ValueError, match="refill_from must be one of"):
         dapo(refill_from="prompts")
+
+
+# ---- in SPADE rounds: the loop plays the replacements ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from spade_jax.envs import EnvPool, SandboxConfig
+
+    with EnvPool(SandboxConfig(call_deadline_s=2.0)) as p:
+        yield p
+
+
+def spade_rounds(pool, rounds=2, budget=6):
+    """Two scripted rounds whose agent plays pay their reset seed's last bit; returns the
+    loop, its policy and each round's metrics."""
+    import dataclasses
+
+    from spade.test_loop import ALL_VALID, WINDOW, ScriptedPolicy, _loop  # tests/spade/
+
+    from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE
+
+    class SeedBitPolicy(ScriptedPolicy):
+        def run_episodes(self, specs, *, seed):
+            records = super().run_episodes(specs, seed=seed)
+            for rec, entry in zip(records, self.episode_log[-1], strict=True):
+                rec.return_ = rec.step_rewards[0] = entry["return"] = float(rec.seed % 2)
+            return records
+
+    policy = SeedBitPolicy(ALL_VALID)
+    config = dataclasses.replace(WINDOW, rounds=rounds, hint_mode="none", hint_plays=0)
+    loop = _loop(pool, policy, config, rules=(dapo(max_refill_rounds=budget),
+                                              DEFAULT_DESIGNER_RULE))
+    return loop, policy, [loop.run_round(step) for step in range(rounds)]
+
+
+def test_spade_rounds_refill_the_agents_dropped_games_with_new_plays(pool):
+    loop, policy, metrics = spade_rounds(pool)
+    plays = loop.config.plays_per_game
+    calls = iter(zip(policy.episode_seeds, policy.episode_log, strict=True))
+    for step, row in enumerate(metrics):
+        seed, regular = next(calls)
+        assert seed == derive_seed(0, step, Phase.AGENT)
+        groups: dict[str, list] = {}
+        for entry in regular:
+            groups.setdefault(entry["env_id"], []).append(entry["return"])
+        dropped = [env_id for env_id, returns in groups.items() if len(set(returns)) == 1]
+        want, still, rounds = expected_refill(dropped, 6, seed=0, step=step, plays=plays,
+                                              pays=lambda env_id, s: float(s % 2))
+        # The loop's replacement batches: one per refill round, sampler seeded per round.
+        got = []
+        for r in range(rounds):
+            seed, log = next(calls)
+            assert seed == derive_seed(0, step, Phase.REFILL, ROLE, r)
+            got += [(e["env_id"], e["return"]) for e in log]
+        assert got == [(env_id, float(s % 2)) for env_id, seeds in want for s in seeds]
+        assert row.get("rule/agent/group_filter/refill_groups", 0) == len(want)
+        assert row["rule/agent/group_filter/kept_groups"] == len(groups) - len(still)
+        # The update trains every game's informative group, plays_per_game sequences each.
+        agent = [s for s in policy.updates[step] if s.role == "agent"]
+        assert len(agent) == (len(groups) - len(still)) * plays
+        assert all(s.advantage != 0 for s in agent)
+        # Refill plays train only: the window's statistics hold the regular plays.
+        for game in loop.windows[0].games:
+            assert len(game.returns_by_offset[step]) == plays
+    assert any(row.get("rule/agent/group_filter/refill_groups", 0) > 0 for row in metrics)
+
+
+def test_spade_rounds_with_refill_are_reproducible(pool):
+    def run():
+        _, policy, metrics = spade_rounds(pool)
+        trained = [[(s.role, s.token_ids, s.advantage) for s in update]
+                   for update in policy.updates]
+        return trained, [{k: v for k, v in row.items() if "seconds" not in k and
+                          not k.startswith("time")} for row in metrics]
+
+    assert run() == run()
+
+
+def test_designer_refill_is_refused(pool):
+    from spade.test_loop import ALL_VALID, WINDOW, ScriptedPolicy, _loop
+
+    with pytest.raises(ValueError, match="designer.filter.max_refill_rounds must be 0"):
+        _loop(pool, ScriptedPolicy(ALL_VALID), WINDOW,
+              rules=(RoleConfig(), dapo(max_refill_rounds=1)))
