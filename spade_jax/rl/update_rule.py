@@ -14,7 +14,8 @@ The parts, in the order they act (each a name in its registry, :mod:`spade_jax.r
 plus that rule's own small config):
 
   on the host, per update, over groups of episodes (:func:`apply_rule`)
-    group_filter / filter            which groups train (DAPO dynamic sampling)
+    group_filter / filter            which groups train (DAPO dynamic sampling; with
+                                     max_refill_rounds, dropped groups are replaced)
     advantage_estimator / advantage  outcome rewards of a group -> A_i (GRPO, RLOO, ...)
     step_credit / credit             episodes' steps + A_i -> per-token advantages
                                      (first mistake, Cliff, FAULT, CRR)

@@ -17,7 +17,9 @@ published recipe: 4). In every round:
     advantage-> each role's update rule (``TrainConfig.agent`` / ``.designer``, a
                 ``rl.update_rule.RoleConfig``) turns its groups into training sequences:
                 agent group = the plays of one game this round; designer groups = one
-                skill's samples, times the env reward scale (recipe) or one prompt's
+                skill's samples, times the env reward scale (recipe) or one prompt's;
+                a filter that refills (DAPO) has dropped agent groups replaced by new
+                plays of the round's games (seeded from Phase.REFILL)
     update   -> one step on agent and designer samples together
 
 A checkpoint taken after any round resumes exactly: windows, cached hint returns and
