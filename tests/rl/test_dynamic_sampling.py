@@ -265,3 +265,15 @@ def test_designer_refill_is_refused(pool):
     with pytest.raises(ValueError, match="designer.filter.max_refill_rounds must be 0"):
         _loop(pool, ScriptedPolicy(ALL_VALID), WINDOW,
               rules=(RoleConfig(), dapo(max_refill_rounds=1)))
+
+
+def test_refill_is_set_from_the_command_line():
+    from spade_jax.experiment import load_experiment
+
+    train = load_experiment("tiny", ["train.agent.group_filter=dapo_dynamic_sampling",
+                                     "train.agent.filter.max_refill_rounds=3",
+                                     "train.agent.filter.refill_from=all"]).train
+    assert (train.agent.filter.max_refill_rounds, train.agent.filter.refill_from) == (3, "all")
+    with pytest.raises(ValueError, match="refill_from must be one of"):
+        load_experiment("tiny", ["train.agent.group_filter=dapo_dynamic_sampling",
+                                 "train.agent.filter.refill_from=everything"])
