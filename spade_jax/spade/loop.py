@@ -451,7 +451,8 @@ class SpadeLoop:
         played: list[list[EpisodeRecord]] = [[] for _ in requests]
         for rec, j in zip(records, slots, strict=True):
             rec.hinted, rec.owner = False, owners[rec.env_id]
-            played[j].append(rec)
+            if any(rec.loss_mask):  # as agent_sequences: a play without policy tokens
+                played[j].append(rec)
         return played
 
     def _complete(self, prompts, seed: int) -> list[str]:
