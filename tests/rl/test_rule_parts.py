@@ -177,6 +177,7 @@ def test_rule_from_a_file_outside_the_package_trains(tmp_path):
     assert row["train/skipped"] == 0 and np.isfinite(row["train/loss"])
 
 
+@pytest.mark.slow  # 12-16 s: five pairs of scripted rounds in the sandbox
 @needs_rule_loop
 def test_every_built_in_part_runs_in_scripted_spade_rounds():
     """The loop hands each role's groups to that role's rule: every part's name, set with
