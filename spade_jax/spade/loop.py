@@ -59,6 +59,7 @@ from spade_jax.spade.reward import (
     env_reward_scale,
 )
 from spade_jax.spade.window import (
+    VALID,
     DesignerSample,
     Game,
     GameStats,
@@ -436,10 +437,19 @@ class SpadeLoop:
                      owners: dict[str, Any], step: int, seed: int) -> list[list[EpisodeRecord]]:
         """A group filter's replacement groups: new no-hint plays of this round's
         environments in one batch (returns agreed across hosts, as every play's). They
-        train the agent only: the window's statistics keep the round's regular plays."""
-        opened = self._open([r.env_id for r in requests],
-                            [programs[r.env_id] for r in requests],
-                            [len(r.seeds) for r in requests])
+        train the agent only: the window's statistics keep the round's regular plays.
+        A fixed-environment baseline's tasks are opened by the baseline."""
+        if all(programs.get(r.env_id) for r in requests):
+            opened = self._open([r.env_id for r in requests],
+                                [programs[r.env_id] for r in requests],
+                                [len(r.seeds) for r in requests])
+        elif hasattr(self.baseline, "new_env") and not any(programs.get(r.env_id)
+                                                            for r in requests):
+            opened = [([self.baseline.new_env(r.env_id) for _ in r.seeds], VALID)
+                      for r in requests]
+        else:
+            raise ValueError(f"refill: the loop has no program or baseline task for "
+                             f"{sorted(r.env_id for r in requests if not programs.get(r.env_id))}")
         specs, slots = [], []
         for j, (request, (envs, verdict)) in enumerate(zip(requests, opened, strict=True)):
             if not verdict.ok:  # did not load this time: no replacement from it

@@ -277,3 +277,60 @@ def test_refill_is_set_from_the_command_line():
     with pytest.raises(ValueError, match="refill_from must be one of"):
         load_experiment("tiny", ["train.agent.group_filter=dapo_dynamic_sampling",
                                  "train.agent.filter.refill_from=everything"])
+
+
+class BitTaskBaseline:
+    """A fixed-environment baseline with tasks "t0".."t2" of SeedBitEnv; plays seeded
+    2, 4, 6 (all even: every group all-equal) so every group is refilled."""
+
+    tasks = ("t0", "t1", "t2")
+
+    def episodes(self, round_index, plays_per_task):
+        from spade_jax.rollout.agent_loop import EpisodeSpec
+
+        return [EpisodeSpec(env=self.new_env(t), env_id=t, seed=2 * (p + 1))
+                for t in self.tasks for p in range(plays_per_task)]
+
+    def new_env(self, task):
+        env = SeedBitEnv()
+        env.unwrapped = env
+        env.close = lambda: None
+        return env
+
+    def feedback(self, returns_by_env):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_baseline_rounds_refill_from_the_baselines_tasks(pool):
+    import dataclasses
+
+    from spade.test_loop import ALL_VALID, WINDOW, ScriptedPolicy, _loop
+
+    from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE
+
+    class SeedBitPolicy(ScriptedPolicy):
+        def run_episodes(self, specs, *, seed):
+            records = super().run_episodes(specs, seed=seed)
+            for rec in records:
+                rec.return_ = rec.step_rewards[0] = float(rec.seed % 2)
+            return records
+
+    policy = SeedBitPolicy(ALL_VALID)
+    loop = _loop(pool, policy, dataclasses.replace(WINDOW, baseline="fixed_env_grpo"),
+                 rules=(dapo(max_refill_rounds=5), DEFAULT_DESIGNER_RULE))
+    loop.baseline = BitTaskBaseline()
+    row = loop.run_round(0)
+    plays = WINDOW.plays_per_game
+    want, still, rounds = expected_refill(list(BitTaskBaseline.tasks), 5, seed=0, step=0,
+                                          plays=plays, pays=lambda env_id, s: float(s % 2))
+    assert row["rule/agent/group_filter/refill_groups"] == len(want)
+    assert row["rule/agent/group_filter/kept_groups"] == 3 - len(still)
+    assert policy.episode_seeds[1:] == [derive_seed(0, 0, Phase.REFILL, ROLE, r)
+                                        for r in range(rounds)]
+    assert [s.advantage != 0 for s in policy.updates[0]] == [True] * (3 - len(still)) * plays
