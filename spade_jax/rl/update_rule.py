@@ -223,15 +223,18 @@ def _refill(role: RoleConfig, groups: Sequence[Group], keep: Sequence[bool],
         return [], [], {}, {}
     service = context.require_rollouts(role.group_filter, "group filter (refill)")
     last_dropped = [g for g, k in zip(groups, keep, strict=True) if not k]
-    refills, refill_keep, filter_sums, rounds = [], [], {}, 0
+    refills, refill_keep, filter_sums, rounds, unplayed = [], [], {}, 0, 0
     start = time.perf_counter()
     while missing and rounds < budget:
         requests = _refill_requests(cfg, groups, last_dropped, missing, rounds, context)
+        if not requests:  # "dropped": every slot left is one the service could not play
+            break
         played = service.play_groups(requests, seed=context.refill_seed(rounds))
         if len(played) != len(requests):
             raise ValueError(f"the rollout service returned {len(played)} groups for "
                              f"{len(requests)} refill requests")
         new = [Group(episodes) for episodes in played if episodes]  # [] = could not play
+        unplayed += len(played) - len(new)
         new_keep, sums = _filter(role, new)
         _accumulate(filter_sums, sums)
         last_dropped = [g for g, k in zip(new, new_keep, strict=True) if not k]
@@ -243,6 +246,7 @@ def _refill(role: RoleConfig, groups: Sequence[Group], keep: Sequence[bool],
         "group_filter/refill_groups": float(len(refills)),
         "group_filter/refill_kept_groups": float(sum(refill_keep)),
         "group_filter/refill_missing_groups": float(missing),
+        "group_filter/refill_unplayed_groups": float(unplayed),
         "group_filter/refill_episodes": float(len(episodes)),
         "group_filter/refill_turns": float(sum(len(ep.turn_spans) for ep in episodes)),
         "group_filter/refill_tokens": float(sum(sum(ep.loss_mask) for ep in episodes)),

@@ -100,6 +100,7 @@ def test_refill_fills_the_batch_with_informative_groups_of_fresh_seeds():
     assert m["group_filter/kept_groups"] == len(BITS) == len({s.group for s in out.sequences})
     assert len(out.sequences) == len(BITS) * PLAYS
     assert m["group_filter/refill_kept_groups"] == 2 and m["group_filter/refill_missing_groups"] == 0
+    assert m["group_filter/refill_unplayed_groups"] == 0
     assert m["group_filter/refill_groups"] == len(want) == len(out.refill_groups)
     assert m["group_filter/refill_rounds"] == rounds
     assert m["group_filter/refill_episodes"] == len(want) * PLAYS == rollouts.plays_run
@@ -334,3 +335,23 @@ def test_baseline_rounds_refill_from_the_baselines_tasks(pool):
     assert policy.episode_seeds[1:] == [derive_seed(0, 0, Phase.REFILL, ROLE, r)
                                         for r in range(rounds)]
     assert [s.advantage != 0 for s in policy.updates[0]] == [True] * (3 - len(still)) * plays
+
+
+def test_requests_the_service_cannot_play_are_counted_and_skipped():
+    class NoSolvedPlays(ScriptedRollouts):
+        def play_groups(self, requests, *, seed):
+            played = super().play_groups(requests, seed=seed)
+            return [[] if r.env_id.startswith("solved") else g
+                    for r, g in zip(requests, played, strict=True)]
+
+    groups = sampled(service(), {**BITS, "solved_d": (0, 1, 2, 3)})
+    rollouts = NoSolvedPlays(service().make_env, service().policy)
+    out = apply_rule(dapo(max_refill_rounds=8), groups, context=context(rollouts))
+    m = out.metrics
+    # solved_d's one request is unplayable; "dropped" then has nothing left to replace it.
+    assert m["group_filter/refill_unplayed_groups"] == 1
+    assert "solved_d" not in {g.episodes[0].env_id for g in out.refill_groups}
+    assert m["group_filter/kept_groups"] == 3 and m["group_filter/refill_missing_groups"] == 1
+    want, _, rounds = expected_refill(["bit_b", "bit_c"], 8)  # rounds stop when they fill
+    assert m["group_filter/refill_rounds"] == max(rounds, 1)
+    assert m["group_filter/refill_groups"] == len(want) >= 2
