@@ -194,8 +194,9 @@ def _filter(role: RoleConfig, groups: Sequence[Group]) -> tuple[list[bool], dict
     return keep, sums
 
 
-def _refill_requests(cfg: Any, groups: Sequence[Group], last_dropped: Sequence[Group], missing: int, round_index: int,
-                     context: StepContext) -> list[GroupRequest]:
+def _refill_requests(cfg: Any, groups: Sequence[Group], last_dropped: Sequence[Group],
+                     missing: int, round_index: int, context: StepContext
+                     ) -> list[GroupRequest]:
     """The replacement groups of one refill round: new plays of the dropped groups' own
     environments ("dropped"), or of the step's environments in a seeded order ("all")."""
     if getattr(cfg, "refill_from", "dropped") == "all":
