@@ -99,7 +99,8 @@ def test_refill_fills_the_batch_with_informative_groups_of_fresh_seeds():
     m = out.metrics
     assert m["group_filter/kept_groups"] == len(BITS) == len({s.group for s in out.sequences})
     assert len(out.sequences) == len(BITS) * PLAYS
-    assert m["group_filter/refill_kept_groups"] == 2 and m["group_filter/refill_missing_groups"] == 0
+    assert m["group_filter/refill_kept_groups"] == 2
+    assert m["group_filter/refill_missing_groups"] == 0
     assert m["group_filter/refill_unplayed_groups"] == 0
     assert m["group_filter/refill_groups"] == len(want) == len(out.refill_groups)
     assert m["group_filter/refill_rounds"] == rounds
