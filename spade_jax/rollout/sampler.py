@@ -59,8 +59,8 @@ class SamplerConfig:
       return_router: record routing. True: per-token fp32 router logits and int32 selected
         experts (steering and evaluation read the logits); "experts": only the selected
         experts, kept on device in the compact dtype of :mod:`spade_jax.rollout.routing`
-        (uint8 up to 256 experts): what router replay consumes, ``4 * E / X`` times less
-        decode-state memory than True (64x for Qwen3-30B-A3B). False: nothing.
+        (uint8 up to 256 experts): what router replay consumes, with ``4 * (E + X) / X``
+        times less decode-state memory than True (68x for Qwen3-30B-A3B). False: nothing.
       prompt_bucket_min: smallest prompt-length bucket (buckets are powers of two).
       new_tokens_bucket: the new-token buffer is rounded up to a multiple of this.
       chunk_steps: decode steps per jitted call between host checks (stop strings, batch
