@@ -68,7 +68,7 @@ def test_tiny_plan_bytes_and_flops_match_the_model(tiny_plan):
     arch = experiment.model.architecture
     chips = result.topology.chips
     assert result.mesh_shape["data"] == chips  # tiny: pure data parallelism, params replicated
-    train, prefill, decode = result.programs
+    train, prefill, decode = (p for p in result.programs if ":" not in p.name)
     # Arguments of the train step = fp32 params + two fp32 Adam moments (replicated) + the
     # chip's rows of the batch (input_ids, attention_mask int32, loss_mask, old_logp fp32).
     state_bytes = 3 * 4 * arch.param_count()
@@ -223,7 +223,10 @@ def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     config = aot.AotConfig(experiment="tiny", topology="v4-8", sample_batch=2, prompt_len=16,
                            new_tokens=8, programs=("prefill", "decode"))
     result = aot.plan(config, devices=jax.devices()[:1])
-    prefill, decode = result.programs
+    prefill, decode, auto = result.programs
+    # One device: no FSDP axis for the decode layout to re-purpose, the same program.
+    assert auto.name == "decode:auto" and auto.mesh_shape is None and auto.reshard_bytes == 0
+    assert auto.ici_traffic == decode.ici_traffic == 0
     sampler = load_experiment("tiny").agent.sampler
     slots = 16 + -(-8 // sampler.new_tokens_bucket) * sampler.new_tokens_bucket
     assert (prefill.name, prefill.tokens, decode.name, decode.tokens) == ("prefill", 32, "decode", 2)
