@@ -282,7 +282,7 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
     n_moe, e, x = len(moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     router = static.return_router and n_moe > 0
     logits = router and static.router_logits
-    experts_dtype = _experts_dtype(static, cfg)
+    experts_dtype = _experts_dtype(static, cfg) if router else None
     prompt_router = None
     if router:
         prompt_router = (_moe_stack(out.router_logits, moe_layers) if logits else None,
