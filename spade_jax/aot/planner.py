@@ -349,14 +349,24 @@ def _replay_input(s: _Setting, b: int, t: int) -> tuple:
                  for i in range(s.arch.num_layers))
 
 
-def _replay_note(s: _Setting) -> str:
-    """What router replay costs per token (docs/trainer.md): recorded, and in the batch."""
+def _recorded_bytes_per_token(s: _Setting) -> tuple[int, int]:
+    """(MoE layers, bytes per token of a routing recording in the compact dtype)."""
     from spade_jax.rollout.routing import bytes_per_token
 
     layers = sum(s.arch.is_moe_layer(i) for i in range(s.arch.num_layers))
-    recorded = bytes_per_token(layers, s.arch.num_experts_per_tok, s.arch.num_experts)
+    return layers, bytes_per_token(layers, s.arch.num_experts_per_tok, s.arch.num_experts)
+
+
+def _replay_note(s: _Setting) -> str:
+    """What router replay costs per token (docs/trainer.md): recorded, and in the batch."""
+    layers, recorded = _recorded_bytes_per_token(s)
     return (f" replay {recorded} B/token recorded, "
             f"{4 * layers * s.arch.num_experts_per_tok} B/token in the batch")
+
+
+def _sampler_replay_note(s: _Setting) -> str:
+    """The sampler's recording cost per generated token (experts only, compact dtype)."""
+    return f" replay {_recorded_bytes_per_token(s)[1]} B/token in the decode state"
 
 
 def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
@@ -371,9 +381,12 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     p = config.prompt_len or next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
     n = round_up(config.new_tokens or agent.sampler.max_new_tokens,
                  agent.sampler.new_tokens_bucket)
-    # Sampling with the experiment's settings; router recording and top-k left out (the
-    # plan's programs are the plain agent sampler's).
-    sampler = dataclasses.replace(agent.sampler, max_new_tokens=n, top_k=0, return_router=False)
+    # Sampling with the experiment's settings, top-k left out. With router replay (or its
+    # telemetry) the run's samplers record the selected experts (return_router="experts"),
+    # so the decode state here carries that [B, N, L, X] buffer too.
+    record = "experts" if s.train.router_replay or s.experiment.record_routing else False
+    sampler = dataclasses.replace(agent.sampler, max_new_tokens=n, top_k=0,
+                                  return_router=record)
     programs = []
     if "prefill" in config.programs:
         lowered = sampler_lib.lower_prefill(s.sample_graphdef, s.state.params, s.options,
@@ -459,8 +472,9 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
         reshard_hlo_bytes=_compiled_reshard_bytes(s, mesh, name))
     # While the sampler runs, the trainer's parameters stay too when it reads its own copy.
     resident = s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
+    note = _sampler_replay_note(s) if sampler.return_router else ""
     return _program(
-        name, f"B={rows} S={keys} (1 token)", compiled, seconds, resident=resident,
+        name, f"B={rows} S={keys} (1 token){note}", compiled, seconds, resident=resident,
         tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved,
         **analytic_cost("decode", s.arch, s.options, par, rows=rows, length=1, keys=keys,
                         cache_itemsize=cache_itemsize, param_itemsize=s.param_itemsize))

@@ -227,12 +227,13 @@ def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokeniz
     samplers = _loop_samplers(config)
     record = records_routing(config)  # router replay / its telemetry: samplers record
     agent = dataclasses.replace(config.agent, sampler=dataclasses.replace(
-        config.agent.sampler, return_router=True)) if record else config.agent
+        config.agent.sampler, return_router="experts")) if record else config.agent
 
     def generate_fn(prompts, *, seed, purpose):
         model = policy()
         out = sample(model, prompts, dataclasses.replace(samplers[purpose], seed=seed,
-                     return_router=record and purpose == "design"), mesh=mesh)
+                     return_router="experts" if record and purpose == "design" else False),
+                     mesh=mesh)
         routes = [None] * len(prompts)
         if out.selected_experts is not None:
             routes = [compact_routing(r, model.config.num_experts)

@@ -215,6 +215,7 @@ def test_render_names_a_file_that_is_not_a_plan(tmp_path):
         assert out.returncode == 2 and f"{path} is not a readable --json_out plan" in out.stderr
 
 
+@pytest.mark.slow  # two CPU plans of the sampler programs (~25 s loaded)
 def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     """The prefill and decode programs come from ``rollout.sampler.lower_prefill`` /
     ``lower_decode_step`` (no libtpu: one CPU device); the decode step's arguments hold the
@@ -234,3 +235,14 @@ def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     cache = arch.num_layers * 2 * 2 * slots * arch.num_kv_heads * arch.head_dim * 4
     assert decode.argument_bytes >= cache + 4 * arch.param_count()
     assert decode.alias_bytes >= cache  # the decode state is donated
+    # tiny runs router replay: the decode state carries the experts-only recording, uint8
+    # [B, N, L, X] (2 MoE layers x top-2 = 4 B/token), and nothing else (no router logits):
+    # the replay-off plan's decode arguments are exactly that buffer smaller.
+    moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+    per_token = moe_layers * arch.num_experts_per_tok
+    assert decode.shape == f"B=2 S={slots} (1 token) replay {per_token} B/token in the decode state"
+    off = aot.plan(dataclasses.replace(config, overrides=("train.router_replay=False",)),
+                   devices=jax.devices()[:1])
+    buffer = 2 * (slots - 16) * per_token
+    assert off.programs[1].shape == f"B=2 S={slots} (1 token)"
+    assert decode.argument_bytes - off.programs[1].argument_bytes == buffer
