@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
         print(f"error: cannot create --workdir {FLAGS.workdir}: {e.strerror}", file=sys.stderr)
         return 2
     log_file = _setup_logging(workdir)
-    from spade_jax.spade.run import run_experiment
+    from spade_jax.run import run_experiment
 
     start = time.time()
     try:

@@ -202,7 +202,7 @@ def fake_tokenizer(vocab_size: int, eos: int):
 
 def test_a_checkpoint_refuses_a_tokenizer_that_is_not_its_own(tmp_path):
     from spade_jax.experiment import ModelSpec
-    from spade_jax.spade.run import build_model, check_tokenizer_matches
+    from spade_jax.run import build_model, check_tokenizer_matches
 
     qwen = ModelConfig(vocab_size=151936, bos_token_id=151643, eos_token_id=151645)
     check_tokenizer_matches(fake_tokenizer(151669, 151645), qwen, "qwen")  # Qwen3's own
