@@ -39,6 +39,7 @@ from spade_jax.experiment import (
     ModelSpec,
     TokenizerSpec,
     config_hash,
+    json_value,
     train_config_for_run,
 )
 from spade_jax.metrics import MetricsWriter, Progress
@@ -264,7 +265,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     workdir = storage.absolute(workdir)
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
-            json.dumps(dataclasses.asdict(config), indent=2, default=str))
+            json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
     pool = build_pool(config)
     log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
     tokenizer = build_tokenizer(config.tokenizer, workdir)

@@ -5,7 +5,10 @@ experiment, the run length sets the schedule, the tokenizer follows the checkpoi
 from __future__ import annotations
 
 import ast
+import dataclasses
+import hashlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -18,6 +21,7 @@ import pytest
 from spade_jax import rl
 from spade_jax.experiment import (
     EXPERIMENTS_DIR,
+    config_hash,
     load_experiment,
     train_config_for_run,
 )
@@ -218,3 +222,48 @@ def test_a_checkpoint_refuses_a_tokenizer_that_is_not_its_own(tmp_path):
         build_model(spec, fake_tokenizer(2000, 1), seed=0, mesh=None)
     model = build_model(spec, fake_tokenizer(tiny_hf.VOCAB, 1), seed=0, mesh=None)
     assert model.config.vocab_size == tiny_hf.VOCAB
+
+
+def _sets_sorted(value):
+    """A config dict with every set as a sorted list (the re-derivation's canonical form)."""
+    if isinstance(value, dict):
+        return {k: _sets_sorted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_sets_sorted(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return value
+
+
+def test_config_hash_sorts_sets():
+    """The hash is of the config with its sets sorted (a frozenset's str follows the
+    process's string hashing), re-derived here without the package's helper."""
+    config = load_experiment("tiny")
+    assert isinstance(config.sandbox.allowed_imports, frozenset)  # what made it unstable
+    canonical = json.dumps(_sets_sorted(dataclasses.asdict(config)), sort_keys=True,
+                           default=str)
+    assert config_hash(config) == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    reordered = dataclasses.replace(config, sandbox=dataclasses.replace(
+        config.sandbox, allowed_imports=frozenset(sorted(config.sandbox.allowed_imports,
+                                                         reverse=True))))
+    assert config_hash(reordered) == config_hash(config)
+    fewer = dataclasses.replace(config, sandbox=dataclasses.replace(
+        config.sandbox, allowed_imports=config.sandbox.allowed_imports - {"math"}))
+    assert config_hash(fewer) != config_hash(config)
+
+
+@pytest.mark.slow  # two Python subprocesses importing the package
+def test_config_hash_is_the_same_under_any_pythonhashseed():
+    script = ("from spade_jax.experiment import config_hash, load_experiment\n"
+              "c = load_experiment('tiny')\n"
+              "print(config_hash(c), str(c.sandbox.allowed_imports))\n")
+    outputs = []
+    for seed in ("1", "2"):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=300, cwd=REPO,
+                             env={**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"})
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs.append(run.stdout.split(" ", 1))
+    (hash_1, set_1), (hash_2, set_2) = outputs
+    assert set_1 != set_2  # the seeds do reorder the set, so the test can tell
+    assert hash_1 == hash_2 == config_hash(load_experiment("tiny"))
