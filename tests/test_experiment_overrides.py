@@ -26,7 +26,7 @@ from spade_jax.experiment import (
     train_config_for_run,
 )
 from spade_jax.models import ModelConfig
-from spade_jax.overrides import OverrideError
+from spade_jax.overrides import OverrideError, diff
 from spade_jax.rl.optim import OptimizerConfig, learning_rate_schedule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,6 +165,20 @@ def test_recipe_experiments_set_the_recipes_update():
             assert role.importance.clamp == 2.0 and role.importance.clamp_low == 0.0
             cfg = role.loss
             assert (cfg.clip_eps, cfg.clip_eps_high, cfg.kl_coef) == (0.2, 0.28, kl)
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("qwen3_4b", {"model.preset": "qwen3_4b_instruct_2507", "mesh.expert": 1,
+                  "train.microbatches": 8}),
+    ("qwen3_8b", {"model.preset": "qwen3_8b", "mesh.expert": 1, "train.microbatches": 8,
+                  "designer_sampler.max_new_tokens": 20_000, "spade.designer_thinking": True,
+                  "train.agent.loss.kl_coef": 0.005, "train.designer.loss.kl_coef": 0.005}),
+])
+def test_the_4b_and_8b_experiments_are_small_variants_of_the_30b(name, changes):
+    """Everything else (the recipe's rounds, sampling, update) comes from the 30B file."""
+    changed = diff(load_experiment("qwen3_30b_a3b"), load_experiment(name))
+    assert changed.pop("name") == ("qwen3_30b_a3b", name)
+    assert {k: new for k, (_, new) in changed.items()} == changes
 
 
 def test_total_steps_follows_the_run_length():
