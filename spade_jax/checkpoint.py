@@ -9,8 +9,7 @@ A checkpoint of step ``s`` is the directory ``<directory>/<s>/`` holding two Orb
              ``params/layers/3/attn/q_dnh``, ``opt_state/1/0/mu/...``), so a restore into
              a different model names the arrays that differ (:class:`CheckpointMismatchError`).
   run_state  a JSON dict of everything Python-side that a bitwise-identical resume needs:
-             RNG keys (:func:`key_to_json`), data / corpus sampler state, environment
-             memory, the config hash.
+             data / corpus sampler state, environment memory, the round.
 
 Orbax writes into a temporary directory and renames it when complete, so a crash never
 leaves a half-written directory under a step name. On top of that, once Orbax has
@@ -118,42 +117,6 @@ class RestoredCheckpoint(NamedTuple):
     step: int
     state: Any
     run_state: dict[str, Any]
-
-
-# ----------------------------------------------------------------------------------------
-# Run-state helpers: JSON forms of RNG state
-# ----------------------------------------------------------------------------------------
-
-
-def key_to_json(key: jax.Array) -> dict[str, Any]:
-    """A JAX PRNG key (typed ``jax.random.key`` or raw uint32) as JSON-able data."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        data = np.asarray(jax.random.key_data(key))
-        impl: str | None = str(jax.random.key_impl(key))
-    else:
-        data, impl = np.asarray(key), None
-    if data.dtype != np.uint32:
-        raise TypeError(f"expected a PRNG key with uint32 data, got dtype {data.dtype}")
-    return {"impl": impl, "shape": list(data.shape), "data": data.reshape(-1).tolist()}
-
-
-def key_from_json(blob: Mapping[str, Any]) -> jax.Array:
-    """Inverse of :func:`key_to_json`; bit-exact."""
-    data = np.asarray(blob["data"], dtype=np.uint32).reshape(blob["shape"])
-    if blob["impl"] is None:
-        return jnp.asarray(data)
-    return jax.random.wrap_key_data(data, impl=blob["impl"])
-
-
-def numpy_rng_to_json(rng: np.random.Generator) -> dict[str, Any]:
-    """A NumPy Generator's exact bit-generator state (JSON ints are arbitrary precision)."""
-    return rng.bit_generator.state
-
-
-def numpy_rng_from_json(state: Mapping[str, Any]) -> np.random.Generator:
-    bit_generator = getattr(np.random, state["bit_generator"])()
-    bit_generator.state = dict(state)
-    return np.random.Generator(bit_generator)
 
 
 # ----------------------------------------------------------------------------------------

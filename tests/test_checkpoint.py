@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import rng_json
 
 from spade_jax import checkpoint as ckpt_lib
 
@@ -49,10 +50,10 @@ class ToySampler:
         return np.asarray(batch)
 
     def state_dict(self) -> dict:
-        return {"rng": ckpt_lib.numpy_rng_to_json(self.rng), "order": self.order}
+        return {"rng": rng_json.numpy_rng_to_json(self.rng), "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng = ckpt_lib.numpy_rng_from_json(state["rng"])
+        self.rng = rng_json.numpy_rng_from_json(state["rng"])
         self.order = list(state["order"])
 
 
@@ -115,7 +116,7 @@ def toy_main(argv: list[str]) -> None:
     restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
     if restored is not None:
         start, state = restored.step, restored.state
-        key = ckpt_lib.key_from_json(restored.run_state["key"])
+        key = rng_json.key_from_json(restored.run_state["key"])
         if not args.forget_sampler:
             sampler.load_state_dict(restored.run_state["sampler"])
         print(f"RESUMED {start}", flush=True)
@@ -131,7 +132,7 @@ def toy_main(argv: list[str]) -> None:
                     break
                 time.sleep(0.05)
         if ckpt.should_save(step):
-            run_state = {"key": ckpt_lib.key_to_json(key), "sampler": sampler.state_dict()}
+            run_state = {"key": rng_json.key_to_json(key), "sampler": sampler.state_dict()}
             ckpt.save(step, state, run_state)
         if step == args.block_after:
             ckpt.wait()
@@ -413,8 +414,8 @@ def test_rng_state_round_trips_bitwise():
     typed = jax.random.split(jax.random.key(3), 4)
     raw = jax.random.PRNGKey(5)
     for key in (typed, raw, jax.random.key(7, impl="rbg")):
-        blob = json.loads(json.dumps(ckpt_lib.key_to_json(key)))
-        back = ckpt_lib.key_from_json(blob)
+        blob = json.loads(json.dumps(rng_json.key_to_json(key)))
+        back = rng_json.key_from_json(blob)
         assert back.dtype == key.dtype and back.shape == key.shape
         first, first_back = (back, key) if back.ndim == key.ndim == 0 else (key[0], back[0])
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -424,7 +425,7 @@ def test_rng_state_round_trips_bitwise():
             np.testing.assert_array_equal(np.asarray(back), np.asarray(key))
     rng = np.random.default_rng(11)
     rng.random(5)
-    copy = ckpt_lib.numpy_rng_from_json(json.loads(json.dumps(ckpt_lib.numpy_rng_to_json(rng))))
+    copy = rng_json.numpy_rng_from_json(json.loads(json.dumps(rng_json.numpy_rng_to_json(rng))))
     np.testing.assert_array_equal(copy.random(8), rng.random(8))
 
 
