@@ -31,10 +31,13 @@ class Phase(enum.IntEnum):
     PROBE = 9  # scripted probes of a program (reward levels, ...)
     ARM_ORDER = 10  # order in which environment copies are opened
     CREDIT = 11  # update-rule draws (forked continuations, judge replies, turn choices)
+    REFILL = 12  # a group filter's replacement plays (DAPO dynamic sampling's refill)
 
 
 def _entropy(parts: tuple[int, ...]) -> list[int]:
-    out = []
+    # The tuple's length leads: SeedSequence pads its entropy with zeros, so without it
+    # (1, 2) and (1, 2, 0) would name the same stream.
+    out = [len(parts)]
     for p in parts:
         p = int(p)
         if p < 0:

@@ -22,3 +22,10 @@ def test_same_tuple_same_stream():
 def test_negative_part_is_refused():
     with pytest.raises(ValueError, match="seed parts"):
         derive_seed(1, -1)
+
+
+def test_trailing_zero_parts_name_another_stream():
+    """SeedSequence zero-pads its entropy: the tuple's length must be part of the key."""
+    assert derive_seed(1, 2) != derive_seed(1, 2, 0) != derive_seed(1, 2, 0, 0)
+    assert derive_seed(5, 0, Phase.AGENT) != derive_seed(5, 0, Phase.AGENT, 0)
+    assert not np.array_equal(rng(1, 2).random(4), rng(1, 2, 0).random(4))

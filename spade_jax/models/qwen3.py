@@ -656,7 +656,8 @@ def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     kv = None if cache is None else (cache.k, cache.v)
-    replay = None if routing_replay is None else jnp.stack(list(routing_replay))
+    replay = (None if routing_replay is None or all(r is None for r in routing_replay)
+              else jnp.stack(list(routing_replay)))  # a dense model replays nothing
     xs = (params, jnp.arange(num_layers, dtype=jnp.int32), kv, replay)
     x_btd, (kv, logits_LbtE, experts_LbtX) = jax.lax.scan(body, x_btd, xs)
     def unstack(a):  # dense layers return no routing

@@ -8,8 +8,9 @@ A step-credit rule (``rl.step_credits``) gets
     turn whose action token t belongs to, -1 for prompt / observation / padding tokens);
   * a :class:`StepContext`: the seed parts of this update and, when the caller can provide
     one, a :class:`RolloutService`, through which a rule asks for more samples: forked
-    continuations of an episode from one of its turns (:class:`Fork`), or plain policy
-    completions (a policy judge). A rule never reaches into the loop for them.
+    continuations of an episode from one of its turns (:class:`Fork`), plain policy
+    completions (a policy judge), or new plays of this step's environments (a group
+    filter's refill, :class:`GroupRequest`). A rule never reaches into the loop for them.
 
 Shape legend: B episodes, S steps (turns), T tokens (the longest episode's length).
 """
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from spade_jax import seeding
+from spade_jax.rollout.records import EpisodeRecord
 
 
 class Episode(Protocol):
@@ -120,8 +122,17 @@ class ForkResult:
     tokens_generated: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupRequest:
+    """A replacement group for a group filter's refill: ``len(seeds)`` new plays of the
+    environment ``env_id`` (one this step already played), play j reset with ``seeds[j]``."""
+
+    env_id: str
+    seeds: tuple[int, ...]
+
+
 class RolloutService(Protocol):
-    """The rollout side as a step-level rule may use it (the caller provides it)."""
+    """The rollout side as a rule may use it (the caller provides it)."""
 
     def continue_forks(self, forks: Sequence[Fork]) -> list[ForkResult]:
         """Runs every fork to the end (batched as the service likes), results in order."""
@@ -129,6 +140,12 @@ class RolloutService(Protocol):
 
     def complete(self, prompts: Sequence[str], *, seed: int) -> list[str]:
         """The policy's reply to each single-turn prompt (e.g. a policy judge's question)."""
+        ...
+
+    def play_groups(self, requests: Sequence[GroupRequest], *, seed: int) -> list[list[Any]]:
+        """New no-hint plays by the current policy, one list of :class:`Episode` records per
+        request (in order, one per seed), all in one batch whose sampler draws are seeded
+        from ``seed``."""
         ...
 
 
@@ -141,16 +158,19 @@ class StepContext:
     seed_parts: (experiment seed, step, phase, ...) of this update; a rule draws with
       ``seeding.rng(*seed_parts, index)``.
     role: "agent" or "designer".
+    refill_seed_parts: (experiment seed, step, ``Phase.REFILL``, role) of a group filter's
+      replacement plays; None: ``seed_parts`` followed by ``Phase.REFILL``.
     """
 
     rollouts: RolloutService | None = None
     seed_parts: tuple[int, ...] = (0,)
     role: str = "agent"
+    refill_seed_parts: tuple[int, ...] | None = None
 
-    def require_rollouts(self, rule: str) -> RolloutService:
+    def require_rollouts(self, rule: str, part: str = "step credit") -> RolloutService:
         if self.rollouts is None:
-            raise ValueError(f"step credit {rule!r} needs a RolloutService (forked rollouts or "
-                             f"policy completions), and the caller gave none for the "
+            raise ValueError(f"{part} {rule!r} needs a RolloutService (forked rollouts, policy "
+                             f"completions or new plays), and the caller gave none for the "
                              f"{self.role} role")
         return self.rollouts
 
@@ -160,20 +180,36 @@ class StepContext:
     def seed(self, *index: int) -> int:
         return seeding.derive_seed(*self.seed_parts, *index)
 
+    def refill_seed(self, *index: int) -> int:
+        """A seed of the refill's draws: ``derive_seed(*refill_seed_parts, *index)``."""
+        parts = self.refill_seed_parts
+        if parts is None:
+            parts = (*self.seed_parts, int(seeding.Phase.REFILL))
+        return seeding.derive_seed(*parts, *index)
+
+
+def scripted_action_tokens(action: str) -> list[int]:
+    """The one token a :class:`ScriptedRollouts` play writes for ``action`` (ids 3..10)."""
+    return [3 + sum(map(ord, action)) % 8]
+
 
 @dataclasses.dataclass
 class ScriptedRollouts:
     """A :class:`RolloutService` over plain Python: ``make_env(env_id)`` gives a fresh
     gymnasium-style text env, ``policy(observations, actions, rng) -> action`` plays it
     (a scripted policy, e.g. for tests with closed-form credit), ``judge_reply(prompt)``
-    answers completions. Counts what it ran in ``forks_run`` / ``turns_run``."""
+    answers completions. A new play (``play_groups``) is an ``EpisodeRecord`` whose
+    observations are token 1 and whose actions are ``action_tokens(action)`` (log-prob -1
+    each). Counts what it ran in ``forks_run`` / ``turns_run`` / ``plays_run``."""
 
     make_env: Any
     policy: Any
     judge_reply: Any = None
     max_turns: int = 64
+    action_tokens: Any = scripted_action_tokens
     forks_run: int = 0
     turns_run: int = 0
+    plays_run: int = 0
 
     def continue_forks(self, forks: Sequence[Fork]) -> list[ForkResult]:
         return [self._one(fork) for fork in forks]
@@ -187,21 +223,48 @@ class ScriptedRollouts:
             observations.append(observation)
             if terminated or truncated:
                 raise ValueError(f"fork at turn {fork.turn}: the replayed episode ended early")
-        total, turns, action = 0.0, 0, fork.action
-        while turns < self.max_turns:
+        rewards = self._play_on(env, observations, actions, rng, fork.action)
+        self.forks_run += 1
+        return ForkResult(float(sum(rewards)), len(rewards))
+
+    def _play_on(self, env: Any, observations: list[str], actions: list[str],
+                 rng: np.random.Generator, action: str | None = None) -> list[float]:
+        """The policy plays ``env`` to its end (``action`` first, when given), appending to
+        ``observations`` / ``actions``; returns the rewards of the turns it played."""
+        rewards: list[float] = []
+        while len(rewards) < self.max_turns:
             action = action if action is not None else self.policy(observations, actions, rng)
             observation, reward, terminated, truncated, _ = env.step(action)
-            total, turns = total + float(reward), turns + 1
+            rewards.append(float(reward))
             observations.append(observation)
             actions.append(action)
             action = None
             if terminated or truncated:
                 break
-        self.forks_run += 1
-        self.turns_run += turns
-        return ForkResult(total, turns)
+        self.turns_run += len(rewards)
+        return rewards
 
     def complete(self, prompts: Sequence[str], *, seed: int) -> list[str]:
         if self.judge_reply is None:
             raise ValueError("this ScriptedRollouts has no judge_reply for completions")
         return [self.judge_reply(prompt) for prompt in prompts]
+
+    def play_groups(self, requests: Sequence[GroupRequest], *, seed: int) -> list[list[Any]]:
+        return [[self._play(request.env_id, env_seed, seeding.rng(seed, r, j))
+                 for j, env_seed in enumerate(request.seeds)]
+                for r, request in enumerate(requests)]
+
+    def _play(self, env_id: str, env_seed: int, rng: np.random.Generator) -> Any:
+        env, record = self.make_env(env_id), EpisodeRecord(env_id=env_id, seed=env_seed)
+        observation, _ = env.reset(seed=env_seed)
+        record.observations.append(observation)
+        record.step_rewards = self._play_on(env, record.observations, record.actions, rng)
+        record.append([1], policy=False)
+        for action in record.actions:
+            tokens = list(self.action_tokens(action))
+            record.turn_spans.append((len(record.token_ids), len(record.token_ids) + len(tokens)))
+            record.append(tokens, policy=True, logprobs=[-1.0] * len(tokens))
+            record.append([1], policy=False)
+        record.return_ = float(sum(record.step_rewards))
+        self.plays_run += 1
+        return record

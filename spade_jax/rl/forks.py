@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spade_jax import seeding
-from spade_jax.rl.episodes import Fork, ForkResult
+from spade_jax.rl.episodes import Fork, ForkResult, GroupRequest
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EpisodeRecord
 
@@ -83,13 +83,16 @@ class PolicyRollouts:
     run_episodes: ``(specs, seed) -> records`` (the agent loop with the policy's model,
       tokenizer and sampler, every sampler call of the batch seeded from ``seed``).
     make_env: ``env_id -> a fresh env`` of the program that episode ran.
-    complete: ``(prompts, seed) -> replies``, the policy's single-turn completions, or None
-      (a rule that asks for them then fails with a clear error).
+    complete_fn: ``(prompts, seed) -> replies``, the policy's single-turn completions, or
+      None (a rule that asks for them then fails with a clear error).
+    play_groups_fn: ``(requests, seed) -> [[record] per request]``, new plays of this
+      step's environments (a group filter's refill), or None (the same).
     """
 
     run_episodes: RunEpisodes
     make_env: Callable[[str], Any]
     complete_fn: Callable[[Sequence[str], int], list[str]] | None = None
+    play_groups_fn: Callable[[Sequence[GroupRequest], int], list[list[Any]]] | None = None
 
     def continue_forks(self, forks: Sequence[Fork]) -> list[ForkResult]:
         envs = [ForkedEnv(self.make_env, fork) for fork in forks]
@@ -120,3 +123,9 @@ class PolicyRollouts:
             raise ValueError("this PolicyRollouts was built without a completion function "
                              "(complete_fn), so no policy judge can be asked")
         return self.complete_fn(prompts, seed)
+
+    def play_groups(self, requests: Sequence[GroupRequest], *, seed: int) -> list[list[Any]]:
+        if self.play_groups_fn is None:
+            raise ValueError("this PolicyRollouts cannot play new groups (no play_groups_fn): "
+                             "a group filter's refill needs environments to play")
+        return self.play_groups_fn(requests, seed)

@@ -14,7 +14,8 @@ The parts, in the order they act (each a name in its registry, :mod:`spade_jax.r
 plus that rule's own small config):
 
   on the host, per update, over groups of episodes (:func:`apply_rule`)
-    group_filter / filter            which groups train (DAPO dynamic sampling)
+    group_filter / filter            which groups train (DAPO dynamic sampling; with
+                                     max_refill_rounds, dropped groups are replaced)
     advantage_estimator / advantage  outcome rewards of a group -> A_i (GRPO, RLOO, ...)
     step_credit / credit             episodes' steps + A_i -> per-token advantages
                                      (first mistake, Cliff, FAULT, CRR)
@@ -27,15 +28,17 @@ plus that rule's own small config):
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
+from spade_jax import seeding
 from spade_jax.rl import registry
 from spade_jax.rl import rules as _rules  # noqa: F401  (import registers the built-ins)
 from spade_jax.rl.batch import TrainSequence
-from spade_jax.rl.episodes import EpisodeBatch, StepContext, episode_batch
+from spade_jax.rl.episodes import EpisodeBatch, GroupRequest, StepContext, episode_batch
 
 # (name field, config field, registry) of every part, in the order the parts act.
 PARTS: tuple[tuple[str, str, registry.Registry], ...] = (
@@ -153,16 +156,24 @@ class Group:
 
 @dataclasses.dataclass
 class RuleOutput:
-    """Training sequences of one role, the host-side parts' metrics (prefixed by part), and
-    the indices of the groups the filter dropped (the caller may refill them)."""
+    """Training sequences of one role, the host-side parts' metrics (prefixed by part), the
+    replacement groups a refilling filter had played (``refill_groups``, indices
+    ``len(groups)`` on) and the indices of the groups the filter dropped, into ``groups``
+    followed by ``refill_groups``."""
 
     sequences: list[TrainSequence]
     metrics: dict[str, float]
     dropped_groups: list[int]
+    refill_groups: list[Group] = dataclasses.field(default_factory=list)
 
 
 def _prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
     return {f"{prefix}/{k}": float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def _accumulate(sums: dict[str, float], metrics: dict[str, float]) -> None:
+    for key, value in metrics.items():
+        sums[key] = sums.get(key, 0.0) + value
 
 
 def _policy_tokens(episodes: Sequence[Any], length: int) -> np.ndarray:
@@ -172,29 +183,101 @@ def _policy_tokens(episodes: Sequence[Any], length: int) -> np.ndarray:
     return mask
 
 
-def _group_advantages(role: RoleConfig, groups: Sequence[Group]):
-    """Filter then estimate per group: (kept group indices, advantages per kept group,
-    metrics averaged over groups)."""
+def _filter(role: RoleConfig, groups: Sequence[Group]) -> tuple[list[bool], dict[str, float]]:
+    """The group filter on each group: (keep flags, the filter's metrics summed over groups)."""
     keep_fn, keep_cfg = role.part("group_filter")
+    keep, sums = [], {}
+    for group in groups:
+        keep_1, metrics = keep_fn(group.reward_values()[None, :].astype(np.float32), keep_cfg)
+        _accumulate(sums, _prefixed("group_filter", metrics))
+        keep.append(bool(np.asarray(keep_1)[0]))
+    return keep, sums
+
+
+def _refill_requests(cfg: Any, groups: Sequence[Group], last_dropped: Sequence[Group],
+                     missing: int, round_index: int, context: StepContext
+                     ) -> list[GroupRequest]:
+    """The replacement groups of one refill round: new plays of the dropped groups' own
+    environments ("dropped"), or of the step's environments in a seeded order ("all")."""
+    if getattr(cfg, "refill_from", "dropped") == "all":
+        order = seeding.rng(context.refill_seed(round_index, 0, 1)).permutation(len(groups))
+        templates = [groups[int(order[j % len(groups)])] for j in range(missing)]
+    else:
+        templates = list(last_dropped)
+    return [GroupRequest(group.episodes[0].env_id,
+                         tuple(context.refill_seed(round_index, 1 + j, play)
+                               for play in range(len(group.episodes))))
+            for j, group in enumerate(templates)]
+
+
+def _refill(role: RoleConfig, groups: Sequence[Group], keep: Sequence[bool],
+            context: StepContext) -> tuple[list[Group], list[bool], dict, dict[str, float]]:
+    """DAPO's dynamic sampling: while fewer groups than were sampled pass the filter and
+    the filter's ``max_refill_rounds`` allows, ask the rollout side for replacement groups
+    (:meth:`RolloutService.play_groups`) and filter them too. Returns the replacement
+    groups, their keep flags, the filter's metrics summed over them, and the refill's
+    counts and costs."""
+    _, cfg = role.part("group_filter")
+    budget = int(getattr(cfg, "max_refill_rounds", 0))
+    missing = list(keep).count(False)
+    if budget <= 0 or missing == 0:
+        return [], [], {}, {}
+    service = context.require_rollouts(role.group_filter, "group filter (refill)")
+    last_dropped = [g for g, k in zip(groups, keep, strict=True) if not k]
+    refills, refill_keep, filter_sums, rounds, unplayed = [], [], {}, 0, 0
+    start = time.perf_counter()
+    while missing and rounds < budget:
+        requests = _refill_requests(cfg, groups, last_dropped, missing, rounds, context)
+        if not requests:  # "dropped": every slot left is one the service could not play
+            break
+        played = service.play_groups(requests, seed=context.refill_seed(rounds))
+        if len(played) != len(requests):
+            raise ValueError(f"the rollout service returned {len(played)} groups for "
+                             f"{len(requests)} refill requests")
+        new = [Group(episodes) for episodes in played if episodes]  # [] = could not play
+        unplayed += len(played) - len(new)
+        new_keep, sums = _filter(role, new)
+        _accumulate(filter_sums, sums)
+        last_dropped = [g for g, k in zip(new, new_keep, strict=True) if not k]
+        refills, refill_keep = refills + new, refill_keep + new_keep
+        missing, rounds = missing - sum(new_keep), rounds + 1
+    episodes = [ep for group in refills for ep in group.episodes]
+    return refills, refill_keep, filter_sums, {
+        "group_filter/refill_rounds": float(rounds),
+        "group_filter/refill_groups": float(len(refills)),
+        "group_filter/refill_kept_groups": float(sum(refill_keep)),
+        "group_filter/refill_missing_groups": float(missing),
+        "group_filter/refill_unplayed_groups": float(unplayed),
+        "group_filter/refill_episodes": float(len(episodes)),
+        "group_filter/refill_turns": float(sum(len(ep.turn_spans) for ep in episodes)),
+        "group_filter/refill_tokens": float(sum(sum(ep.loss_mask) for ep in episodes)),
+        "group_filter/refill_seconds": time.perf_counter() - start,
+    }
+
+
+def _group_advantages(role: RoleConfig, groups: Sequence[Group], context: StepContext):
+    """Filter (and refill) then estimate per group: (the groups, replacement groups
+    appended; kept group indices; advantages per kept group; metrics: the filter's and
+    the estimator's averaged over the groups they saw, the refill's counts)."""
+    keep, filter_sums = _filter(role, groups)
+    refills, refill_keep, refill_sums, refill_metrics = _refill(role, groups, keep, context)
+    _accumulate(filter_sums, refill_sums)
+    groups, keep = list(groups) + refills, keep + refill_keep
     estimate_fn, estimate_cfg = role.part("advantage_estimator")
-    kept, advantages, metric_sums = [], [], {}
-    for g, group in enumerate(groups):
-        rewards_n = group.reward_values()
-        keep_1, filter_metrics = keep_fn(rewards_n[None, :].astype(np.float32), keep_cfg)
-        for key, value in _prefixed("group_filter", filter_metrics).items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + value
-        if not bool(np.asarray(keep_1)[0]):
-            continue
+    kept = [g for g, k in enumerate(keep) if k]
+    advantages, adv_sums = [], {}
+    for g in kept:
+        rewards_n = groups[g].reward_values()
         adv_n, adv_metrics = estimate_fn(rewards_n.astype(np.float32), len(rewards_n),
                                          estimate_cfg)
-        for key, value in _prefixed("advantage", adv_metrics).items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + value
-        kept.append(g)
+        _accumulate(adv_sums, _prefixed("advantage", adv_metrics))
         advantages.append(np.asarray(adv_n, np.float64))
-    metrics = {k: v / max(len(groups), 1) for k, v in metric_sums.items()}
+    # The filter's and estimator's metrics averaged over every group filtered.
+    metrics = {k: v / max(len(groups), 1) for k, v in {**filter_sums, **adv_sums}.items()}
+    metrics.update(refill_metrics)
     metrics["group_filter/kept_groups"] = float(len(kept))
     metrics["group_filter/dropped_groups"] = float(len(groups) - len(kept))
-    return kept, advantages, metrics
+    return groups, kept, advantages, metrics
 
 
 def apply_rule(
@@ -208,13 +291,17 @@ def apply_rule(
     """The host-side parts of ``role``'s rule on ``groups``: filter, advantages (times
     ``advantage_scale``, e.g. the recipe's designer reward scale), step credit. Each kept
     sample becomes a :class:`TrainSequence` with its advantage ([T] when the step credit
-    gives per-token ones) and its group index (for group-wise importance corrections)."""
+    gives per-token ones) and its group index (for group-wise importance corrections).
+    A filter whose config sets ``max_refill_rounds`` has dropped groups replaced by new
+    plays from ``context.rollouts`` (see :func:`_refill`)."""
     context = context or StepContext(role=role_name)
-    kept, advantages, metrics = _group_advantages(role, groups)
+    sampled = len(groups)
+    groups, kept, advantages, metrics = _group_advantages(role, groups, context)
+    refills = groups[sampled:]
     dropped = sorted(set(range(len(groups))) - set(kept))
     episodes = [ep for g in kept for ep in groups[g].episodes]
     if not episodes:
-        return RuleOutput([], metrics, dropped)
+        return RuleOutput([], metrics, dropped, refills)
     group_b = [g for g in kept for _ in groups[g].episodes]
     rewards_b = np.concatenate([groups[g].reward_values() for g in kept])
     outcome_b = np.concatenate(advantages) * advantage_scale
@@ -232,4 +319,4 @@ def apply_rule(
         advantage = float(adv[i]) if adv.ndim == 1 else adv[i, :n].astype(np.float32)
         sequences.append(TrainSequence(ep.token_ids, ep.loss_mask, ep.logprobs, advantage,
                                        role_name, group=g, routing=ep.routing))
-    return RuleOutput(sequences, metrics, dropped)
+    return RuleOutput(sequences, metrics, dropped, refills)

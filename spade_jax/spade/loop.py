@@ -17,7 +17,9 @@ published recipe: 4). In every round:
     advantage-> each role's update rule (``TrainConfig.agent`` / ``.designer``, a
                 ``rl.update_rule.RoleConfig``) turns its groups into training sequences:
                 agent group = the plays of one game this round; designer groups = one
-                skill's samples, times the env reward scale (recipe) or one prompt's
+                skill's samples, times the env reward scale (recipe) or one prompt's;
+                a filter that refills (DAPO) has dropped agent groups replaced by new
+                plays of the round's games (seeded from Phase.REFILL)
     update   -> one step on agent and designer samples together
 
 A checkpoint taken after any round resumes exactly: windows, cached hint returns and
@@ -39,7 +41,7 @@ import numpy as np
 from spade_jax import distributed
 from spade_jax.envs import EnvPool, arm_order
 from spade_jax.rl.batch import TrainSequence
-from spade_jax.rl.episodes import StepContext
+from spade_jax.rl.episodes import GroupRequest, StepContext
 from spade_jax.rl.forks import PolicyRollouts
 from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, apply_rule
 from spade_jax.rollout.agent_loop import EpisodeSpec
@@ -57,6 +59,7 @@ from spade_jax.spade.reward import (
     env_reward_scale,
 )
 from spade_jax.spade.window import (
+    VALID,
     DesignerSample,
     Game,
     GameStats,
@@ -119,6 +122,10 @@ class SpadeLoop:
         # Each role's update rule (TrainConfig.agent, TrainConfig.designer).
         agent_rule, designer_rule = rules or (RoleConfig(), DEFAULT_DESIGNER_RULE)
         self.rules = {"agent": agent_rule, "designer": designer_rule}
+        if getattr(designer_rule.filter, "max_refill_rounds", 0) > 0:
+            raise ValueError("train.designer.filter.max_refill_rounds must be 0: designer "
+                             "samples are not plays of an environment, so the loop cannot "
+                             "refill the designer's dropped groups")
         self.rule_metrics: dict[str, float] = {}
         self.run_episodes, self.update = run_episodes, update
         self.corpus_sampler, self.memory, self.reward_rule = corpus_sampler, memory, reward_rule
@@ -296,11 +303,13 @@ class SpadeLoop:
                  if self.memory.records else [])
         return agreement.agree_records(picks)
 
-    def _run(self, specs: list[EpisodeSpec], step: int) -> list[EpisodeRecord]:
-        """One batch of episodes; process 0's returns on every host."""
+    def _run(self, specs: list[EpisodeSpec], step: int,
+             seed: int | None = None) -> list[EpisodeRecord]:
+        """One batch of episodes (sampler draws seeded from ``seed``, by default the
+        round's agent seed); process 0's returns on every host."""
+        seed = derive_seed(self.seed, step, Phase.AGENT) if seed is None else seed
         try:
-            records = (self.run_episodes(specs, seed=derive_seed(self.seed, step, Phase.AGENT))
-                       if specs else [])
+            records = self.run_episodes(specs, seed=seed) if specs else []
         finally:
             for spec in specs:
                 spec.env.close()
@@ -390,11 +399,14 @@ class SpadeLoop:
         round's :class:`PolicyRollouts`; multi-host: process 0's advantages everywhere
         (forked returns can differ per host)."""
         rule = self.rules[role]
-        context = StepContext(rollouts=self._rollouts(groups), role=role,
-                              seed_parts=(self.seed, step, Phase.CREDIT, ROLE_INDEX[role]))
+        context = StepContext(
+            rollouts=self._rollouts(groups, step, refill=role == "agent"), role=role,
+            seed_parts=(self.seed, step, Phase.CREDIT, ROLE_INDEX[role]),
+            refill_seed_parts=(self.seed, step, Phase.REFILL, ROLE_INDEX[role]))
         out = apply_rule(rule, groups, role_name=role, context=context, advantage_scale=scale)
         self.rule_metrics.update({f"rule/{role}/{k}": v for k, v in out.metrics.items()})
-        kept = [g for g in range(len(groups)) if g not in set(out.dropped_groups)]
+        dropped = set(out.dropped_groups)
+        kept = [g for g in range(len(groups) + len(out.refill_groups)) if g not in dropped]
         return _agree_advantages(out.sequences), kept
 
     def pop_rule_metrics(self) -> dict[str, float]:
@@ -402,8 +414,9 @@ class SpadeLoop:
         metrics, self.rule_metrics = self.rule_metrics, {}
         return metrics
 
-    def _rollouts(self, groups: list[Group]) -> PolicyRollouts:
+    def _rollouts(self, groups: list[Group], step: int, refill: bool) -> PolicyRollouts:
         programs = {ep.env_id: _program_of(ep) for g in groups for ep in g.episodes}
+        owners = {ep.env_id: getattr(ep, "owner", None) for g in groups for ep in g.episodes}
 
         def make_env(env_id: str):
             envs, verdict = self.designer.open_envs(programs[env_id], 1)
@@ -414,7 +427,43 @@ class SpadeLoop:
         def run(specs: list[EpisodeSpec], seed: int) -> list[EpisodeRecord]:
             return self.run_episodes(specs, seed=seed)
 
-        return PolicyRollouts(run_episodes=run, make_env=make_env, complete_fn=self._complete)
+        def play_groups(requests: list[GroupRequest], seed: int) -> list[list[EpisodeRecord]]:
+            return self._play_refill(requests, programs, owners, step, seed)
+
+        return PolicyRollouts(run_episodes=run, make_env=make_env, complete_fn=self._complete,
+                              play_groups_fn=play_groups if refill else None)
+
+    def _play_refill(self, requests: list[GroupRequest], programs: dict[str, str],
+                     owners: dict[str, Any], step: int, seed: int) -> list[list[EpisodeRecord]]:
+        """A group filter's replacement groups: new no-hint plays of this round's
+        environments in one batch (returns agreed across hosts, as every play's). They
+        train the agent only: the window's statistics keep the round's regular plays.
+        A fixed-environment baseline's tasks are opened by the baseline."""
+        if all(programs.get(r.env_id) for r in requests):
+            opened = self._open([r.env_id for r in requests],
+                                [programs[r.env_id] for r in requests],
+                                [len(r.seeds) for r in requests])
+        elif hasattr(self.baseline, "new_env") and not any(programs.get(r.env_id)
+                                                            for r in requests):
+            opened = [([self.baseline.new_env(r.env_id) for _ in r.seeds], VALID)
+                      for r in requests]
+        else:
+            raise ValueError(f"refill: the loop has no program or baseline task for "
+                             f"{sorted(r.env_id for r in requests if not programs.get(r.env_id))}")
+        specs, slots = [], []
+        for j, (request, (envs, verdict)) in enumerate(zip(requests, opened, strict=True)):
+            if not verdict.ok:  # did not load this time: no replacement from it
+                continue
+            for env, env_seed in zip(envs, request.seeds, strict=True):
+                specs.append(EpisodeSpec(env=env, env_id=request.env_id, seed=env_seed))
+                slots.append(j)
+        records = self._run(specs, step, seed=seed)
+        played: list[list[EpisodeRecord]] = [[] for _ in requests]
+        for rec, j in zip(records, slots, strict=True):
+            rec.hinted, rec.owner = False, owners[rec.env_id]
+            if any(rec.loss_mask):  # as agent_sequences: a play without policy tokens
+                played[j].append(rec)
+        return played
 
     def _complete(self, prompts, seed: int) -> list[str]:
         """The policy's single-turn replies (a policy judge), with the hint writer's

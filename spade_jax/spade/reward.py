@@ -16,8 +16,10 @@ step j (offset 0 = the regeneration step itself; any step may be empty; an empty
     plateau     = 1 on [lo, hi]; 1 - distance / ramp outside, floored at 0
     total       = regret_weight * regret_norm + plateau_weight * plateau
 
-A designer sample's advantage is `(total - mean total of its skill) * scale`, no std
-(`center_per_skill`), with `scale = env_reward_scale(...)`; totals < 0 are dropped.
+A designer sample's advantage is `(total - mean total of its skill) * scale`, no std, with
+`scale = env_reward_scale(...)`; totals < 0 are dropped: the loop's designer groups under
+the designer's update rule (`train.designer`, default `dr_grpo`; `spade/loop.py`,
+`docs/update_rules.md`), not a function here.
 
 The recipe's other variants (`cmd/ablations/*.sh`) are rules selectable by name:
 `solve_rate` (plateau only), `learning_potential` (|window mean - slow EMA| per skill),
@@ -36,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -167,7 +169,7 @@ def blend_reward(
       band: (lo, hi) win rates where the plateau pays 1 (recipe [0.4, 0.6]).
       ramp: distance from the band over which the plateau falls to 0 (recipe 0.25).
       floor: clip regret_norm to [0, 1] (recipe on); off, a negative total is possible and
-        `center_per_skill` then drops the sample.
+        the loop then drops the sample from its skill's group.
     """
     _check_finite("regret_scale", regret_scale, positive=True)
     _check_finite("ramp", ramp, positive=True)
@@ -198,37 +200,6 @@ def blend_reward(
         num_hint=int(hint.size),
         num_no_hint=int(no_hint.size),
     )
-
-
-def center_per_skill(
-    totals: Sequence[float] | np.ndarray, skills: Sequence[Hashable], scale: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """Designer advantages: each total minus its skill's mean, times `scale` (no std).
-
-    Entries with total < 0 are dropped: `kept` is False, their advantage is 0, and they do
-    not count in their skill's mean (the recipe masks them before centring).
-
-    Returns:
-      (advantages float64 [n], kept bool [n]).
-    """
-    values = np.asarray(totals, dtype=np.float64)
-    if values.ndim != 1:
-        raise ValueError(f"totals must be 1-D, got shape {values.shape}")
-    if not np.all(np.isfinite(values)):
-        raise ValueError(f"totals contain non-finite values: {values[~np.isfinite(values)][:5]}")
-    skills = list(skills)
-    if len(skills) != values.size:
-        raise ValueError(f"totals ({values.size}) and skills ({len(skills)}) differ in length")
-    _check_finite("scale", scale)
-    kept = values >= 0.0
-    advantages = np.zeros_like(values)
-    codes = {skill: code for code, skill in enumerate(dict.fromkeys(skills))}
-    skill_codes = np.array([codes[s] for s in skills], dtype=np.int64)
-    for code in codes.values():
-        members = kept & (skill_codes == code)
-        if members.any():
-            advantages[members] = (values[members] - values[members].mean()) * scale
-    return advantages, kept
 
 
 def env_reward_scale(

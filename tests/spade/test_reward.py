@@ -21,7 +21,6 @@ from spade_jax.spade.reward import (
     BlendConfig,
     MicroLPConfig,
     blend_reward,
-    center_per_skill,
     env_reward_scale,
 )
 
@@ -385,34 +384,39 @@ def _ref_center(totals, skills, scale):
     return advantages, kept
 
 
-def test_center_per_skill_hand_computed():
-    adv, kept = center_per_skill([1.0, 0.5, -0.2, 0.2, 0.0], ["a", "a", "a", "b", "b"], 2.0)
-    # skill a: the dropped -0.2 is not in the mean (0.75); skill b mean 0.1.
-    np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.2, -0.2])
-    assert kept.tolist() == [True, True, False, True, True]
+def _loop_designer_advantages(totals, skills, num_agent):
+    """The designer advantages a SPADE run trains on: the loop's skill groups (totals < 0
+    dropped) under the designer's default rule, times the env reward scale."""
+    from spade.test_loop import ALL_VALID, WINDOW, ScriptedPolicy, _loop  # tests/spade/
+
+    from spade_jax.spade.window import DesignerSample
+
+    loop = _loop(None, ScriptedPolicy(ALL_VALID), WINDOW, corpus=False)
+    samples = [(0, DesignerSample(i, skill, [1, 2], [3, 4], [-1.0, -1.0], f"env{i}"))
+               for i, skill in enumerate(skills)]
+    sequences = loop.designer_sequences(samples, list(totals), num_agent, step=0)
+    return [s.advantage for s in sequences]
 
 
-def test_center_per_skill_matches_reference():
+def test_loop_centres_designer_totals_per_skill_hand_computed():
+    # skill a: the dropped -0.2 is not in the mean (0.75); skill b mean 0.1. Scale:
+    # min(10 agent / 5 designer samples x interval 4, 50) = 8.
+    adv = _loop_designer_advantages([1.0, 0.5, -0.2, 0.2, 0.0], ["a", "a", "a", "b", "b"], 10)
+    np.testing.assert_allclose(adv, [2.0, -2.0, 0.8, -0.8], rtol=1e-6)
+
+
+def test_loop_centres_designer_totals_per_skill_like_the_reference():
     rng = np.random.default_rng(1)
-    for _ in range(200):
-        n = int(rng.integers(0, 30))
+    for _ in range(30):
+        n = int(rng.integers(1, 20))
         totals = rng.uniform(-0.5, 1.0, size=n).tolist()
         skills = rng.choice(["math", "logic", "space"], size=n).tolist()
-        scale = float(rng.uniform(0.5, 50))
-        adv, kept = center_per_skill(totals, skills, scale)
+        num_agent = int(rng.integers(1, 400))
+        scale = env_reward_scale(n, num_agent, 4, 50.0)
         want_adv, want_kept = _ref_center(totals, skills, scale)
-        np.testing.assert_allclose(adv, want_adv, atol=1e-12)
-        assert kept.tolist() == want_kept
-        assert adv.dtype == np.float64 and kept.dtype == bool
-
-
-def test_center_per_skill_bad_inputs():
-    with pytest.raises(ValueError, match="differ in length"):
-        center_per_skill([1.0, 2.0], ["a"], 1.0)
-    with pytest.raises(ValueError, match="non-finite"):
-        center_per_skill([float("nan")], ["a"], 1.0)
-    with pytest.raises(ValueError, match="scale"):
-        center_per_skill([1.0], ["a"], float("inf"))
+        adv = _loop_designer_advantages(totals, skills, num_agent)
+        np.testing.assert_allclose(adv, [a for a, k in zip(want_adv, want_kept, strict=True)
+                                         if k], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,15 @@ rather than per sequence::
     loss = (1 / sum_i |y_i|) sum_i sum_t max(-A_i r_it, -A_i clip(r_it, 1-eps_low, 1+eps_high))
 
 Dynamic sampling: groups whose rewards all agree give zero advantage and no gradient, so
-they are filtered out (and the batch refilled by the sampler)::
+they are filtered out::
 
     keep_g = max_j r_gj - min_j r_gj > min_spread
+
+and the batch is refilled: while fewer groups pass than were sampled, and for at most
+``max_refill_rounds`` rounds, the rollout side plays replacement groups (as many as are
+missing; new seeds; ``refill_from`` says which environments) and they are filtered too
+(:func:`spade_jax.rl.update_rule.apply_rule`; DAPO keeps sampling until the batch is full,
+here the budget bounds it).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from spade_jax.rl.registry import Metrics, group_filters, policy_losses
 from spade_jax.rl.rules.grpo import reference_kl, token_metrics
 
 Array = jax.Array
+REFILL_FROM = ("dropped", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +87,25 @@ class DynamicSamplingConfig:
     Attributes:
       min_spread: a group is kept when max - min of its rewards exceeds this. The spread,
         not the std, so that a group of equal rewards is exactly zero-variance in floats.
+      max_refill_rounds: rounds of replacement plays at most per update (0: dropped groups
+        are not replaced; the update trains on fewer groups).
+      refill_from: "dropped" (a dropped group is replaced by new plays of its own
+        environment with fresh seeds) or "all" (replacements cycle through every
+        environment of the step, in a seeded order per round).
     """
 
     min_spread: float = 0.0
+    max_refill_rounds: int = 0
+    refill_from: str = "dropped"
 
     def __post_init__(self) -> None:
         if self.min_spread < 0:
             raise ValueError(f"min_spread must be >= 0, got {self.min_spread}")
+        if self.max_refill_rounds < 0:
+            raise ValueError(f"max_refill_rounds must be >= 0, got {self.max_refill_rounds}")
+        if self.refill_from not in REFILL_FROM:
+            raise ValueError(f"refill_from must be one of {REFILL_FROM}, got "
+                             f"{self.refill_from!r}")
 
 
 @group_filters.register("dapo_dynamic_sampling", config=DynamicSamplingConfig)

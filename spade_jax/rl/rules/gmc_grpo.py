@@ -3,7 +3,8 @@ shrinkage"): instead of clipping each token's ratio on its own, which zeroes the
 of exactly the tokens that moved most, shrink the log-ratios of a whole group (the samples
 of one prompt) towards on-policy by one common factor when the group has drifted further
 than a trust radius. Within a group the ratios keep their order and every token keeps a
-gradient. The feed gives the idea, not the equations; this is our reading::
+gradient. The feed entry is a title only (no text, no equations), so the formula is our
+reading of that title, not the paper's::
 
     l_it   = logp_it - sampler_logp_it                      (log importance ratio)
     rms_g  = sqrt( mean_{i in g, t valid} l_it^2 )          (no gradient)
