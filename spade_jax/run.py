@@ -220,12 +220,13 @@ def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokeniz
     samplers = _loop_samplers(config)
     record = records_routing(config)  # router replay / its telemetry: samplers record
     agent = dataclasses.replace(config.agent, sampler=dataclasses.replace(
-        config.agent.sampler, return_router=True)) if record else config.agent
+        config.agent.sampler, return_router="experts")) if record else config.agent
 
     def generate_fn(prompts, *, seed, purpose):
         model = policy()
         out = sample(model, prompts, dataclasses.replace(samplers[purpose], seed=seed,
-                     return_router=record and purpose == "design"), mesh=mesh)
+                     return_router="experts" if record and purpose == "design" else False),
+                     mesh=mesh)
         routes = [None] * len(prompts)
         if out.selected_experts is not None:
             routes = [compact_routing(r, model.config.num_experts)
@@ -259,6 +260,30 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
         max_turns=config.agent.max_turns, rules=(config.train.agent, config.train.designer))
 
 
+def decode_policy(mesh_config: sharding.MeshConfig, mesh: Any, graphdef: Any,
+                  holder: dict[str, Any], arch: Any) -> tuple[Callable[[], Qwen3], Any]:
+    """The samplers' policy and mesh under ``mesh_config.decode_layout``: the trained
+    parameters (``holder["state"].params``) resharded onto the decode mesh
+    (:func:`sharding.decode_mesh`) once per train state, i.e. once per step, never per
+    token; the previous copy is dropped first. "train" (or no FSDP axis to re-purpose, or no
+    mesh): the trainer's own parameters on its mesh, as before."""
+    sample_mesh = None if mesh is None else sharding.decode_mesh(mesh, mesh_config, arch)
+    if sample_mesh is mesh:
+        return (lambda: nnx.merge(graphdef, holder["state"].params)), mesh
+    copy: dict[str, Any] = {"of": None, "params": None, "copy": None}
+
+    def policy() -> Qwen3:
+        state = holder["state"]
+        if copy["of"] is not state:
+            copy["of"] = copy["params"] = None  # free the old copy before the new one
+            copy["copy"] = copy["copy"] or sharding.resharder(state.params, sample_mesh)
+            copy["params"] = copy["copy"](state.params)
+            copy["of"] = state
+        return nnx.merge(graphdef, copy["params"])
+
+    return policy, sample_mesh
+
+
 # ---- the run -----------------------------------------------------------------------------
 def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     """Runs (or resumes) ``config`` in ``workdir``: a local directory or ``gs://...``."""
@@ -288,6 +313,9 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     def policy() -> Qwen3:
         return nnx.merge(graphdef, holder["state"].params)
 
+    sampling_policy, sample_mesh = decode_policy(config.mesh, mesh, graphdef, holder,
+                                                 model.config)
+
     data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
     mcfg = model.config
     pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways,
@@ -306,8 +334,8 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         return {**{k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0},
                 **extra}
 
-    loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=policy, update=update_fn,
-                      mesh=mesh)
+    loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=sampling_policy,
+                      update=update_fn, mesh=sample_mesh)
 
     ckpt = CheckpointManager(
         CheckpointConfig(workdir / "checkpoints", save_every_steps=config.checkpoint_every,

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
+DECODE_LAYOUTS = ("auto", "tensor", "replicated", "train")
 
 LogicalAxes = tuple[str | None, ...]
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -66,12 +67,23 @@ class MeshConfig:
       fsdp: fully-sharded data-parallel ways.
       tensor: tensor-parallel ways.
       expert: expert-parallel ways (MoE).
+      decode_layout: the sampler's copy of the weights (:func:`decode_mesh`): "auto" /
+        "tensor" (the FSDP ways become tensor-parallel ways where the heads divide, the
+        rest data-parallel), "replicated" (the FSDP ways become data-parallel ways: dense
+        weights whole on every chip) or "train" (the trainer's layout, re-gathered by FSDP
+        for every token).
     """
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
     expert: int = 1
+    decode_layout: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.decode_layout not in DECODE_LAYOUTS:
+            raise ValueError(f"MeshConfig.decode_layout must be one of {DECODE_LAYOUTS}, "
+                             f"got {self.decode_layout!r}")
 
     def shape(self, n_devices: int) -> tuple[int, int, int, int]:
         sizes = [self.data, self.fsdp, self.tensor, self.expert]
@@ -217,3 +229,65 @@ def shard_batch(batch: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
         return jax.device_put(x, NamedSharding(mesh, PartitionSpec(*spec, *(None,) * (x.ndim - 1))))
 
     return jax.tree.map(put, batch)
+
+
+# ---- the sampler's layout ----------------------------------------------------------------
+# Decoding one token multiplies every weight by a few rows: under the trainer's FSDP layout
+# each chip all-gathers every weight for every token (ICI-bound). The sampler instead gets
+# its own copy of the weights, resharded once per step (:func:`reshard`) onto a *decode
+# mesh*: the same devices factored without an FSDP axis, under the same rules. With fsdp = 1
+# the "embed" rule maps to nothing, so no weight is split along the dim a matmul contracts
+# over its rows: heads / MLP hidden / vocab split over "tensor" (the per-token collectives
+# are all-reduces of activations), experts over "expert" (all-to-alls of tokens), rows
+# over "data" and "expert".
+
+
+def _tensor_ways(arch, budget: int) -> int:
+    """Largest power of two <= ``budget`` dividing ``budget`` and every dim the "tensor" rules
+    split (query / kv heads, MLP hidden, expert hidden, vocab), so that shards are even."""
+    dims = [arch.num_heads, arch.num_kv_heads, arch.vocab_size]
+    if arch.intermediate_size and any(not arch.is_moe_layer(i) for i in range(arch.num_layers)):
+        dims.append(arch.intermediate_size)
+    if arch.num_experts:
+        dims.append(arch.moe_intermediate_size)
+    ways = 1
+    while budget % (2 * ways) == 0 and all(d % (2 * ways) == 0 for d in dims):
+        ways *= 2
+    return ways
+
+
+def decode_mesh_config(config: MeshConfig, n_devices: int, arch) -> MeshConfig:
+    """The decode mesh's shape for ``config.decode_layout`` (see :class:`MeshConfig`), over the
+    same ``n_devices`` as the trainer's mesh; "train" returns ``config``'s shape."""
+    data, fsdp, tensor, expert = config.shape(n_devices)
+    layout = config.decode_layout
+    if layout == "train" or fsdp == 1:
+        return MeshConfig(data, fsdp, tensor, expert, decode_layout=layout)
+    model_ways = fsdp * tensor
+    new_tensor = tensor if layout == "replicated" else _tensor_ways(arch, model_ways)
+    return MeshConfig(data=data * model_ways // new_tensor, fsdp=1, tensor=new_tensor,
+                      expert=expert, decode_layout=layout)
+
+
+def decode_mesh(mesh: Mesh, config: MeshConfig, arch) -> Mesh:
+    """The sampler's mesh over ``mesh``'s devices (in its order) for ``config.decode_layout``;
+    ``mesh`` itself for "train" or when it has no FSDP axis to re-purpose."""
+    shape = decode_mesh_config(config, mesh.size, arch)
+    if shape.shape(mesh.size) == tuple(mesh.devices.shape):
+        return mesh
+    return make_mesh(shape, list(mesh.devices.flat))
+
+
+def resharder(like: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """A jitted copy of trees shaped like ``like`` (parameters: nnx Variables carrying
+    ``axes``) onto ``mesh`` as the rules say. The decode mesh holds the same devices in the
+    same order, so this is one SPMD program over the global arrays (multi-host too), the
+    program ``spade_jax.aot`` compiles for the per-step reshard; compiled once, reused."""
+    return jax.jit(lambda tree: tree, out_shardings=tree_shardings(like, mesh, rules))
+
+
+def reshard(tree: Any, mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Any:
+    """``tree`` copied onto ``mesh`` by :func:`resharder` (unchanged without a mesh)."""
+    if mesh is None:
+        return tree
+    return resharder(tree, mesh, rules)(tree)

@@ -34,5 +34,5 @@ def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
     assert (hint.temperature, hint.max_new_tokens, hint.seed, hint.max_rows) == (
         0.25, config.spade.hint_max_tokens, 99, 3)
     # Router replay (tiny has it on): the designer's sampler records routing, the
-    # untrained hint writer's does not.
-    assert design.return_router and not hint.return_router
+    # untrained hint writer's does not; experts only (no router logits kept on device).
+    assert design.return_router == "experts" and not hint.return_router

@@ -27,9 +27,17 @@ follow PaLM: 3 forwards for training (6 N_active per token plus attention), 1 fo
 N_active = parameters a token multiplies through (active parameters less the untied input
 embedding). XLA's own numbers are printed too.
 
+The decode step is compiled once per sampler weight layout (``--decode_layouts``, default
+``train,auto``: the trainer's FSDP parameters, and the copy the run reshards once per step
+onto a mesh without FSDP, ``sharding.decode_mesh``), with the per-step reshard cost beside
+it; an RL step estimate per layout (:mod:`~spade_jax.aot.rl_step`) follows from the same
+cost model.
+
 Modules: :mod:`~spade_jax.aot.topology` (slices and their chips),
 :mod:`~spade_jax.aot.planner` (what is compiled and measured), :mod:`~spade_jax.aot.cost`
-(the analytic cost model), :mod:`~spade_jax.aot.report` (JSON, text, table) and
+(the analytic cost model), :mod:`~spade_jax.aot.hlo` (collectives of a compiled program),
+:mod:`~spade_jax.aot.rl_step` (the RL step estimate), :mod:`~spade_jax.aot.report` (JSON,
+text, tables) and
 :mod:`~spade_jax.aot.cli` (the command line). Importing the package does not import jax, so
 the CLI can choose the host platform first.
 """
@@ -37,17 +45,24 @@ the CLI can choose the host platform first.
 from spade_jax.aot.cost import Parallelism, analytic_cost, parallelism
 from spade_jax.aot.planner import AotConfig, Plan, ProgramCost, plan
 from spade_jax.aot.report import (
+    DECODE_HEADER,
+    RL_HEADER,
     TABLE_HEADER,
+    decode_rows,
     format_plan,
     read_plan,
     recost,
+    rl_rows,
     table_row,
     write_plan,
 )
+from spade_jax.aot.rl_step import EpisodeShape, RlStepEstimate, estimate_rl_step
 from spade_jax.aot.topology import CHIPS, GIB, ChipSpec, Topology, parse_topology, topology_devices
 
 __all__ = [
-    "CHIPS", "GIB", "TABLE_HEADER", "AotConfig", "ChipSpec", "Parallelism", "Plan",
-    "ProgramCost", "Topology", "analytic_cost", "format_plan", "parallelism", "parse_topology",
-    "plan", "read_plan", "recost", "table_row", "topology_devices", "write_plan",
+    "CHIPS", "DECODE_HEADER", "GIB", "RL_HEADER", "TABLE_HEADER", "AotConfig", "ChipSpec",
+    "EpisodeShape", "Parallelism", "Plan", "ProgramCost", "RlStepEstimate", "Topology",
+    "analytic_cost", "decode_rows", "estimate_rl_step", "format_plan", "parallelism",
+    "parse_topology", "plan", "read_plan", "recost", "rl_rows", "table_row",
+    "topology_devices", "write_plan",
 ]

@@ -13,7 +13,19 @@ import os
 import sys
 
 from spade_jax.aot.planner import AotConfig, plan
-from spade_jax.aot.report import TABLE_HEADER, format_plan, read_plan, recost, table_row, write_plan
+from spade_jax.aot.report import (
+    DECODE_HEADER,
+    RL_HEADER,
+    TABLE_HEADER,
+    decode_rows,
+    format_plan,
+    read_plan,
+    recost,
+    rl_rows,
+    table_row,
+    write_plan,
+)
+from spade_jax.aot.rl_step import EpisodeShape
 from spade_jax.aot.topology import GIB
 
 
@@ -27,15 +39,15 @@ def main(argv: list[str]) -> int:
         print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
         return 2
     if FLAGS.render:
-        rows = []
+        plans = []
         for path in FLAGS.render:
             try:
-                rows.append(table_row(recost(read_plan(path), tuple(FLAGS.set))))
+                plans.append(recost(read_plan(path), tuple(FLAGS.set)))
             except (OSError, ValueError, KeyError, TypeError) as e:  # missing / not a plan
                 print(f"error: --render: {path} is not a readable --json_out plan: "
                       f"{type(e).__name__}: {e}", file=sys.stderr)
                 return 2
-        print("\n".join([TABLE_HEADER, *rows]))
+        print(tables(plans))
         return 0
     try:
         config = AotConfig(
@@ -43,7 +55,10 @@ def main(argv: list[str]) -> int:
             train_batch=FLAGS.train_batch, seq_len=FLAGS.seq_len,
             sample_batch=FLAGS.sample_batch, prompt_len=FLAGS.prompt_len,
             new_tokens=FLAGS.new_tokens, hbm_fraction=FLAGS.hbm_fraction,
-            programs=tuple(FLAGS.programs))
+            programs=tuple(FLAGS.programs), decode_layouts=tuple(FLAGS.decode_layouts),
+            episodes=EpisodeShape(turns=FLAGS.turns, turn_tokens=FLAGS.turn_tokens,
+                                  prompt_tokens=FLAGS.prompt_tokens,
+                                  observation_tokens=FLAGS.observation_tokens))
         result = plan(config)
     except (ValueError, ImportError, FileNotFoundError, OverrideError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -55,7 +70,7 @@ def main(argv: list[str]) -> int:
               f"out of HBM: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     print(format_plan(result))
-    print(table_row(result))
+    print(tables([result]))
     if FLAGS.json_out:
         write_plan(result, FLAGS.json_out)
     failed = [p.name for p in result.programs if not result.fits(p)]
@@ -65,6 +80,18 @@ def main(argv: list[str]) -> int:
               f"{result.topology.name}", file=sys.stderr)
         return 1
     return 0
+
+
+def tables(plans: list) -> str:
+    """The markdown tables of ``plans``: programs, decode layouts, RL step estimates."""
+    decode = [row for p in plans for row in decode_rows(p)]
+    rl = [row for p in plans for row in rl_rows(p)]
+    parts = ["\n".join([TABLE_HEADER, *(table_row(p) for p in plans)])]
+    if decode:
+        parts.append("\n".join([DECODE_HEADER, *decode]))
+    if rl:
+        parts.append("\n".join([RL_HEADER, *rl]))
+    return "\n\n".join(parts)
 
 
 def define_flags() -> None:
@@ -80,6 +107,15 @@ def define_flags() -> None:
     flags.DEFINE_integer("new_tokens", 0, "Decode buffer (0 = agent sampler max_new_tokens).")
     flags.DEFINE_float("hbm_fraction", 0.85, "Fit limit as a share of HBM.")
     flags.DEFINE_list("programs", ["train", "prefill", "decode"], "Programs to compile.")
+    flags.DEFINE_list("decode_layouts", ["train", "auto"], "Sampler weight layouts to compile "
+                      "the decode step for (mesh.decode_layout values).")
+    shape = EpisodeShape()
+    flags.DEFINE_integer("turns", shape.turns, "RL step estimate: policy turns per episode.")
+    flags.DEFINE_integer("turn_tokens", shape.turn_tokens, "RL step estimate: tokens per turn.")
+    flags.DEFINE_integer("prompt_tokens", shape.prompt_tokens,
+                         "RL step estimate: first prompt tokens.")
+    flags.DEFINE_integer("observation_tokens", shape.observation_tokens,
+                         "RL step estimate: tokens added between turns.")
     flags.DEFINE_string("json_out", "", "Also write the plan's raw numbers to this JSON file.")
     flags.DEFINE_list("render", [], "Compile nothing: print the markdown table of these "
                       "--json_out files.")

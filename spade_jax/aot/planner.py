@@ -7,7 +7,8 @@ allocated. The programs come from the public lowering entries of the trainer
 
 Peak bytes of a program = argument + output - aliased (donated) + temp. While the sampler
 runs, the Adam moments stay resident on the chip (the sampler reads the master params), so
-they are added to the sampler programs' peaks.
+they are added to the sampler programs' peaks; with a decode layout the sampler reads its
+own copy of the parameters, and the trainer's are resident too.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from spade_jax.aot.cost import (
     matmul_params,
     next_pow2,
     parallelism,
+    reshard_bytes,
     round_up,
 )
+from spade_jax.aot.rl_step import EpisodeShape, RlStepEstimate, estimate_rl_step
 from spade_jax.aot.topology import Topology, parse_topology, topology_devices
 
 
@@ -50,6 +53,12 @@ class AotConfig:
       new_tokens: decode buffer (0 = the agent sampler's ``max_new_tokens``).
       hbm_fraction: a program fits when its peak is at most this share of HBM.
       programs: which programs to compile, from "train", "prefill", "decode".
+      decode_layouts: the sampler weight layouts to compile the decode step for
+        (``MeshConfig.decode_layout`` values): "train" is the trainer's FSDP layout (the
+        program named "decode"), any other gives a program "decode:<layout>" on its decode
+        mesh, with the per-step cost of resharding the weights to it.
+      episodes: the assumed shape of a step's episodes for the RL step estimate
+        (:mod:`~spade_jax.aot.rl_step`).
     """
 
     experiment: str
@@ -62,6 +71,8 @@ class AotConfig:
     new_tokens: int = 0
     hbm_fraction: float = 0.85
     programs: tuple[str, ...] = ("train", "prefill", "decode")
+    decode_layouts: tuple[str, ...] = ("train", "auto")
+    episodes: EpisodeShape = EpisodeShape()
 
     def __post_init__(self) -> None:
         parse_topology(self.topology)
@@ -74,6 +85,12 @@ class AotConfig:
         if unknown or not self.programs:
             raise ValueError(f"programs must be a non-empty subset of train/prefill/decode, "
                              f"got {self.programs}")
+        from spade_jax.sharding import DECODE_LAYOUTS  # (imports jax: the CLI chose by now)
+
+        bad = set(self.decode_layouts) - set(DECODE_LAYOUTS)
+        if bad or not self.decode_layouts:
+            raise ValueError(f"decode_layouts must be a non-empty subset of {DECODE_LAYOUTS}, "
+                             f"got {self.decode_layouts}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +115,14 @@ class ProgramCost:
     hardware_flops: float = 0.0  # whole slice, recomputation included
     hbm_traffic: float = 0.0  # bytes per chip, a lower bound
     ici_traffic: float = 0.0  # bytes per chip received over ICI (collectives), a lower bound
+    # The program's own mesh when it is not the plan's (a decode layout), and the bytes per
+    # chip moved over ICI once per step to reshard the trained weights onto it.
+    mesh_shape: dict[str, int] | None = None
+    reshard_bytes: float = 0.0  # analytic (``cost.reshard_bytes``)
+    reshard_hlo_bytes: float = 0.0  # the compiled reshard's collectives (``aot.hlo``)
+    # Result bytes per chip of the compiled HLO's collectives by kind (``aot.hlo``: each
+    # loop body counted once): which collectives the program issues.
+    collectives: dict[str, int] | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -114,6 +139,7 @@ class Plan:
     active_params: int
     hbm_fraction: float
     programs: tuple[ProgramCost, ...]
+    rl_steps: tuple[RlStepEstimate, ...] = ()
 
     def fits(self, program: ProgramCost) -> bool:
         return program.peak_bytes <= self.hbm_fraction * self.topology.chip.hbm_bytes
@@ -141,6 +167,10 @@ class Plan:
     def mfu(self, program: ProgramCost) -> float:
         peak = self.topology.chips * self.topology.chip.peak_flops * self.seconds(program)
         return program.model_flops / peak if peak > 0 else float("nan")
+
+    def reshard_seconds(self, program: ProgramCost) -> float:
+        """Seconds on ICI to reshard the trained weights to the program's layout, per step."""
+        return program.reshard_bytes / self.topology.chip.ici_bandwidth
 
     def tokens_per_second_per_chip(self, program: ProgramCost) -> float:
         seconds = self.seconds(program)
@@ -175,6 +205,8 @@ def _bytes_per_chip(tree: Any) -> int:
 
 def _program(name: str, shape: str, compiled, seconds: float, *, resident: int, tokens: int,
              model_flops: float, **analytic: float) -> ProgramCost:
+    from spade_jax.aot.hlo import collective_bytes
+
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -188,7 +220,8 @@ def _program(name: str, shape: str, compiled, seconds: float, *, resident: int, 
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         xla_optimal_seconds=float(cost.get("optimal_seconds", -1.0)),
-        tokens=tokens, model_flops=model_flops, compile_seconds=seconds, **analytic,
+        tokens=tokens, model_flops=model_flops, compile_seconds=seconds,
+        collectives=collective_bytes(compiled.as_text()), **analytic,
     )
 
 
@@ -215,6 +248,7 @@ class _Setting:
     state: Any  # abstract TrainState with its shardings
     moments_bytes: int  # Adam moments per chip, resident while the sampler runs
     par: Parallelism
+    param_itemsize: int  # the master parameters' (the sampler reads them too)
 
 
 def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
@@ -259,7 +293,8 @@ def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
         experiment=experiment, arch=arch, options=options, mesh=mesh, rules=rules, train=train,
         graphdef=graphdef, sample_graphdef=sample_graphdef, state=state,
         moments_bytes=_bytes_per_chip(state.opt_state),
-        par=parallelism(dict(mesh.shape), len(devices), rules))
+        par=parallelism(dict(mesh.shape), len(devices), rules),
+        param_itemsize=np.dtype(master).itemsize)
 
 
 def _train_program(config: AotConfig, s: _Setting) -> ProgramCost:
@@ -297,7 +332,8 @@ def _train_program(config: AotConfig, s: _Setting) -> ProgramCost:
     return _program(
         "train", shape, compiled, seconds, resident=0,
         tokens=b * t, **analytic_cost("train", s.arch, s.options, s.par, rows=b, length=t,
-                                      keys=t, microbatches=train.microbatches))
+                                      keys=t, microbatches=train.microbatches,
+                                      param_itemsize=s.param_itemsize))
 
 
 def _replay_input(s: _Setting, b: int, t: int) -> tuple:
@@ -313,20 +349,29 @@ def _replay_input(s: _Setting, b: int, t: int) -> tuple:
                  for i in range(s.arch.num_layers))
 
 
-def _replay_note(s: _Setting) -> str:
-    """What router replay costs per token (docs/trainer.md): recorded, and in the batch."""
+def _recorded_bytes_per_token(s: _Setting) -> tuple[int, int]:
+    """(MoE layers, bytes per token of a routing recording in the compact dtype)."""
     from spade_jax.rollout.routing import bytes_per_token
 
     layers = sum(s.arch.is_moe_layer(i) for i in range(s.arch.num_layers))
-    recorded = bytes_per_token(layers, s.arch.num_experts_per_tok, s.arch.num_experts)
+    return layers, bytes_per_token(layers, s.arch.num_experts_per_tok, s.arch.num_experts)
+
+
+def _replay_note(s: _Setting) -> str:
+    """What router replay costs per token (docs/trainer.md): recorded, and in the batch."""
+    layers, recorded = _recorded_bytes_per_token(s)
     return (f" replay {recorded} B/token recorded, "
             f"{4 * layers * s.arch.num_experts_per_tok} B/token in the batch")
 
 
-def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
-    """The agent sampler's prefill of the last turn's prompt and one decode step."""
-    import jax
+def _sampler_replay_note(s: _Setting) -> str:
+    """The sampler's recording cost per generated token (experts only, compact dtype)."""
+    return f" replay {_recorded_bytes_per_token(s)[1]} B/token in the decode state"
 
+
+def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
+    """The agent sampler's prefill of the last turn's prompt (in the trainer's layout) and
+    one decode step per decode layout."""
     from spade_jax.rollout import sampler as sampler_lib
 
     agent, spade = s.experiment.agent, s.experiment.spade
@@ -336,31 +381,139 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     p = config.prompt_len or next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
     n = round_up(config.new_tokens or agent.sampler.max_new_tokens,
                  agent.sampler.new_tokens_bucket)
-    # Sampling with the experiment's settings; router recording and top-k left out (the
-    # plan's programs are the plain agent sampler's).
-    sampler = dataclasses.replace(agent.sampler, max_new_tokens=n, top_k=0, return_router=False)
-    lowered = sampler_lib.lower_prefill(s.sample_graphdef, s.state.params, s.options, sampler,
-                                        rows=b, prompt_len=p, mesh=s.mesh, rules=s.rules)
-    compiled, seconds = _timed_compile(lowered, "prefill")
+    # Sampling with the experiment's settings, top-k left out. With router replay (or its
+    # telemetry) the run's samplers record the selected experts (return_router="experts"),
+    # so the decode state here carries that [B, N, L, X] buffer too.
+    record = "experts" if s.train.router_replay or s.experiment.record_routing else False
+    sampler = dataclasses.replace(agent.sampler, max_new_tokens=n, top_k=0,
+                                  return_router=record)
     programs = []
     if "prefill" in config.programs:
+        lowered = sampler_lib.lower_prefill(s.sample_graphdef, s.state.params, s.options,
+                                            sampler, rows=b, prompt_len=p, mesh=s.mesh,
+                                            rules=s.rules)
+        compiled, seconds = _timed_compile(lowered, "prefill")
         programs.append(_program(
             "prefill", f"B={b} P={p} S={p + n}", compiled, seconds, resident=s.moments_bytes,
             tokens=b * p, **analytic_cost("prefill", s.arch, s.options, s.par, rows=b,
-                                          length=p, keys=p + n)))
+                                          length=p, keys=p + n,
+                                          param_itemsize=s.param_itemsize)))
     if "decode" in config.programs:
-        state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                             lowered.out_info[0], compiled.output_shardings[0])
-        lowered = sampler_lib.lower_decode_step(s.sample_graphdef, s.state.params, s.options,
-                                                sampler, state, mesh=s.mesh, rules=s.rules)
-        compiled, seconds = _timed_compile(lowered, "decode")
-        cache_itemsize = np.dtype(jax.tree.leaves(state.cache.k)[0].dtype).itemsize
-        programs.append(_program(
-            "decode", f"B={b} S={p + n} (1 token)", compiled, seconds,
-            resident=s.moments_bytes, tokens=b, **analytic_cost(
-                "decode", s.arch, s.options, s.par, rows=b, length=1, keys=p + n,
-                cache_itemsize=cache_itemsize)))
+        programs += [_decode_program(s, sampler, layout, rows=b, prompt_len=p)
+                     for layout in config.decode_layouts]
     return programs
+
+
+def _decode_mesh(s: _Setting, layout: str):
+    from spade_jax import sharding
+
+    mesh_config = dataclasses.replace(s.experiment.mesh, decode_layout=layout)
+    return sharding.decode_mesh(s.mesh, mesh_config, s.arch)
+
+
+def _decode_params(s: _Setting, mesh) -> Any:
+    """The abstract master parameters placed for ``mesh`` (the sampler's copy)."""
+    from spade_jax import sharding
+
+    if mesh is s.mesh:
+        return s.state.params
+    return _sds(s.state.params, sharding.tree_shardings(s.state.params, mesh, s.rules))
+
+
+def _decode_state(info: Any, mesh, rules, rows: int) -> Any:
+    """The prefill's output ``DecodeState`` (shapes from ``lowered.out_info``) placed as the
+    sampler places it: the KV cache by its logical axes (``KVCache.constrain``), per-row
+    arrays split over the batch axes, scalars replicated."""
+    import jax
+
+    from spade_jax import sharding
+
+    def placed(x, axes):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=sharding.named_sharding(axes, mesh, rules))
+
+    def row_wise(x):
+        per_row = x.ndim > 0 and x.shape[0] == rows
+        return placed(x, (("batch",) if per_row else (None,)) + (None,) * (x.ndim - 1)
+                      if x.ndim else ())
+
+    def kv(x):
+        return placed(x, (None,) * (x.ndim - 4) + ("batch", "cache_seq", "act_kv_heads", None))
+
+    cache = info.cache
+    cache = cache.replace(k=jax.tree.map(kv, cache.k), v=jax.tree.map(kv, cache.v),
+                          valid_bs=row_wise(cache.valid_bs), index=row_wise(cache.index))
+    return jax.tree.map(row_wise, info.replace(cache=None)).replace(cache=cache)
+
+
+def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
+                    prompt_len: int) -> ProgramCost:
+    """One decode step (one token per row) with the sampler's weights in ``layout``, on its
+    decode mesh; beside it the per-step cost of resharding the trained weights there."""
+    import jax
+
+    from spade_jax.rollout import sampler as sampler_lib
+
+    mesh = _decode_mesh(s, layout)
+    params = _decode_params(s, mesh)
+    prefill = sampler_lib.lower_prefill(s.sample_graphdef, params, s.options, sampler,
+                                        rows=rows, prompt_len=prompt_len, mesh=mesh,
+                                        rules=s.rules)
+    state = _decode_state(prefill.out_info[0], mesh, s.rules, rows)
+    lowered = sampler_lib.lower_decode_step(s.sample_graphdef, params, s.options, sampler,
+                                            state, mesh=mesh, rules=s.rules)
+    name = "decode" if layout == "train" else f"decode:{layout}"
+    compiled, seconds = _timed_compile(lowered, name)
+    par = parallelism(dict(mesh.shape), s.par.chips, s.rules)
+    cache_itemsize = np.dtype(jax.tree.leaves(state.cache.k)[0].dtype).itemsize
+    keys = jax.tree.leaves(state.cache.valid_bs)[0].shape[1]
+    moved = {} if mesh is s.mesh else dict(
+        reshard_bytes=reshard_bytes(s.arch, s.par, par, s.param_itemsize),
+        reshard_hlo_bytes=_compiled_reshard_bytes(s, mesh, name))
+    # While the sampler runs, the trainer's parameters stay too when it reads its own copy.
+    resident = s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
+    note = _sampler_replay_note(s) if sampler.return_router else ""
+    return _program(
+        name, f"B={rows} S={keys} (1 token){note}", compiled, seconds, resident=resident,
+        tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved,
+        **analytic_cost("decode", s.arch, s.options, par, rows=rows, length=1, keys=keys,
+                        cache_itemsize=cache_itemsize, param_itemsize=s.param_itemsize))
+
+
+def _compiled_reshard_bytes(s: _Setting, mesh: Any, name: str) -> float:
+    """The run's per-step copy of the master parameters from the trainer's layout onto
+    ``mesh`` (``sharding.resharder``), compiled: result bytes per chip of its collectives."""
+    from spade_jax import sharding
+    from spade_jax.aot.hlo import collective_bytes
+
+    lowered = sharding.resharder(s.state.params, mesh, s.rules).lower(s.state.params)
+    compiled, _ = _timed_compile(lowered, f"reshard for {name}")
+    return float(sum(collective_bytes(compiled.as_text()).values()))
+
+
+def _shape(mesh) -> dict[str, int]:
+    return {k: int(v) for k, v in mesh.shape.items()}
+
+
+def _rl_steps(config: AotConfig, s: _Setting) -> tuple[RlStepEstimate, ...]:
+    """The RL step estimate per decode layout (cost model only: nothing more compiles)."""
+    import jax.numpy as jnp
+
+    sampler = s.experiment.agent.sampler
+    cache_itemsize = (jnp.dtype(sampler.cache_dtype).itemsize if sampler.cache_dtype
+                      else jnp.dtype(s.options.compute_dtype).itemsize)
+    out = []
+    for layout in config.decode_layouts:
+        mesh = _decode_mesh(s, layout)
+        par = parallelism(_shape(mesh), s.par.chips, s.rules)
+        out.append(estimate_rl_step(
+            s.experiment, s.arch, s.options, layout=layout, train_par=s.par, decode_par=par,
+            chip=parse_topology(config.topology).chip,
+            reshard_bytes=0.0 if mesh is s.mesh else reshard_bytes(
+                s.arch, s.par, par, s.param_itemsize),
+            param_itemsize=s.param_itemsize, cache_itemsize=cache_itemsize,
+            episode=config.episodes))
+    return tuple(out)
 
 
 def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
@@ -379,5 +532,5 @@ def plan(config: AotConfig, devices: Sequence | None = None) -> Plan:
         experiment=s.experiment.name, topology=parse_topology(config.topology),
         mesh_shape={k: int(v) for k, v in s.mesh.shape.items()},
         params=s.arch.param_count(), active_params=matmul_params(s.arch),
-        hbm_fraction=config.hbm_fraction, programs=tuple(programs),
+        hbm_fraction=config.hbm_fraction, programs=tuple(programs), rl_steps=_rl_steps(config, s),
     )

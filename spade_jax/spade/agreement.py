@@ -3,9 +3,11 @@
 Every host builds the same global batch, but each has its own sandbox (wall-clock
 deadlines), its own corpus files and its own memory object. What the hosts could see
 differently is made process 0's here, one broadcast per call (a no-op on one host):
-prompt draws, validation and load verdicts, episode returns. An item process 0 accepted
-but a host rejected is rechecked once there; if it fails again every host raises together
-(a host that went on alone would wait forever in the next collective).
+prompt draws, validation verdicts, episode returns; load verdicts are those of the host
+that opens an environment's first copy (:mod:`spade_jax.spade.env_copies`). An item the
+deciding host accepted but a host rejected is rechecked once there; if it fails again
+every host raises together (a host that went on alone would wait forever in the next
+collective).
 """
 
 from __future__ import annotations
@@ -47,34 +49,46 @@ def agree_records(picks: list[EnvironmentRecord]) -> list[EnvironmentRecord]:
 
 
 def agree_verdicts(stage: str, names: Sequence[str], local: Sequence[Verdict],
-                   recheck: Callable[[int], Verdict]) -> list[Verdict]:
-    """Process 0's per-item verdicts on every host (see the module docstring)."""
+                   recheck: Callable[[int], Verdict],
+                   primaries: Sequence[int] | None = None) -> list[Verdict]:
+    """Process 0's per-item verdicts on every host (see the module docstring); with
+    ``primaries``, item i's verdict is that of host ``primaries[i]`` instead (e.g. the host
+    that opened the item's first environment copy, when each host opens only the copies it
+    steps), gathered from every host in one all-gather."""
     if single_host():
         return list(local)
-    agreed = [Verdict.from_json(v) for v in distributed.agree_json([v.to_json() for v in local])]
+    mine_json = [v.to_json() for v in local]
+    if primaries is None:
+        agreed = [Verdict.from_json(v) for v in distributed.agree_json(mine_json)]
+    else:
+        hosts = distributed.all_gather_json(mine_json)
+        agreed = ([Verdict.from_json(hosts[p][i]) for i, p in enumerate(primaries)]
+                  if all(len(h) == len(local) for h in hosts) else [])
     problems = []
     if len(agreed) != len(local):
-        problems.append(f"{len(local)} items here, {len(agreed)} on process 0")
+        problems.append(f"{len(local)} items here, {len(agreed)} on the deciding host(s)")
     else:
         for i, (mine, primary) in enumerate(zip(local, agreed, strict=True)):
+            decider = "process 0" if primaries is None else f"process {primaries[i]}"
             if primary.ok and not mine.ok:
                 again = recheck(i)
                 if not again.ok:
                     problems.append(f"{names[i]} ({mine.reason!r}, then {again.reason!r} on a retry)")
                 else:
-                    log.warning("%s: %s failed here (%s) but passed on process 0 and on a "
-                                "retry; kept", stage, names[i], mine.reason)
+                    log.warning("%s: %s failed here (%s) but passed on %s and on a retry; "
+                                "kept", stage, names[i], mine.reason, decider)
             elif mine.ok and not primary.ok:
-                log.warning("%s: %s passed here but failed on process 0 (%s); dropped",
-                            stage, names[i], primary.reason)
+                log.warning("%s: %s passed here but failed on %s (%s); dropped",
+                            stage, names[i], decider, primary.reason)
     failing = distributed.failing_hosts(bool(problems))
     if failing:
         here = (f"this host ({jax.process_index()}) rejects " + "; ".join(problems)
-                if problems else f"this host ({jax.process_index()}) agrees with process 0")
+                if problems else f"this host ({jax.process_index()}) agrees with the deciding host")
         raise RuntimeError(
-            f"multi-host {stage}: host(s) {failing} cannot reproduce process 0's outcome "
-            f"(process 0 accepted what they reject, even after a retry), so the hosts "
-            f"would train on different environments; {here}")
+            f"multi-host {stage}: host(s) {failing} cannot reproduce the deciding host's "
+            f"outcome (process 0, or the host opening an environment's first copy, accepted "
+            f"what they reject, even after a retry), so the hosts would train on different "
+            f"environments; {here}")
     return agreed
 
 

@@ -47,7 +47,7 @@ from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, a
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
-from spade_jax.spade import agreement, env_stats, step_metrics
+from spade_jax.spade import agreement, env_copies, env_stats, step_metrics
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, Generate
@@ -225,11 +225,15 @@ class SpadeLoop:
         offset = step - window.start
         live = [g for g in window.games if g.verdict.ok]
         hint_counts = [cfg.hint_plays if offset == 0 and g.hint else 0 for g in live]
-        opened = self._open([g.env_id for g in live], [g.program for g in live],
-                            [n + cfg.plays_per_game for n in hint_counts])
+        picks = self.replay_picks() if cfg.use_memory and cfg.memory_train_envs else []
+        # One batch layout for games and replays: each host opens only the copies it steps.
+        opened = self._open([g.env_id for g in live] + [f"mem_{r.env_id}" for r in picks],
+                            [g.program for g in live] + [r.program_source for r in picks],
+                            [n + cfg.plays_per_game for n in hint_counts]
+                            + [cfg.plays_per_game] * len(picks))
         specs, owners = [], []
-        for index, (game, n_hint, (envs, verdict)) in enumerate(zip(live, hint_counts, opened,
-                                                                   strict=True)):
+        for index, (game, n_hint, (envs, verdict)) in enumerate(zip(
+                live, hint_counts, opened[:len(live)], strict=True)):
             if not verdict.ok:
                 game.verdict = verdict
                 continue
@@ -240,11 +244,12 @@ class SpadeLoop:
             for env, (arm, play) in zip(envs, order, strict=True):
                 hinted = arm == "hint"
                 phase = Phase.HINT_ARM if hinted else Phase.AGENT
-                specs.append(EpisodeSpec(env=HintedEnv(env, game.hint) if hinted else env,
-                                         env_id=game.env_id,
+                if hinted and env is not None:  # None: another host steps this copy
+                    env = HintedEnv(env, game.hint)
+                specs.append(EpisodeSpec(env=env, env_id=game.env_id,
                                          seed=derive_seed(self.seed, step, phase, index, play)))
                 owners.append((game, hinted))
-        specs, owners = self._add_replays(specs, owners, step)
+        specs, owners = self._add_replays(specs, owners, step, picks, opened[len(live):])
         records = self._run(specs, step)
         for rec, (owner, hinted) in zip(records, owners, strict=True):
             rec.hinted, rec.owner = hinted, owner
@@ -258,35 +263,17 @@ class SpadeLoop:
 
     def _open(self, names: list[str], programs: list[str], counts: list[int]
               ) -> list[tuple[list[Any], Any]]:
-        """Fresh copies of each program; multi-host: process 0's load verdicts everywhere
-        (a copy that failed only here is opened once more)."""
-        opened = [self.designer.open_envs(p, n) for p, n in zip(programs, counts, strict=True)]
+        """Fresh copies of each program, as consecutive episodes of one batch; only the
+        copies this host steps are opened (None for the others), and the load verdicts are
+        agreed across hosts (:func:`env_copies.open_owned_copies`)."""
+        return env_copies.open_owned_copies(
+            [env_copies.CopyGroup(*g) for g in zip(names, programs, counts, strict=True)],
+            self.designer.open_envs)
 
-        def recheck(i: int):
-            envs, _ = opened[i]
-            more, verdict = self.designer.open_envs(programs[i], counts[i] - len(envs))
-            envs.extend(more)
-            return verdict
-
-        verdicts = agreement.agree_verdicts("environment loading", names,
-                                            [v for _, v in opened], recheck)
-        out = []
-        for (envs, _), verdict in zip(opened, verdicts, strict=True):
-            if not verdict.ok:
-                for env in envs:
-                    env.close()
-                envs = []
-            out.append((envs, verdict))
-        return out
-
-    def _add_replays(self, specs: list, owners: list, step: int) -> tuple[list, list]:
-        """Memory environments replayed for agent training this round (depth)."""
-        cfg = self.config
-        if not (cfg.use_memory and cfg.memory_train_envs):
-            return specs, owners
-        picks = self.replay_picks()
-        opened = self._open([f"mem_{r.env_id}" for r in picks], [r.program_source for r in picks],
-                            [cfg.plays_per_game] * len(picks))
+    def _add_replays(self, specs: list, owners: list, step: int, picks: list[EnvironmentRecord],
+                     opened: list[tuple[list[Any], Any]]) -> tuple[list, list]:
+        """Memory environments replayed for agent training this round (depth), after the
+        games: ``picks`` and their copies (opened with the games', in one layout)."""
         for index, (record, (envs, _)) in enumerate(zip(picks, opened, strict=True)):
             for j, env in enumerate(envs):
                 specs.append(EpisodeSpec(env=env, env_id=f"mem_{record.env_id}",
@@ -312,7 +299,8 @@ class SpadeLoop:
             records = self.run_episodes(specs, seed=seed) if specs else []
         finally:
             for spec in specs:
-                spec.env.close()
+                if spec.env is not None:  # None: another host steps it
+                    spec.env.close()
         returns = agreement.agree_returns([float(r.return_) for r in records])
         for rec, ret in zip(records, returns, strict=True):
             rec.return_ = ret

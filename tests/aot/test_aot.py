@@ -68,7 +68,7 @@ def test_tiny_plan_bytes_and_flops_match_the_model(tiny_plan):
     arch = experiment.model.architecture
     chips = result.topology.chips
     assert result.mesh_shape["data"] == chips  # tiny: pure data parallelism, params replicated
-    train, prefill, decode = result.programs
+    train, prefill, decode = (p for p in result.programs if ":" not in p.name)
     # Arguments of the train step = fp32 params + two fp32 Adam moments (replicated) + the
     # chip's rows of the batch (input_ids, attention_mask int32, loss_mask, old_logp fp32).
     state_bytes = 3 * 4 * arch.param_count()
@@ -215,6 +215,7 @@ def test_render_names_a_file_that_is_not_a_plan(tmp_path):
         assert out.returncode == 2 and f"{path} is not a readable --json_out plan" in out.stderr
 
 
+@pytest.mark.slow  # two CPU plans of the sampler programs (~25 s loaded)
 def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     """The prefill and decode programs come from ``rollout.sampler.lower_prefill`` /
     ``lower_decode_step`` (no libtpu: one CPU device); the decode step's arguments hold the
@@ -222,7 +223,10 @@ def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     config = aot.AotConfig(experiment="tiny", topology="v4-8", sample_batch=2, prompt_len=16,
                            new_tokens=8, programs=("prefill", "decode"))
     result = aot.plan(config, devices=jax.devices()[:1])
-    prefill, decode = result.programs
+    prefill, decode, auto = result.programs
+    # One device: no FSDP axis for the decode layout to re-purpose, the same program.
+    assert auto.name == "decode:auto" and auto.mesh_shape is None and auto.reshard_bytes == 0
+    assert auto.ici_traffic == decode.ici_traffic == 0
     sampler = load_experiment("tiny").agent.sampler
     slots = 16 + -(-8 // sampler.new_tokens_bucket) * sampler.new_tokens_bucket
     assert (prefill.name, prefill.tokens, decode.name, decode.tokens) == ("prefill", 32, "decode", 2)
@@ -231,3 +235,14 @@ def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     cache = arch.num_layers * 2 * 2 * slots * arch.num_kv_heads * arch.head_dim * 4
     assert decode.argument_bytes >= cache + 4 * arch.param_count()
     assert decode.alias_bytes >= cache  # the decode state is donated
+    # tiny runs router replay: the decode state carries the experts-only recording, uint8
+    # [B, N, L, X] (2 MoE layers x top-2 = 4 B/token), and nothing else (no router logits):
+    # the replay-off plan's decode arguments are exactly that buffer smaller.
+    moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+    per_token = moe_layers * arch.num_experts_per_tok
+    assert decode.shape == f"B=2 S={slots} (1 token) replay {per_token} B/token in the decode state"
+    off = aot.plan(dataclasses.replace(config, overrides=("train.router_replay=False",)),
+                   devices=jax.devices()[:1])
+    buffer = 2 * (slots - 16) * per_token
+    assert off.programs[1].shape == f"B=2 S={slots} (1 token)"
+    assert decode.argument_bytes - off.programs[1].argument_bytes == buffer

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 # The tiny experiment's own warm start and designer budget (so programs validate), but
@@ -131,31 +132,13 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
     """The CLI killed with SIGKILL once step 2's checkpoint is committed (mid-window:
     rounds 2-3 are one window), then resumed, logs the same metrics (losses, returns,
     regret, memory counts) and ends with bit-identical weights."""
-    import signal
-    import time
-
-    import jax
-    import numpy as np
-
-    from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, manifest_problem
-
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     r = _train(straight, *KILL_RUN)
     assert r.returncode == 0, r.stderr[-3000:]
     # The same tokenizer for the second run (a fresh one is trained on the checkout's text,
     # which may change between the runs).
     run = [*KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'"]
-    proc = subprocess.Popen(_command(killed, *run), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 1200
-        while manifest_problem(killed / "checkpoints" / "2", 2) is not None:
-            assert proc.poll() is None and time.monotonic() < deadline, "no step-2 checkpoint"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        proc.kill()
+    _kill_after_checkpoint(killed, run, 2)
     r = _train(killed, *run)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from round" in (killed / "train.log").read_text()
@@ -163,10 +146,94 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert sorted(got) == list(range(5))
     for step in range(5):
         assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
+    _assert_same_final_checkpoint(straight, killed, 5)
+
+
+# Router replay across a kill (issue 22): the designer role on (no fixed pool), no warm
+# start, so the designer's programs are mostly invalid; the 0.0 invalid penalty still
+# trains them, one step after they were drawn (tiny: designer_delay=1, windows of 2 steps,
+# router_replay=True), so step 0's designer samples and their recorded routing sit in the
+# checkpoint written after step 0 (checkpoint 1) and are replayed at step 1.
+REPLAY_KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=4",
+                   "--set", "spade.eval_every=0", "--set", "agent.max_turn_tokens=8",
+                   "--set", "spade.invalid_penalty=0.0", "--set", "keep_checkpoints=10"]
+
+
+def _pending_routing(workdir, checkpoint: int) -> list:
+    """The encoded routing of every designer sample pending in checkpoint ``checkpoint``."""
+    from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
+
+    with CheckpointManager(CheckpointConfig(workdir / "checkpoints")) as manager:
+        pending = manager.restore(checkpoint).run_state["loop"]["pending"]
+    return [s["routing"] for p in pending for s in p["samples"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # three CLI runs without warm start (~3 min each on 2 busy cores)
+def test_kill_9_with_pending_designer_routing_then_resume_equals_an_uninterrupted_run(tmp_path):
+    """The CLI with router replay on, SIGKILLed once the checkpoint after step 0 (holding
+    step 0's designer samples and their recorded routing) is committed and resumed from it,
+    equals an uninterrupted run: the same pending routing bytes in that checkpoint, the same metrics
+    every step (the designer's replay telemetry of step 1, computed on the routing restored
+    from the checkpoint, included), bit-identical final weights and run state."""
+    from spade_jax.rollout.routing import decode_routing
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    r = _train(straight, *REPLAY_KILL_RUN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = [*REPLAY_KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'"]
+    _kill_after_checkpoint(killed, run, 1)
+    # Step 0's designer samples wait in the checkpoint with their routing: uint8
+    # [prompt + output - 1, 2 MoE layers, top-2], as the uninterrupted run recorded them.
+    routes = _pending_routing(killed, 1)
+    assert routes and routes == _pending_routing(straight, 1)
+    for route in routes:
+        experts = decode_routing(route)
+        assert experts.dtype == np.uint8 and experts.shape[1:] == (2, 2) and len(experts) > 8
+        assert experts.max() < 4 and (experts[..., 0] != experts[..., 1]).all()
+    r = _train(killed, *run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (killed / "train.log").read_text()
+    assert "resumed from round 0" in log, "the resume did not start after step 0"
+    want, got = _last_rows(straight), _last_rows(killed)
+    assert sorted(got) == list(range(4))
+    # The designer trained on step 0's samples at step 1 (after the resume), with replay.
+    assert got[1]["batch/designer"] > 0 and "train/replay/designer/flip_rate" in got[1]
+    assert math.isfinite(got[1]["train/replay/designer/logp_gap_replay"])
+    for step in range(4):
+        assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
+    _assert_same_final_checkpoint(straight, killed, 4)
+
+
+def _kill_after_checkpoint(workdir, run: list[str], step: int) -> None:
+    """Starts the CLI and SIGKILLs it as soon as checkpoint ``step`` (written after round
+    ``step - 1``) is committed."""
+    import signal
+    import time
+
+    from spade_jax.checkpoint import manifest_problem
+
+    proc = subprocess.Popen(_command(workdir, *run), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 1200
+        while manifest_problem(workdir / "checkpoints" / str(step), step) is not None:
+            assert proc.poll() is None and time.monotonic() < deadline, f"no step-{step} checkpoint"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        proc.kill()
+
+
+def _assert_same_final_checkpoint(straight, killed, step: int) -> None:
+    import jax
+
+    from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
 
     def leaves(run):
         with CheckpointManager(CheckpointConfig(run / "checkpoints")) as manager:
-            restored = manager.restore(5)
+            restored = manager.restore(step)
         flat = jax.tree_util.tree_flatten_with_path(restored.state)[0]
         return {jax.tree_util.keystr(k): np.asarray(v) for k, v in flat}, restored.run_state
 

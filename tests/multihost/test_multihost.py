@@ -1,8 +1,11 @@
 """Two real JAX processes on this CPU host forming one distributed system (gloo
 collectives): the SPADE loop's corpus draws and memory selections are process 0's on
-both hosts even when the hosts' local RNGs disagree; validation and load verdicts and
-episode returns are process 0's even when a host's own differ (a flaky deadline is
-retried, a persistent one stops both hosts with a clear error); the trained tokenizer is
+both hosts even when the hosts' local RNGs disagree; validation verdicts and episode
+returns are process 0's even when a host's own differ (a flaky deadline is retried, a
+persistent one stops both hosts with a clear error); each host opens only the environment
+copies whose episodes it steps, and a copy's load verdict is that of the host opening the
+program's first copy (a batch re-laid out after a drop moves copies between hosts); the
+trained tokenizer is
 process 0's; host seeds (and so the sandbox pools' seeds) differ; agree() round-trips
 ints, strings, lists of strings and bytes; only process 0 writes metrics and INFO logs.
 
@@ -106,10 +109,12 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
     outcomes depend on ``host`` the way wall-clock deadlines would make them:
 
     round 0: PROGRAM 1 fails host 1's validation once (then passes a retry); PROGRAM 2
-    fails process 0's validation only; PROGRAM 3 fails everywhere; PROGRAM 4 fails to load
-    once on host 1; PROGRAM 5 fails its second load on process 0; host 1's episode returns
-    are half of process 0's. Round 1: PROGRAM 6 always fails host 1's validation. (The
-    paper text's round: one window per round, one attempt per sample, -1 for invalid.)
+    fails process 0's validation only; PROGRAM 3 fails everywhere; PROGRAM 5 fails its
+    first load on host 1 (which opens its last 2 of 5 copies: process 0 opens the first
+    3); PROGRAM 1 fails its second load on process 0 (which opens all its copies); host 1's
+    episode returns are half of process 0's. Round 1: PROGRAM 6 always fails host 1's
+    validation. (The paper text's round: one window per round, one attempt per sample, -1
+    for invalid.)
     """
     from types import SimpleNamespace
 
@@ -151,14 +156,16 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
 
     def fake_make_env(source, pool=None, **contract):
         n = count("load " + source)
-        if (source, host, n) in {("PROGRAM r0 4", 1, 1), ("PROGRAM r0 5", 0, 2)}:
+        if (source, host, n) in {("PROGRAM r0 5", 1, 1), ("PROGRAM r0 1", 0, 2)}:
             raise TimeoutError(source)
         return _FakeEnv(source)
 
     local_returns: list[float] = []
+    local_envs: list[list[Any]] = []  # per episode: env id, and whether this host opened it
 
     def run_episodes(specs, *, seed):
         records = []
+        local_envs.extend([spec.env_id, spec.env is not None] for spec in specs)
         for spec in specs:
             ret = (spec.seed % 5) / 4 * (1.0 if host == 0 else 0.5)
             local_returns.append(ret)
@@ -213,6 +220,7 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
         design_module.validate_programs, design_module.make_env = saved
     out.update(
         local_verdicts=local_verdicts, local_returns=local_returns, batches=batches,
+        local_envs=local_envs,
         kept=[o["kept"] for o in outcomes], games=[o["games"] for o in outcomes],
         loads={k: v for k, v in calls.items() if k.startswith("load PROGRAM")})
     return out
@@ -409,16 +417,35 @@ def test_two_hosts_keep_process_0s_environments_and_returns(hosts):
     for key in ("kept", "games", "batches"):
         assert s0[key][:1] == s1[key][:1] == reference[key], key
     # sample i of the round = slot i // 2, member i % 2; programs 2 and 3 never became
-    # games (validation), program 5 failed to load on process 0.
-    assert reference["kept"] == [["r0_s0_m0", "r0_s0_m1", "r0_s2_m0", "r0_s3_m0", "r0_s3_m1"]]
+    # games (validation), program 1 failed to load on process 0.
+    assert reference["kept"] == [["r0_s0_m0", "r0_s2_m0", "r0_s2_m1", "r0_s3_m0", "r0_s3_m1"]]
     assert "r0_s1_m0" not in reference["games"][0]
-    assert reference["games"][0]["r0_s2_m1"] == "load_error/TimeoutError"
+    assert reference["games"][0]["r0_s0_m1"] == "load_error/TimeoutError"
     roles = [row[2] for row in reference["batches"][0]]
     # 5 valid games x 3 no-hint plays + 2 replayed memory games x 3, then 8 designer rows
     # (the 2 invalid and the unloadable one with the -1 penalty)
     assert roles == ["agent"] * (5 * 3 + 2 * 3) + ["designer"] * 8
-    # Host 1 opened PROGRAM 4's missing copy again after its failed load (5 = 2 + 3 arms).
-    assert s1["loads"]["load PROGRAM r0 4"] == 5 + 1
+    # Owner-only opening. The first layout (6 games x 5 copies, then 2 x 3 replays: 36
+    # episodes, host 0 the first 18) gives host 0 programs 0, 1, 4 and 5's copies 0-2, host
+    # 1 program 5's copies 3-4, programs 6, 7 and the replays. Program 1 fails on host 0
+    # (its first copy's host): dropped everywhere. Program 5 fails on host 1 only, where
+    # host 0 passed: host 1 opens its two copies again. The new layout (31 episodes, host 0
+    # the first 16) moves program 5's copies 3-4 and program 6's copy 0 to host 0.
+    assert s0["loads"] == {"load PROGRAM r0 0": 5, "load PROGRAM r0 1": 2,
+                           "load PROGRAM r0 4": 5, "load PROGRAM r0 5": 3 + 2,
+                           "load PROGRAM r0 6": 1}
+    assert s1["loads"] == {"load PROGRAM r0 5": 1 + 2, "load PROGRAM r0 6": 5,
+                           "load PROGRAM r0 7": 5}
+    # Every episode of the batch has its environment on exactly its owner's host.
+    from spade_jax.rollout.agent_loop import episode_owner
+
+    envs0, envs1 = s0["local_envs"], s1["local_envs"]
+    assert [e[0] for e in envs0] == [e[0] for e in envs1] and len(envs0) == 31
+    for i, ((_, here0), (_, here1)) in enumerate(zip(envs0, envs1, strict=True)):
+        assert (here0, here1) == ((True, False) if episode_owner(i, 31, 2) == 0
+                                  else (False, True)), i
+    assert [e[0] for e in reference["local_envs"]] == [e[0] for e in envs0]
+    assert all(here for _, here in reference["local_envs"])
     # Round 1: PROGRAM 6 fails on host 1 even on the retry, so both hosts stop, together
     # (no host left waiting in a collective), naming the program and the host.
     (r0, e0), (r1, e1) = s0["errors"][0], s1["errors"][0]

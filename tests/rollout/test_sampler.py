@@ -18,6 +18,7 @@ from flax import nnx
 from spade_jax import sharding
 from spade_jax.models import load_hf
 from spade_jax.rollout import SamplerConfig, generate, sampling
+from spade_jax.rollout import sampler as sampler_lib
 from spade_jax.rollout.sampler import sample
 
 NEW = 64
@@ -100,6 +101,50 @@ def test_sampled_logprobs_and_router_record_equal_full_forward(checkpoint):
     again = generate(model, prompts, 24, temperature=0.7, top_p=0.9, top_k=20, seed=3,
                      return_router=True, router_hook=boost_expert_3)
     assert again.tokens == out.tokens
+
+
+@pytest.mark.slow  # two sampler compiles (~30 s on the shared CPU)
+def test_experts_only_recording_equals_the_logits_modes_experts(checkpoint):
+    """``return_router="experts"`` (router replay's mode) records exactly the experts that
+    ``return_router=True`` records, in the compact dtype, and its decode state holds no
+    router-logits buffer. Rows end at different lengths, so batch compaction gathers the
+    compact buffer too."""
+    _, _, model, prompts = checkpoint
+
+    def boost_expert_3(logits_btE, layer_idx):
+        return logits_btE.at[..., 3].add(2.0 * (layer_idx + 1))
+
+    config = SamplerConfig(24, temperature=0.7, top_p=0.9, seed=5, chunk_steps=4)
+    kwargs = dict(router_hook=boost_expert_3, max_new_per_seq=[24, 3, 9, 2], stop_tokens=[])
+    full = sample(model, prompts, dataclasses.replace(config, return_router=True), **kwargs)
+    compact = sample(model, prompts, dataclasses.replace(config, return_router="experts"),
+                     **kwargs)
+    assert compact.stats["compactions"] >= 1
+    assert compact.tokens == full.tokens and compact.router_logits is None
+    assert [len(t) for t in compact.tokens] == [24, 3, 9, 2]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(x) for x in compact.logprobs]),
+                                  np.concatenate([np.asarray(x) for x in full.logprobs]))
+    for p, toks, got, want in zip(prompts, full.tokens, compact.selected_experts,
+                                  full.selected_experts, strict=True):
+        assert got.dtype == np.uint8 and want.dtype == np.int32
+        assert got.shape == want.shape == (len(p) + len(toks) - 1, 2, 2)
+        np.testing.assert_array_equal(got, want)
+    # The decode state as the jitted prefill returns it (lowered abstractly, no compile).
+    graphdef, params = nnx.split(model)
+
+    def state_of(mode):
+        lowered = sampler_lib.lower_prefill(graphdef, params, model.options, dataclasses.replace(
+            config, return_router=mode), rows=4, prompt_len=16)
+        return lowered.out_info[0]
+
+    experts_only, with_logits = state_of("experts"), state_of(True)
+    assert experts_only.router_bnle is None
+    assert (experts_only.experts_bnlx.shape, experts_only.experts_bnlx.dtype) == (
+        (4, 64, 2, 2), jnp.uint8)
+    assert (with_logits.router_bnle.shape, with_logits.experts_bnlx.dtype) == (
+        (4, 64, 2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="return_router must be True, False or \"experts\""):
+        SamplerConfig(8, return_router="logits")
 
 
 class _CharTokenizer:
