@@ -10,6 +10,7 @@ Dense model: parameters and optimizer state sharded FSDP over every chip.
 import dataclasses
 
 from spade_jax.experiment import ExperimentConfig, load_experiment
+from spade_jax.rl.train_step import RoleConfig
 from spade_jax.sharding import MeshConfig
 
 
@@ -26,8 +27,11 @@ def get_config() -> ExperimentConfig:
         # (cmd/games/train_spade_8b.sh: --kl-loss-coef 0.005, low_var_kl = k3).
         train=dataclasses.replace(
             base.train, microbatches=8,
-            agent=dataclasses.replace(base.train.agent, loss=dict(
-                clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005)),
-            designer=dataclasses.replace(base.train.designer, loss=dict(
-                clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.005))),
+            agent=_with_kl(base.train.agent, 0.005),
+            designer=_with_kl(base.train.designer, 0.005)),
     )
+
+
+def _with_kl(role: RoleConfig, kl_coef: float) -> RoleConfig:
+    """The role's rule with its policy loss's KL coefficient set (the rest as the 30B's)."""
+    return dataclasses.replace(role, loss=dataclasses.replace(role.loss, kl_coef=kl_coef))

@@ -4,10 +4,12 @@ A checkpoint of step ``s`` is the directory ``<directory>/<s>/`` holding two Orb
 
   state      the array pytree (params, optimizer state, ...), saved with
              ``StandardSave`` so each host writes its own shards, restored into the
-             shardings of an abstract target tree.
+             shardings of an abstract target tree. A training state is stored flat, its
+             arrays named by their tree path (:func:`named_arrays`:
+             ``params/layers/3/attn/q_dnh``, ``opt_state/1/0/mu/...``), so a restore into
+             a different model names the arrays that differ (:class:`CheckpointMismatchError`).
   run_state  a JSON dict of everything Python-side that a bitwise-identical resume needs:
-             RNG keys (:func:`key_to_json`), data / corpus sampler state, environment
-             memory, the config hash.
+             data / corpus sampler state, environment memory, the round.
 
 Orbax writes into a temporary directory and renames it when complete, so a crash never
 leaves a half-written directory under a step name. On top of that, once Orbax has
@@ -118,39 +120,99 @@ class RestoredCheckpoint(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------
-# Run-state helpers: JSON forms of RNG state
+# Arrays by name: a state pytree as {"params/layers/0/attn/q_dnh": array, ...}
 # ----------------------------------------------------------------------------------------
 
 
-def key_to_json(key: jax.Array) -> dict[str, Any]:
-    """A JAX PRNG key (typed ``jax.random.key`` or raw uint32) as JSON-able data."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        data = np.asarray(jax.random.key_data(key))
-        impl: str | None = str(jax.random.key_impl(key))
-    else:
-        data, impl = np.asarray(key), None
-    if data.dtype != np.uint32:
-        raise TypeError(f"expected a PRNG key with uint32 data, got dtype {data.dtype}")
-    return {"impl": impl, "shape": list(data.shape), "data": data.reshape(-1).tolist()}
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose array names are not the ones of the state it is restored into
+    (a changed model, optimizer or format); names the missing and unexpected arrays."""
 
 
-def key_from_json(blob: Mapping[str, Any]) -> jax.Array:
-    """Inverse of :func:`key_to_json`; bit-exact."""
-    data = np.asarray(blob["data"], dtype=np.uint32).reshape(blob["shape"])
-    if blob["impl"] is None:
-        return jnp.asarray(data)
-    return jax.random.wrap_key_data(data, impl=blob["impl"])
+def _key_part(entry: Any) -> str:
+    if isinstance(entry, jax.tree_util.DictKey):
+        return str(entry.key)
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return entry.name
+    if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        return str(entry.key)
+    raise TypeError(f"cannot name the pytree key {entry!r}")
 
 
-def numpy_rng_to_json(rng: np.random.Generator) -> dict[str, Any]:
-    """A NumPy Generator's exact bit-generator state (JSON ints are arbitrary precision)."""
-    return rng.bit_generator.state
+def _path_names(tree: Any) -> list[str]:
+    return ["/".join(map(_key_part, path))
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def numpy_rng_from_json(state: Mapping[str, Any]) -> np.random.Generator:
-    bit_generator = getattr(np.random, state["bit_generator"])()
-    bit_generator.state = dict(state)
-    return np.random.Generator(bit_generator)
+def leaf_name(path: tuple[Any, ...]) -> str:
+    """A leaf's tree path as a name: ``params/layers/0/attn/q_dnh`` for
+    ``.params['layers'][0]['attn']['q_dnh'].value`` (an ``nnx.Variable``'s ``.value`` is
+    the variable itself, so it is dropped)."""
+    parts = [_key_part(entry) for entry in path]
+    if len(parts) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value":
+        parts.pop()
+    return "/".join(parts)
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """Every leaf of ``tree`` under its :func:`leaf_name`, in pytree order."""
+    named: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = leaf_name(path)
+        if name in named:
+            raise ValueError(f"two leaves of the state are both named {name!r}")
+        named[name] = leaf
+    return named
+
+
+def named_arrays(state: Any) -> dict[str, jax.Array]:
+    """``state`` as the flat dict a checkpoint stores: arrays keyed by their tree path, so a
+    checkpoint says what each array is and a changed model fails by name, not by position.
+    Typed PRNG keys are stored as their raw key data."""
+    return {name: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            for name, x in named_leaves(state).items()}
+
+
+def state_from_named(named: Mapping[str, Any], like: Any) -> Any:
+    """Inverse of :func:`named_arrays`: ``like``'s tree with the arrays of ``named``; raises
+    :class:`CheckpointMismatchError` when the names differ."""
+    reference = named_leaves(like)
+    check_names(named, reference, "the checkpoint's arrays")
+    leaves = []
+    for name, ref in reference.items():
+        value = named[name]
+        if jnp.issubdtype(ref.dtype, jax.dtypes.prng_key):
+            value = jax.random.wrap_key_data(value)
+        leaves.append(value)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def check_names(saved: Any, expected: Any, what: str, limit: int = 8) -> None:
+    """Raises :class:`CheckpointMismatchError` unless ``saved`` and ``expected`` (iterables
+    of names) hold the same names; the message lists up to ``limit`` of each difference."""
+    saved, expected = set(saved), set(expected)
+    if saved == expected:
+        return
+
+    def listed(names: set[str]) -> str:
+        shown = sorted(names)[:limit]
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        return ", ".join(shown) + more
+
+    problems = []
+    if expected - saved:
+        problems.append(f"missing (the state has them, the checkpoint does not): "
+                        f"{listed(expected - saved)}")
+    if saved - expected:
+        problems.append(f"unexpected (in the checkpoint only): {listed(saved - expected)}")
+    if saved and all(name.isdigit() for name in saved):
+        problems.append("the checkpoint keys its arrays by leaf position (\"00000\", ...), a "
+                        "format from before arrays were named; it cannot be resumed by name")
+    raise CheckpointMismatchError(
+        f"{what} do not match the state they are restored into (a changed model, optimizer "
+        f"or checkpoint format?): {'; '.join(problems)}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -463,7 +525,11 @@ class CheckpointManager:
     def restore(self, step: int, abstract_state: Any = None) -> RestoredCheckpoint:
         """Restores one step. ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct``
         (with ``sharding=`` for sharded arrays, e.g. from ``jax.eval_shape`` plus the
-        target shardings); None restores the arrays as they were saved."""
+        target shardings); None restores the arrays as they were saved. A target whose
+        leaf names differ from the saved arrays' raises :class:`CheckpointMismatchError`
+        naming the missing and unexpected ones."""
+        if abstract_state is not None:
+            self._check_saved_names(step, abstract_state)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -493,6 +559,8 @@ class CheckpointManager:
                 try:
                     restored = self.restore(step, abstract_state)
                     break
+                except CheckpointMismatchError:  # the target is wrong, not the checkpoint
+                    raise
                 except Exception as err:
                     if _has_checksums(step_dir):
                         raise RuntimeError(
@@ -522,6 +590,27 @@ class CheckpointManager:
             self._check_config_hash(restored.step)
             log.info("restored checkpoint step %d from %s", restored.step, self.directory)
         return restored
+
+    def _check_saved_names(self, step: int, abstract_state: Any) -> None:
+        """Compares the saved arrays' names (from the step's metadata) with the target's."""
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            saved = handler.metadata(self.directory / str(step) / _STATE_ITEM)
+        except Exception:  # unreadable metadata: the restore itself fails and says why
+            return
+        finally:
+            handler.close()
+        tree = getattr(saved, "tree", saved)
+        if tree is None:
+            return
+        # Full paths on both sides: the metadata tree holds an nnx.Variable's ``.value`` as
+        # a dict entry, so leaf_name's dropping of it would make the two disagree.
+        try:
+            saved_names, target_names = _path_names(tree), _path_names(abstract_state)
+        except TypeError:  # a pytree node without a nameable key: leave it to Orbax
+            return
+        check_names(saved_names, target_names,
+                    f"the arrays of checkpoint step {step} in {self.directory}")
 
     def _move_aside(self, step: int) -> None:
         if jax.process_index() == 0:

@@ -19,7 +19,7 @@ What runs where on a pod slice:
     never diverge through a host-local corpus, RNG or wall-clock deadline; a host that
     cannot follow process 0 says so through :func:`failing_hosts`, and every host raises;
   * only process 0 writes logs, metrics and the report (``metrics.py`` and
-    ``spade/run.py`` gate on process 0); Orbax checkpoints are written by all hosts.
+    ``run.py`` gate on process 0); Orbax checkpoints are written by all hosts.
 """
 
 from __future__ import annotations

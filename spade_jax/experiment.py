@@ -248,7 +248,16 @@ def ablation(base: str, name: str, **changes: object) -> ExperimentConfig:
     return dataclasses.replace(with_resolved_defaults(apply_overrides(config, items)), name=name)
 
 
+def json_value(obj: object) -> object:
+    """``json.dumps``'s ``default`` for configs: sets as sorted lists (a set's iteration
+    order, and so its ``str``, changes with ``PYTHONHASHSEED``), anything else as ``str``."""
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=lambda item: json.dumps(item, sort_keys=True, default=json_value))
+    return str(obj)
+
+
 def config_hash(config: ExperimentConfig) -> str:
-    """Short stable digest of a resolved config (checkpoints warn when it changes)."""
-    blob = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    """Short stable digest of a resolved config (checkpoints warn when it changes); the
+    same in every process, whatever its ``PYTHONHASHSEED``."""
+    blob = json.dumps(dataclasses.asdict(config), sort_keys=True, default=json_value)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

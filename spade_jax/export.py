@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from spade_jax import storage
-from spade_jax.checkpoint import manifest_problem
+from spade_jax.checkpoint import manifest_problem, named_leaves
 from spade_jax.models.config import ModelConfig, human_count
 from spade_jax.models.hf_io import abstract_model, param_mappings, write_hf
 from spade_jax.models.qwen3 import ModelOptions, Qwen3
@@ -44,6 +44,7 @@ from spade_jax.models.qwen3 import ModelOptions, Qwen3
 MODEL_SPEC_FILE = "model.json"
 CHECKPOINTS_DIR = "checkpoints"
 _STATE_ITEM = "state"  # CheckpointManager's array item
+_PARAMS = "params"  # TrainState's field of the model's variables
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                     "special_tokens_map.json", "tokenizer.model")
 
@@ -114,15 +115,15 @@ def choose_step(workdir: storage.PathLike, step: str) -> int:
 def param_keys(config: ModelConfig, options: ModelOptions) -> dict[tuple, str]:
     """nnx path of each model variable -> its key in a run checkpoint's ``state`` item.
 
-    ``spade.run._saveable`` stores ``jax.tree.leaves(TrainState)`` under "00000", "00001",
-    ...: the step first, then the model's variables in their pytree order (``params``
-    holds ``nnx.split(model)``'s state), then the optimizer state and the RNG key."""
+    A run stores its ``TrainState`` through ``checkpoint.named_arrays``: each array under
+    its tree path, the model's variables under ``params/`` (``params`` holds
+    ``nnx.split(model)``'s state), e.g. ``params/layers/0/attn/q_dnh``."""
     _, state = nnx.split(abstract_model(config, options))
-    flat = [path for path, _ in nnx.to_flat_state(state)]
-    leaves = jax.tree.leaves(state)
-    if len(flat) != len(leaves):
+    named = named_leaves({_PARAMS: state})
+    flat = [tuple(path) for path, _ in nnx.to_flat_state(state)]
+    if len(flat) != len(named):
         raise AssertionError("nnx flat state and pytree leaves disagree")
-    return {tuple(path): f"{i + 1:05d}" for i, path in enumerate(flat)}
+    return dict(zip(flat, named, strict=True))
 
 
 class CheckpointArrays:

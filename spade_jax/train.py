@@ -36,7 +36,7 @@ log = logging.getLogger("spade_jax.train")
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from spade_jax.experiment import load_experiment
+    from spade_jax.experiment import json_value, load_experiment
     from spade_jax.overrides import OverrideError
 
     overrides = list(FLAGS.set)
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     if FLAGS.dry_run:
-        print(json.dumps(dataclasses.asdict(config), indent=2, default=str))
+        print(json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
         return 0
     if config.model.batch_invariant:  # XLA reads its flags when the backend starts: now
         from spade_jax.models import numerics
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
         print(f"error: cannot create --workdir {FLAGS.workdir}: {e.strerror}", file=sys.stderr)
         return 2
     log_file = _setup_logging(workdir)
-    from spade_jax.spade.run import run_experiment
+    from spade_jax.run import run_experiment
 
     start = time.time()
     try:

@@ -34,6 +34,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import rng_json
 from etils import epath
 from flax import nnx
 
@@ -161,7 +162,7 @@ def main(argv: list[str]) -> None:
             raise RuntimeError(f"checkpoint {start} restored a {type(state).__name__} "
                                f"at step {getattr(state, 'step', None)}")
         if not args.forget_data_rng:
-            data_rng = ckpt_lib.numpy_rng_from_json(restored.run_state["data_rng"])
+            data_rng = rng_json.numpy_rng_from_json(restored.run_state["data_rng"])
         print(f"RESUMED {start}", flush=True)
 
     for step in range(start + 1, args.total_steps + 1):
@@ -170,7 +171,7 @@ def main(argv: list[str]) -> None:
         if int(metrics["skipped"]):
             raise RuntimeError(f"step {step} was skipped (non-finite loss or gradient)")
         print(f"STEP {step} loss={float(metrics['loss']).hex()}", flush=True)
-        ckpt.save(step, state, {"data_rng": ckpt_lib.numpy_rng_to_json(data_rng)})
+        ckpt.save(step, state, {"data_rng": rng_json.numpy_rng_to_json(data_rng)})
         if step == args.kill_after:
             ckpt.wait()  # Orbax finalised the step directory and the manifest is written
             problem = ckpt_lib.manifest_problem(args.run_dir / "ckpt" / str(step), step)
@@ -183,7 +184,7 @@ def main(argv: list[str]) -> None:
     np.savez(final, **flat_leaves(state))
     (args.run_dir / "final.npz").write_bytes(final.getvalue())
     (args.run_dir / "final_data_rng.json").write_text(
-        json.dumps(ckpt_lib.numpy_rng_to_json(data_rng)))
+        json.dumps(rng_json.numpy_rng_to_json(data_rng)))
 
 
 if __name__ == "__main__":

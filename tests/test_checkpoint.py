@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import rng_json
 
 from spade_jax import checkpoint as ckpt_lib
 
@@ -49,10 +50,10 @@ class ToySampler:
         return np.asarray(batch)
 
     def state_dict(self) -> dict:
-        return {"rng": ckpt_lib.numpy_rng_to_json(self.rng), "order": self.order}
+        return {"rng": rng_json.numpy_rng_to_json(self.rng), "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rng = ckpt_lib.numpy_rng_from_json(state["rng"])
+        self.rng = rng_json.numpy_rng_from_json(state["rng"])
         self.order = list(state["order"])
 
 
@@ -115,7 +116,7 @@ def toy_main(argv: list[str]) -> None:
     restored = ckpt.restore_latest(jax.eval_shape(lambda: state))
     if restored is not None:
         start, state = restored.step, restored.state
-        key = ckpt_lib.key_from_json(restored.run_state["key"])
+        key = rng_json.key_from_json(restored.run_state["key"])
         if not args.forget_sampler:
             sampler.load_state_dict(restored.run_state["sampler"])
         print(f"RESUMED {start}", flush=True)
@@ -131,7 +132,7 @@ def toy_main(argv: list[str]) -> None:
                     break
                 time.sleep(0.05)
         if ckpt.should_save(step):
-            run_state = {"key": ckpt_lib.key_to_json(key), "sampler": sampler.state_dict()}
+            run_state = {"key": rng_json.key_to_json(key), "sampler": sampler.state_dict()}
             ckpt.save(step, state, run_state)
         if step == args.block_after:
             ckpt.wait()
@@ -413,8 +414,8 @@ def test_rng_state_round_trips_bitwise():
     typed = jax.random.split(jax.random.key(3), 4)
     raw = jax.random.PRNGKey(5)
     for key in (typed, raw, jax.random.key(7, impl="rbg")):
-        blob = json.loads(json.dumps(ckpt_lib.key_to_json(key)))
-        back = ckpt_lib.key_from_json(blob)
+        blob = json.loads(json.dumps(rng_json.key_to_json(key)))
+        back = rng_json.key_from_json(blob)
         assert back.dtype == key.dtype and back.shape == key.shape
         first, first_back = (back, key) if back.ndim == key.ndim == 0 else (key[0], back[0])
         if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -424,7 +425,7 @@ def test_rng_state_round_trips_bitwise():
             np.testing.assert_array_equal(np.asarray(back), np.asarray(key))
     rng = np.random.default_rng(11)
     rng.random(5)
-    copy = ckpt_lib.numpy_rng_from_json(json.loads(json.dumps(ckpt_lib.numpy_rng_to_json(rng))))
+    copy = rng_json.numpy_rng_from_json(json.loads(json.dumps(rng_json.numpy_rng_to_json(rng))))
     np.testing.assert_array_equal(copy.random(8), rng.random(8))
 
 
@@ -482,3 +483,98 @@ def test_best_checkpoint_survives_keep_n(tmp_path, mode):
 def test_best_mode_is_validated():
     with pytest.raises(ValueError, match="best_mode"):
         ckpt_lib.CheckpointConfig("/tmp/x", best_mode="highest")
+
+
+# ----------------------------------------------------------------------------------------
+# Arrays by name (the run's TrainState format)
+# ----------------------------------------------------------------------------------------
+
+
+def _train_state(layers: int, width: int = 3):
+    """A TrainState as a run holds one, small: nnx params, AdamW moments, a typed key."""
+    from flax import nnx
+
+    from spade_jax.rl.train_step import TrainState
+
+    class Tiny(nnx.Module):
+        def __init__(self) -> None:
+            self.embed = nnx.Param(jnp.arange(4.0 * width).reshape(4, width))
+            self.layers = nnx.List([nnx.Linear(width, width, rngs=nnx.Rngs(i))
+                                    for i in range(layers)])
+
+    _, params = nnx.split(Tiny())
+    opt_state = optax.adamw(1e-3).init(params)
+    opt_state = jax.tree.map(lambda x: x + 0.5, opt_state)  # moments != zeros
+    return TrainState(jnp.asarray(7, jnp.int32), params, opt_state, jax.random.key(3))
+
+
+def _abstract(named: dict) -> dict:
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in named.items()}
+
+
+def test_train_state_is_stored_by_name_and_restores_bitwise(tmp_path):
+    state = _train_state(layers=2)
+    named = ckpt_lib.named_arrays(state)
+    assert list(named) == [
+        "step", "params/embed", "params/layers/0/bias", "params/layers/0/kernel",
+        "params/layers/1/bias", "params/layers/1/kernel", "opt_state/0/count",
+        *(f"opt_state/0/{m}/{p}" for m in ("mu", "nu") for p in (
+            "embed", "layers/0/bias", "layers/0/kernel", "layers/1/bias", "layers/1/kernel")),
+        "rng"]
+    np.testing.assert_array_equal(named["params/layers/1/kernel"],
+                                  state.params["layers"][1]["kernel"].get_value())
+    np.testing.assert_array_equal(named["rng"], jax.random.key_data(state.rng))
+    with _manager(tmp_path) as ckpt:
+        ckpt.save(1, named, {"round": 0})
+    restored = _manager(tmp_path).restore_latest(_abstract(named))
+    back = ckpt_lib.state_from_named(restored.state, _train_state(layers=2, width=3))
+    want = jax.tree_util.tree_flatten_with_path(state)[0]
+    got = jax.tree_util.tree_flatten_with_path(back)[0]
+    assert [p for p, _ in want] == [p for p, _ in got]
+    for (path, a), (_, b) in zip(want, got, strict=True):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+
+
+def test_a_checkpoint_of_another_model_names_the_missing_and_unexpected_arrays(tmp_path):
+    with _manager(tmp_path) as ckpt:
+        ckpt.save(1, ckpt_lib.named_arrays(_train_state(layers=2)), {"round": 0})
+    target = _abstract(ckpt_lib.named_arrays(_train_state(layers=3)))
+    with pytest.raises(ckpt_lib.CheckpointMismatchError) as err:
+        _manager(tmp_path).restore_latest(target)
+    message = str(err.value)
+    assert "checkpoint step 1" in message
+    assert ("missing (the state has them, the checkpoint does not): opt_state/0/mu/layers/2/"
+            "bias, opt_state/0/mu/layers/2/kernel, opt_state/0/nu/layers/2/bias") in message
+    assert "params/layers/2/kernel" in message and "unexpected" not in message
+    assert (tmp_path / "1").is_dir()  # the checkpoint is fine: not moved aside
+    # the other way round: arrays the state does not have are unexpected
+    fewer = _abstract(ckpt_lib.named_arrays(_train_state(layers=1)))
+    with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                       match=r"unexpected \(in the checkpoint only\): opt_state/0/mu/layers/1/"):
+        _manager(tmp_path).restore_latest(fewer)
+
+
+def test_a_positional_checkpoint_is_refused_by_name(tmp_path):
+    """The old format: leaves under "00000", "00001", ... in pytree order."""
+    state = _train_state(layers=1)
+    with _manager(tmp_path) as ckpt:
+        ckpt.save(1, {f"{i:05d}": x for i, x in enumerate(ckpt_lib.named_arrays(state).values())},
+                  {"round": 0})
+    with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                       match=r"missing .*params/embed.*unexpected .*00000.*leaf position"):
+        _manager(tmp_path).restore_latest(_abstract(ckpt_lib.named_arrays(state)))
+
+
+def test_names_are_checked_for_nested_targets_and_in_state_from_named(tmp_path):
+    _saved_steps(tmp_path, steps=(1,))
+    renamed = {"weights": jax.ShapeDtypeStruct((64, 32), jnp.float32),
+               "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                       match=r"missing .*: weights; unexpected .*: w$"):
+        _manager(tmp_path).restore_latest(renamed)
+    named = ckpt_lib.named_arrays(_train_state(layers=1))
+    del named["params/embed"]
+    with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"missing .*: params/embed$"):
+        ckpt_lib.state_from_named(named, _train_state(layers=1))

@@ -206,7 +206,7 @@ def test_exact_cpu_flag_helpers(monkeypatch):
 _TRAIN_PROBE = """
 import os, sys
 from absl import app
-import spade_jax.spade.run as run
+import spade_jax.run as run
 from jax._src import xla_bridge
 from spade_jax.models import numerics
 

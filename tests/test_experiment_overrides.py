@@ -5,7 +5,10 @@ experiment, the run length sets the schedule, the tokenizer follows the checkpoi
 from __future__ import annotations
 
 import ast
+import dataclasses
+import hashlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -18,11 +21,12 @@ import pytest
 from spade_jax import rl
 from spade_jax.experiment import (
     EXPERIMENTS_DIR,
+    config_hash,
     load_experiment,
     train_config_for_run,
 )
 from spade_jax.models import ModelConfig
-from spade_jax.overrides import OverrideError
+from spade_jax.overrides import OverrideError, diff
 from spade_jax.rl.optim import OptimizerConfig, learning_rate_schedule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,6 +167,20 @@ def test_recipe_experiments_set_the_recipes_update():
             assert (cfg.clip_eps, cfg.clip_eps_high, cfg.kl_coef) == (0.2, 0.28, kl)
 
 
+@pytest.mark.parametrize("name, changes", [
+    ("qwen3_4b", {"model.preset": "qwen3_4b_instruct_2507", "mesh.expert": 1,
+                  "train.microbatches": 8}),
+    ("qwen3_8b", {"model.preset": "qwen3_8b", "mesh.expert": 1, "train.microbatches": 8,
+                  "designer_sampler.max_new_tokens": 20_000, "spade.designer_thinking": True,
+                  "train.agent.loss.kl_coef": 0.005, "train.designer.loss.kl_coef": 0.005}),
+])
+def test_the_4b_and_8b_experiments_are_small_variants_of_the_30b(name, changes):
+    """Everything else (the recipe's rounds, sampling, update) comes from the 30B file."""
+    changed = diff(load_experiment("qwen3_30b_a3b"), load_experiment(name))
+    assert changed.pop("name") == ("qwen3_30b_a3b", name)
+    assert {k: new for k, (_, new) in changed.items()} == changes
+
+
 def test_total_steps_follows_the_run_length():
     assert OptimizerConfig().total_steps is None
     config = load_experiment("tiny", ["train.optimizer.schedule=cosine", "spade.rounds=7"])
@@ -202,7 +220,7 @@ def fake_tokenizer(vocab_size: int, eos: int):
 
 def test_a_checkpoint_refuses_a_tokenizer_that_is_not_its_own(tmp_path):
     from spade_jax.experiment import ModelSpec
-    from spade_jax.spade.run import build_model, check_tokenizer_matches
+    from spade_jax.run import build_model, check_tokenizer_matches
 
     qwen = ModelConfig(vocab_size=151936, bos_token_id=151643, eos_token_id=151645)
     check_tokenizer_matches(fake_tokenizer(151669, 151645), qwen, "qwen")  # Qwen3's own
@@ -218,3 +236,48 @@ def test_a_checkpoint_refuses_a_tokenizer_that_is_not_its_own(tmp_path):
         build_model(spec, fake_tokenizer(2000, 1), seed=0, mesh=None)
     model = build_model(spec, fake_tokenizer(tiny_hf.VOCAB, 1), seed=0, mesh=None)
     assert model.config.vocab_size == tiny_hf.VOCAB
+
+
+def _sets_sorted(value):
+    """A config dict with every set as a sorted list (the re-derivation's canonical form)."""
+    if isinstance(value, dict):
+        return {k: _sets_sorted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_sets_sorted(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return value
+
+
+def test_config_hash_sorts_sets():
+    """The hash is of the config with its sets sorted (a frozenset's str follows the
+    process's string hashing), re-derived here without the package's helper."""
+    config = load_experiment("tiny")
+    assert isinstance(config.sandbox.allowed_imports, frozenset)  # what made it unstable
+    canonical = json.dumps(_sets_sorted(dataclasses.asdict(config)), sort_keys=True,
+                           default=str)
+    assert config_hash(config) == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    reordered = dataclasses.replace(config, sandbox=dataclasses.replace(
+        config.sandbox, allowed_imports=frozenset(sorted(config.sandbox.allowed_imports,
+                                                         reverse=True))))
+    assert config_hash(reordered) == config_hash(config)
+    fewer = dataclasses.replace(config, sandbox=dataclasses.replace(
+        config.sandbox, allowed_imports=config.sandbox.allowed_imports - {"math"}))
+    assert config_hash(fewer) != config_hash(config)
+
+
+@pytest.mark.slow  # two Python subprocesses importing the package
+def test_config_hash_is_the_same_under_any_pythonhashseed():
+    script = ("from spade_jax.experiment import config_hash, load_experiment\n"
+              "c = load_experiment('tiny')\n"
+              "print(config_hash(c), str(c.sandbox.allowed_imports))\n")
+    outputs = []
+    for seed in ("1", "2"):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=300, cwd=REPO,
+                             env={**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"})
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs.append(run.stdout.split(" ", 1))
+    (hash_1, set_1), (hash_2, set_2) = outputs
+    assert set_1 != set_2  # the seeds do reorder the set, so the test can tell
+    assert hash_1 == hash_2 == config_hash(load_experiment("tiny"))

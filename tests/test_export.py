@@ -18,11 +18,10 @@ import torch
 from flax import nnx
 
 from spade_jax import export
-from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
+from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, named_arrays
 from spade_jax.models import ModelConfig, ModelOptions, Qwen3, load_hf
 from spade_jax.rl.optim import OptimizerConfig
 from spade_jax.rl.train_step import TrainConfig, init_train_state
-from spade_jax.spade.run import _saveable
 from spade_jax.tokenizers import train_sentencepiece
 
 
@@ -44,7 +43,7 @@ def _make_run(workdir, *, scan_layers: bool, step: int = 3):
     (workdir / "config.json").write_text(json.dumps({
         "tokenizer": {"path": ""}, "best_checkpoint_metric": "eval/mean/pass@1"}))
     with CheckpointManager(CheckpointConfig(workdir / "checkpoints", async_save=False)) as ckpt:
-        ckpt.save(step, _saveable(state), {"round": step - 1})
+        ckpt.save(step, named_arrays(state), {"round": step - 1})
     return nnx.merge(graphdef, state.params), tokenizer
 
 
@@ -115,16 +114,20 @@ def test_export_round_trip_transformers_load_hf_and_load_policy(tmp_path, monkey
 
 @pytest.mark.slow  # ~26 s loaded: initialises an optimizer state
 def test_checkpoint_keys_follow_the_train_state_leaves():
-    """param_keys names the same arrays spade.run._saveable stores (guards the format)."""
+    """param_keys names the same arrays the run stores (``checkpoint.named_arrays`` of its
+    TrainState; guards the format), and the names are the variables' tree paths."""
     config = ModelConfig.from_hf(tiny_hf.hf_config("moe").to_dict())
     model = Qwen3(config, ModelOptions(moe_impl="ragged"), rngs=nnx.Rngs(0))
     _, state = init_train_state(model, TrainConfig(), seed=0)
-    saved = _saveable(state)
+    saved = named_arrays(state)
     flat = dict(nnx.to_flat_state(state.params))
     keys = export.param_keys(config, model.options)
     assert keys.keys() == flat.keys()
     for path, key in keys.items():
+        assert key == "params/" + "/".join(map(str, path))
         assert np.array_equal(np.asarray(saved[key]), np.asarray(flat[path].get_value())), path
+    assert keys[("layers", 1, "attn", "q_dnh")] == "params/layers/1/attn/q_dnh"
+    assert {"step", "rng", "opt_state/1/0/mu/layers/1/attn/q_dnh"} <= saved.keys()
 
 
 @pytest.mark.slow  # JAX subprocess and a tiny run

@@ -3,8 +3,8 @@
 * no module imports a private name (``_x``) of another module, neither with
   ``from spade_jax.m import _x`` nor as ``m._x`` through an imported module;
 * the module import graph has no cycles (lazy imports inside functions included);
-* no module imports one of a higher layer (``LAYERS``, lowest first), except the edges in
-  ``KNOWN_UPWARD``, each with the issue that removes it.
+* no module imports one of a higher layer (``LAYERS``, lowest first), without exception;
+* no function in ``spade/`` or ``aot/`` is longer than ``MAX_FUNCTION_LINES``.
 """
 
 from __future__ import annotations
@@ -34,12 +34,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"", "train", "evaluate", "steer", "filter", "convert", "aot", "export", "run"}),
 )
 
-# The composition root still sits inside spade/ (issue 21 item 3: the run builder moves out
-# to the entry points' layer, and these go with it). Listed edges are allowed, not required.
-KNOWN_UPWARD = frozenset({
-    ("spade_jax.spade.run", "spade_jax.experiment"),
-    ("spade_jax.spade.run", "spade_jax.export"),  # write_model_spec, for the export CLI
-})
+# The packages held to short functions (issue 21), and how short.
+SHORT_FUNCTION_PACKAGES = ("spade", "aot")
+MAX_FUNCTION_LINES = 80
 
 
 def _module_name(path: Path) -> str:
@@ -150,7 +147,7 @@ def test_no_module_imports_a_higher_layer():
     upward = []
     for module, targets in _graph().items():
         for target in sorted(targets):
-            if _layer(target) > _layer(module) and (module, target) not in KNOWN_UPWARD:
+            if _layer(target) > _layer(module):
                 upward.append(f"{module} (layer {_layer(module)}) imports {target} "
                               f"(layer {_layer(target)})")
     assert not upward, "upward imports:\n" + "\n".join(upward)
@@ -176,3 +173,40 @@ def test_the_layer_check_finds_an_upward_import(monkeypatch):
     with pytest.raises(AssertionError, match="spade_jax.models.planted .layer 1. imports "
                                              "spade_jax.rl.train_step"):
         test_no_module_imports_a_higher_layer()
+
+
+def _long_functions(modules: dict[str, ast.Module], packages: tuple[str, ...],
+                    limit: int) -> list[str]:
+    """``module:line name (n lines)`` for every function or method (nested ones included)
+    of ``spade_jax.<package>`` longer than ``limit`` lines, from ``def`` to its last line."""
+    found = []
+    for module, tree in modules.items():
+        if module.split(".")[1:2] not in ([p] for p in packages):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{module}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_in_spade_or_aot_is_over_80_lines():
+    long = _long_functions(TREES, SHORT_FUNCTION_PACKAGES, MAX_FUNCTION_LINES)
+    assert not long, (f"functions over {MAX_FUNCTION_LINES} lines (split them into named "
+                      "helpers):\n" + "\n".join(long))
+
+
+def test_the_length_check_finds_a_long_function():
+    def function(name: str, lines: int, indent: str = "") -> str:  # ``def`` line included
+        return f"{indent}def {name}():\n" + "".join(f"{indent}    x{i} = {i}\n"
+                                                    for i in range(lines - 1))
+
+    limit = MAX_FUNCTION_LINES
+    planted = {"spade_jax.spade.planted": ast.parse(function("too_long", limit + 1)),
+               "spade_jax.aot.planted": ast.parse("class A:\n" + function("fits", limit, "    ")
+                                                  + function("method_too_long", limit + 1, "    ")),
+               "spade_jax.models.planted": ast.parse(function("elsewhere", limit + 1))}
+    assert _long_functions(planted, SHORT_FUNCTION_PACKAGES, limit) == [
+        f"spade_jax.spade.planted:1 too_long ({limit + 1} lines)",
+        f"spade_jax.aot.planted:{limit + 2} method_too_long ({limit + 1} lines)"]

@@ -267,7 +267,7 @@ def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
     experiment = load_experiment(config.experiment, list(config.overrides))
     devices = list(devices) if devices is not None else topology_devices(topology)
     mesh = sharding.make_mesh(experiment.mesh, devices)
-    rules = sharding.DEFAULT_RULES  # what spade.run trains with
+    rules = sharding.DEFAULT_RULES  # what the run builder (spade_jax/run.py) trains with
     spec = experiment.model
     arch = preset(spec.preset) if spec.preset else spec.architecture
     if arch is None:

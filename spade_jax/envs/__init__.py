@@ -37,8 +37,6 @@ from spade_jax.envs.results import REASON_CODES, ResetResult, SandboxError, Step
 from spade_jax.envs.validate import (
     ValidationConfig,
     ValidationReport,
-    ValidityTally,
-    summarize,
     validate_program,
     validate_programs,
 )
@@ -63,12 +61,10 @@ __all__ = [
     "StepResult",
     "ValidationConfig",
     "ValidationReport",
-    "ValidityTally",
     "arm_order",
     "detect_contract",
     "make_env",
     "render_contract",
-    "summarize",
     "validate_program",
     "validate_programs",
     *sorted(_LAZY),

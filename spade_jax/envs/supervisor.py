@@ -13,7 +13,6 @@ import collections
 import itertools
 import json
 import math
-import os
 import select
 import socket
 import time
@@ -317,14 +316,3 @@ def check_step(reply: dict | SandboxError, config: SandboxConfig) -> StepResult:
     if error is not None:
         return failed_step(error)
     return StepResult(observation, reward, terminated, truncated, bounded_info(info))
-
-
-def pid_alive(pid: int) -> bool:
-    """True if a host pid exists (used by tests and the isolation report)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -21,7 +21,6 @@ there), so "no_termination" does not apply; a step reward outside [-10, 10] anyw
 from __future__ import annotations
 
 import atexit
-import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -30,14 +29,14 @@ import random
 import string
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from spade_jax import seeding
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.envs.contract import AUTO_CONTRACT, REFERENCE_MAX_TURNS, resolve_contract
 from spade_jax.envs.pool import EnvHandle, EnvPool
-from spade_jax.envs.results import REASON_CODES, SandboxError
+from spade_jax.envs.results import SandboxError
 from spade_jax.envs.static_gate import check_source
 
 _SCRIPT = ("", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "yes", "no", "a", "b", "c")
@@ -118,27 +117,6 @@ class ValidationReport:
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "code": self.code}, indent=2)
-
-
-class ValidityTally:
-    """Counts reports by reason code, for a run's validity-rate-by-reason metrics."""
-
-    def __init__(self) -> None:
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def add(self, report: ValidationReport) -> None:
-        self.counts[report.code] += 1
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    @property
-    def validity_rate(self) -> float:
-        return self.counts["ok"] / self.total if self.total else 0.0
-
-    def rates(self) -> dict[str, float]:
-        return {code: n / self.total for code, n in sorted(self.counts.items())}
 
 
 class _Failed(Exception):
@@ -419,11 +397,3 @@ def _check_usage(handle: EnvHandle, config: ValidationConfig) -> None:
         raise _Failed(usage, "resources")
     if usage["cpu_s"] > config.max_cpu_s or usage["max_rss_kb"] > config.max_rss_mb * 1024:
         raise _Failed(SandboxError("resource_limit", f"{usage}"), "resources")
-
-
-def summarize(reports: Iterable[ValidationReport]) -> dict[str, int]:
-    """Reason code -> count over many reports (every code listed, zeros included)."""
-    counts = dict.fromkeys(REASON_CODES, 0)
-    for report in reports:
-        counts[report.code] += 1
-    return counts

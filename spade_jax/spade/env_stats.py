@@ -458,19 +458,3 @@ def _levels_result(
     levels = tuple(sorted(set(np.round(returns, config.decimals).tolist())))
     partial = sum(1 for v in levels if 0.0 < v < 1.0)
     return ProgramLevels(levels, float(len(levels)), float(partial), len(returns), opening, reason)
-
-
-def program_levels_metrics(results: Sequence[ProgramLevels]) -> dict[str, float]:
-    """Step metrics from the probes of the step's new programs: mean counts over the
-    programs the probe could play (NaN if none) and how many it could not."""
-    played = [r for r in results if not math.isnan(r.reward_levels)]
-    if not played:
-        levels = partial = math.nan
-    else:
-        levels = float(np.mean([r.reward_levels for r in played]))
-        partial = float(np.mean([r.strict_partial_levels for r in played]))
-    return {
-        "program_reward_levels_mean": levels,
-        "program_strict_partial_levels_mean": partial,
-        "program_probe_failures": float(len(results) - len(played)),
-    }

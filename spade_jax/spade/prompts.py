@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from spade_jax.envs.contract import (
@@ -190,21 +190,14 @@ def reference_designer_user_prompt(
         the program (`program_source`, `program` or `source`), `win_rate` (or
         `win_rate_no_hint`) and `regret`; each program cut to `max_program_chars`.
     """
-    if max_doc_chars < 1:
-        raise ValueError(f"max_doc_chars must be >= 1, got {max_doc_chars}")
-    if max_program_chars < 1:
-        raise ValueError(f"max_program_chars must be >= 1, got {max_program_chars}")
+    _check_limits(max_doc_chars, max_program_chars)
     resolved = _resolve_skill(skill)
     parts = [f"Design one new game that trains the skill '{resolved.name}': "
              f"{resolved.description}."]
-    if documents:
-        parts.append(
-            "Source material, drawn fresh for this request. Build the game around an idea, "
-            "quantity or procedure from it; do not copy it."
-        )
-        for index, document in enumerate(documents, start=1):
-            text = _truncate(_document_text(document, index).strip(), max_doc_chars)
-            parts.append(f"[Document {index}]\n{text}")
+    parts += _document_parts(
+        documents, max_doc_chars,
+        "Source material, drawn fresh for this request. Build the game around an idea, "
+        "quantity or procedure from it; do not copy it.")
     headings = (
         (good_examples, "Games that sat at the agent's frontier. Take ideas from them, but "
                         "make something different:"),
@@ -226,17 +219,28 @@ def reference_designer_user_prompt(
 
 
 def _scored_program(example: Any, index: int) -> tuple[str, float, float]:
+    return _program_scores(_picker(example, f"example {index}"))
+
+
+def _picker(example: Any, label: str) -> Callable[..., Any]:
+    """``pick(*keys)``: the value of the first of ``keys`` that ``example`` (a mapping, or a
+    record with ``to_json()``) has; errors name the example by ``label``."""
     if hasattr(example, "to_json"):
         example = example.to_json()
     if not isinstance(example, Mapping):
-        raise TypeError(f"example {index} must be a mapping, got {type(example).__name__}")
+        raise TypeError(f"{label} must be a mapping, got {type(example).__name__}")
 
     def pick(*keys: str) -> Any:
         for key in keys:
             if key in example:
                 return example[key]
-        raise ValueError(f"example {index} lacks {' / '.join(keys)}")
+        raise ValueError(f"{label} lacks {' / '.join(keys)}")
 
+    return pick
+
+
+def _program_scores(pick: Callable[..., Any]) -> tuple[str, float, float]:
+    """An example's program, win rate without a hint, and regret (long or short keys)."""
     program = str(pick("program_source", "program", "source")).rstrip("\n")
     return program, float(pick("win_rate_no_hint", "win_rate")), float(pick("regret"))
 
@@ -282,20 +286,13 @@ def designer_user_prompt(
       max_doc_chars: most characters kept from each document (>= 1).
       max_program_chars: most characters kept from each memory program (>= 1).
     """
-    if max_doc_chars < 1:
-        raise ValueError(f"max_doc_chars must be >= 1, got {max_doc_chars}")
-    if max_program_chars < 1:
-        raise ValueError(f"max_program_chars must be >= 1, got {max_program_chars}")
+    _check_limits(max_doc_chars, max_program_chars)
     resolved = _resolve_skill(skill)
     parts = [f"Design one new environment for the skill '{resolved.name}': {resolved.description}."]
-    if documents:
-        parts.append(
-            "Reference documents, sampled fresh for this request. Ground the environment in "
-            "a concept, quantity or procedure from them; do not copy them."
-        )
-        for index, document in enumerate(documents, start=1):
-            text = _truncate(_document_text(document, index).strip(), max_doc_chars)
-            parts.append(f"[Document {index}]\n{text}")
+    parts += _document_parts(
+        documents, max_doc_chars,
+        "Reference documents, sampled fresh for this request. Ground the environment in "
+        "a concept, quantity or procedure from them; do not copy them.")
     examples = [_memory_example(example, index) for index, example in enumerate(memory_examples)]
     for regime, heading in _REGIME_HEADINGS.items():
         chosen = [example for example in examples if example["regime"] == regime]
@@ -372,35 +369,39 @@ def _document_text(document: Any, index: int) -> str:
     return text
 
 
+def _check_limits(max_doc_chars: int, max_program_chars: int) -> None:
+    if max_doc_chars < 1:
+        raise ValueError(f"max_doc_chars must be >= 1, got {max_doc_chars}")
+    if max_program_chars < 1:
+        raise ValueError(f"max_program_chars must be >= 1, got {max_program_chars}")
+
+
+def _document_parts(documents: Sequence[Any], max_doc_chars: int, intro: str) -> list[str]:
+    """The documents section of a designer request: ``intro``, then each document cut to
+    ``max_doc_chars``; nothing without documents (the corpus-free style)."""
+    if not documents:
+        return []
+    return [intro] + [
+        f"[Document {index}]\n{_truncate(_document_text(d, index).strip(), max_doc_chars)}"
+        for index, d in enumerate(documents, start=1)]
+
+
 def _truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "\n[... truncated]"
 
 
 def _memory_example(example: Any, index: int) -> dict[str, Any]:
-    if hasattr(example, "to_json"):
-        example = example.to_json()
-    if not isinstance(example, Mapping):
-        raise TypeError(f"memory example {index} must be a dict, got {type(example).__name__}")
-
-    def pick(*keys: str) -> Any:
-        for key in keys:
-            if key in example:
-                return example[key]
-        raise ValueError(f"memory example {index} lacks {' / '.join(keys)}")
-
+    pick = _picker(example, f"memory example {index}")
     regime = str(pick("regime"))  # Regime is a StrEnum: str() gives its value
     if regime not in _REGIME_HEADINGS:
         raise ValueError(
             f"memory example {index} has regime {regime!r}; expected one of "
             f"{sorted(_REGIME_HEADINGS)}"
         )
-    return {
-        "program": str(pick("program_source", "program", "source")).rstrip("\n"),
-        "hint": str(pick("hint")),
-        "regime": regime,
-        "win_rate": float(pick("win_rate_no_hint", "win_rate")),
-        "regret": float(pick("regret")),
-    }
+    hint = str(pick("hint"))
+    program, win_rate, regret = _program_scores(pick)
+    return {"program": program, "hint": hint, "regime": regime, "win_rate": win_rate,
+            "regret": regret}
 
 
 # --------------------------------------------------------------------------- designer output

@@ -21,10 +21,8 @@ import dataclasses
 import pathlib
 
 from spade_jax.envs.contract import CONTRACTS, detect_contract
-from spade_jax.spade.skills import MAIN_SKILLS, Skill
 
 _SOURCE_DIR = pathlib.Path(__file__).with_name("seed_programs")
-_KNOWN_SKILLS = frozenset(skill.name for skill in MAIN_SKILLS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,14 +149,6 @@ def _load_seed_programs() -> tuple[SeedProgram, ...]:
 
 
 SEED_PROGRAMS: tuple[SeedProgram, ...] = _load_seed_programs()
-
-
-def seed_programs_for(skill: str | Skill) -> tuple[SeedProgram, ...]:
-    """The seed programs for one skill of `MAIN_SKILLS` (by name or `Skill`)."""
-    name = skill.name if isinstance(skill, Skill) else skill
-    if name not in _KNOWN_SKILLS:
-        raise ValueError(f"unknown skill {name!r}; seed programs exist for {sorted(_KNOWN_SKILLS)}")
-    return tuple(program for program in SEED_PROGRAMS if program.skill == name)
 
 
 def load_program_pool(

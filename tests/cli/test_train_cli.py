@@ -66,7 +66,8 @@ def test_main_command_runs_reports_and_resumes(tmp_path):
     assert rows[0]["hints_written"] > 0
     assert any(k.startswith("eval/") for k in rows[-1])
     # Router replay (issue 22, tiny runs with it): telemetry every step per role; the
-    # designer's routing crossed its one-step delay (and sits in step 0's checkpoint).
+    # designer's routing crossed its one-step delay (and sits in round 0's checkpoint, the
+    # step-1 one: a checkpoint is numbered by the rounds done).
     for row, roles in zip(rows, (("agent",), ("agent", "designer")), strict=True):
         for role in roles:
             for stat in ("flip_rate", "flip_rate_free", "tis_clip_replay", "tis_clip_free"):
@@ -76,7 +77,11 @@ def test_main_command_runs_reports_and_resumes(tmp_path):
     from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
 
     with CheckpointManager(CheckpointConfig(workdir / "checkpoints")) as manager:
-        pending = manager.restore(0).run_state["loop"]["pending"]
+        restored = manager.restore(1)
+    assert restored.run_state["round"] == 0
+    # The TrainState's arrays by name (issue 21), not by leaf position.
+    assert {"step", "rng", "params/embed_vd", "opt_state/1/0/mu/embed_vd"} <= restored.state.keys()
+    pending = restored.run_state["loop"]["pending"]
     routes = [s["routing"] for p in pending for s in p["samples"]]
     assert routes and all(r["dtype"] == "|u1" and isinstance(r["data"], str) for r in routes)
     report = (workdir / "report.md").read_text()

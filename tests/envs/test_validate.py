@@ -1,5 +1,5 @@
 """validate_program: the valid corpus passes; each kind of broken program fails with its
-reason code; the CLI prints the same report as JSON; a tally counts codes."""
+reason code; the CLI prints the same report as JSON."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from spade_jax.envs import (
     REASON_CODES,
     EnvPool,
     SandboxConfig,
-    ValidityTally,
-    summarize,
     validate_program,
 )
 
@@ -100,16 +98,11 @@ def test_hint_must_be_non_empty(pool):
     assert validate_program(source, hint=None, pool=pool).ok
 
 
-def test_tally_counts_reasons(pool):
+def test_reports_carry_a_stable_reason_code(pool):
     reports = [validate_program(BROKEN[c], pool=pool) for c in ("bad_type", "syntax_error")]
     reports.append(validate_program((VALID_DIR / "multi_turn_lock.py").read_text(), pool=pool))
-    tally = ValidityTally()
-    for report in reports:
-        tally.add(report)
-    assert tally.validity_rate == pytest.approx(1 / 3)
-    assert tally.counts == {"bad_type": 1, "syntax_error": 1, "ok": 1}
-    counts = summarize(reports)
-    assert counts["ok"] == 1 and counts["timeout"] == 0 and set(counts) == set(REASON_CODES)
+    assert [r.code for r in reports] == ["bad_type", "syntax_error", "ok"]
+    assert all(r.code in REASON_CODES for r in reports)
 
 
 def test_non_string_source_is_a_type_error():

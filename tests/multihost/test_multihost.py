@@ -233,7 +233,7 @@ def _tokenizer(host: int, out_dir: Path) -> dict[str, Any]:
 
     import spade_jax.tokenizers as tokenizers
     from spade_jax.experiment import TokenizerSpec
-    from spade_jax.spade.run import _seed_program_text, build_tokenizer
+    from spade_jax.run import _seed_program_text, build_tokenizer
 
     words = ("alpha beta gamma delta", "rouge vert bleu jaune")[host]
     corpus = out_dir / f"corpus{host}.txt"
@@ -272,8 +272,8 @@ def _pool_seeds() -> dict[str, Any]:
     """run.build_pool's pool, and the seeds it draws for resets that give none."""
     from spade_jax.envs import SandboxConfig
     from spade_jax.experiment import ExperimentConfig
+    from spade_jax.run import build_pool
     from spade_jax.spade import seed_programs
-    from spade_jax.spade.run import build_pool
 
     config = ExperimentConfig(name="t", seed=11, sandbox=SandboxConfig(allow_weak_isolation=True))
     with build_pool(config) as pool:
@@ -295,7 +295,7 @@ def _logging(out_dir: Path) -> dict[str, Any]:
     logs = out_dir / "logs"  # shared by both hosts, like a workdir on a shared disk
     logs.mkdir(exist_ok=True)
     _setup_logging(logs)
-    probe = logging.getLogger("spade_jax.spade.run")
+    probe = logging.getLogger("spade_jax.run")
     return {"info": probe.isEnabledFor(logging.INFO),
             "warning": probe.isEnabledFor(logging.WARNING)}
 

@@ -17,7 +17,7 @@ from spade_jax.models import ModelOptions, load_hf, preset
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.engine import Request, SlotEngine
 from spade_jax.rollout.sampler import sample
-from spade_jax.spade.run import decode_policy
+from spade_jax.run import decode_policy
 
 needs_8 = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")

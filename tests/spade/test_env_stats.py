@@ -23,7 +23,6 @@ from spade_jax.spade.env_stats import (
     is_physics_environment,
     physics_formula_reveal,
     probe_program_levels,
-    program_levels_metrics,
 )
 
 
@@ -353,18 +352,6 @@ def test_probe_seeds_from_the_probe_phase(monkeypatch):
     from spade_jax.seeding import Phase
 
     assert seen == [(11, 5, Phase.PROBE, 2)]
-
-
-def test_program_levels_metrics_average_the_playable_programs(pool):
-    config = ProbeConfig(episodes=8, max_turns=4)
-    results = [probe_program_levels(src, seed=0, step=1, index=i, pool=pool, config=config)
-               for i, src in enumerate([FOUR_LEVELS, CRASH_ON_RESET, FOUR_LEVELS])]
-    metrics = program_levels_metrics(results)
-    assert metrics == {"program_reward_levels_mean": 4.0,
-                       "program_strict_partial_levels_mean": 2.0,
-                       "program_probe_failures": 1.0}
-    empty = program_levels_metrics(results[1:2])
-    assert math.isnan(empty["program_reward_levels_mean"])
 
 
 # A recipe-format game: only the terminating reward counts (clipped), so the 0.3 paid on

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import re
@@ -31,13 +32,13 @@ from spade_jax.spade.prompts import (
     designer_user_prompt,
     format_designer_output,
     parse_designer_output,
+    reference_designer_user_prompt,
 )
 from spade_jax.spade.reward import designer_reward
 from spade_jax.spade.seed_programs import (
     SEED_PROGRAMS,
     SeedProgram,
     load_program_pool,
-    seed_programs_for,
 )
 from spade_jax.spade.skills import MAIN_SKILLS
 
@@ -62,18 +63,15 @@ def test_seed_program_passes_sandboxed_validation(name, pool):
 def test_seed_library_covers_every_main_skill():
     assert len(SEED_PROGRAMS) >= 12
     assert len(BY_NAME) == len(SEED_PROGRAMS), "seed program names must be unique"
+    assert {p.skill for p in SEED_PROGRAMS} == {skill.name for skill in MAIN_SKILLS}
     for skill in MAIN_SKILLS:
-        programs = seed_programs_for(skill)
-        assert len(programs) >= 2 and {p.skill for p in programs} == {skill.name}
-        assert seed_programs_for(skill.name) == programs
+        assert sum(p.skill == skill.name for p in SEED_PROGRAMS) >= 2, skill.name
     assert len({p.hint for p in SEED_PROGRAMS}) == len(SEED_PROGRAMS)
     for program in SEED_PROGRAMS:
         lines = program.source.strip().splitlines()
         assert 10 <= len(lines) <= 40, f"{program.name} has {len(lines)} lines"
         imports = set(re.findall(r"^(?:import|from) (\w+)", program.source, re.M))
         assert imports <= {"random", "re"}, f"{program.name} imports {imports}"
-    with pytest.raises(ValueError, match="unknown skill 'poetry'"):
-        seed_programs_for("poetry")
 
 
 def _load(source: str):
@@ -499,6 +497,43 @@ def test_designer_user_prompt_rejects_bad_input():
         )
     with pytest.raises(TypeError, match="document 1"):
         designer_user_prompt("math", [3], [], max_doc_chars=10)
+
+
+def test_designer_user_prompts_are_pinned_byte_for_byte():
+    """Both contracts' designer requests (documents cut, every example key spelling, each
+    regime, empty sections) hash to the texts they had before their shared helpers were
+    factored out; a change to a prompt's wording must update these on purpose."""
+    docs = ["alpha " * 50, "beta document"]
+    examples = [
+        {"program": "A = 1\n", "hint": "ha", "regime": "frontier", "win_rate": 0.25,
+         "regret": 0.5},
+        {"program_source": "B = 2 ```", "hint": "hb", "regime": "mastered",
+         "win_rate_no_hint": 1.0, "regret": -0.125},
+        {"source": "C = 3" * 30, "hint": "hc", "regime": "intractable", "win_rate": 0.0,
+         "regret": 0.0},
+    ]
+    texts = [
+        designer_user_prompt("science", docs, examples, max_doc_chars=40, max_program_chars=50),
+        designer_user_prompt("logic", [], [], max_doc_chars=1),
+        reference_designer_user_prompt("science", docs, examples[:2], examples[2:],
+                                       max_doc_chars=40, max_program_chars=50),
+        reference_designer_user_prompt("logic", [], max_doc_chars=1),
+    ]
+    assert [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts] == [
+        "ff4353524b86cd37", "22d1c9abf50065b0", "74d5cca9c1eef36a", "ce4e6377abcab48e"]
+    assert texts[2].count("[Document ") == 2 and "C = 3C = 3" in texts[2]
+
+
+def test_reference_designer_user_prompt_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_program_chars must be >= 1"):
+        reference_designer_user_prompt("math", [], max_doc_chars=5, max_program_chars=0)
+    with pytest.raises(ValueError, match="example 0 lacks regret"):
+        reference_designer_user_prompt("math", [], [{"program": "x", "win_rate": 0.5}],
+                                       max_doc_chars=5)
+    with pytest.raises(TypeError, match="example 0 must be a mapping, got int"):
+        reference_designer_user_prompt("math", [], [], [3], max_doc_chars=5)
+    with pytest.raises(TypeError, match="memory example 0 must be a mapping, got str"):
+        designer_user_prompt("math", [], ["x"], max_doc_chars=5)
 
 
 def test_hint_reaches_the_agent_only_in_the_hint_arm():

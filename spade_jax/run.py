@@ -1,8 +1,12 @@
-"""Builds every component of a run from an ExperimentConfig and drives the rounds.
+"""The run builder: builds every component of a run from an ExperimentConfig and drives
+the rounds.
 
-Kept apart from ``loop.py`` (the round logic) so that the loop can be tested with a
-scripted policy, and apart from ``train.py`` (flags) so a notebook can call
-``run_experiment(config, workdir)`` directly.
+It composes every layer (experiment configs, models, the trainer, the SPADE loop, the
+export spec), so it sits with the entry points, not in ``spade/``. Kept apart from
+``spade/loop.py`` (the round logic) so that the loop can be tested with a scripted policy,
+and apart from ``train.py`` (flags) so a notebook can call ``run_experiment(config,
+workdir)`` directly. Checkpoints hold the TrainState's arrays by name
+(``checkpoint.named_arrays``).
 """
 
 from __future__ import annotations
@@ -22,13 +26,20 @@ import numpy as np
 from flax import nnx
 
 from spade_jax import distributed, sharding, storage
-from spade_jax.checkpoint import CheckpointConfig, CheckpointManager, PreemptionGuard
+from spade_jax.checkpoint import (
+    CheckpointConfig,
+    CheckpointManager,
+    PreemptionGuard,
+    named_arrays,
+    state_from_named,
+)
 from spade_jax.envs import EnvPool
 from spade_jax.experiment import (
     ExperimentConfig,
     ModelSpec,
     TokenizerSpec,
     config_hash,
+    json_value,
     train_config_for_run,
 )
 from spade_jax.metrics import MetricsWriter, Progress
@@ -189,24 +200,6 @@ def build_corpus_sampler(config: ExperimentConfig, seed_offset: int = 0) -> Corp
 
 
 # ---- checkpoint helpers -----------------------------------------------------------------
-def _saveable(state: TrainState) -> dict[str, Any]:
-    """TrainState as a flat dict of arrays (typed PRNG keys as raw key data)."""
-    leaves = jax.tree.leaves(state)
-    return {f"{i:05d}": (jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
-            for i, x in enumerate(leaves)}
-
-
-def _restore_state(blob: dict[str, Any], like: TrainState) -> TrainState:
-    leaves, treedef = jax.tree.flatten(like)
-    out = []
-    for i, ref in enumerate(leaves):
-        value = blob[f"{i:05d}"]
-        if jnp.issubdtype(ref.dtype, jax.dtypes.prng_key):
-            value = jax.random.wrap_key_data(value)
-        out.append(value)
-    return jax.tree.unflatten(treedef, out)
-
-
 def _abstract(blob_like: dict[str, Any]) -> dict[str, Any]:
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=getattr(v, "sharding", None))
             for k, v in blob_like.items()}
@@ -297,7 +290,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     workdir = storage.absolute(workdir)
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
-            json.dumps(dataclasses.asdict(config), indent=2, default=str))
+            json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
     pool = build_pool(config)
     log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
     tokenizer = build_tokenizer(config.tokenizer, workdir)
@@ -351,9 +344,9 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
                          best_mode=config.best_checkpoint_mode),
         guard=PreemptionGuard.install(), config_hash=config_hash(config))
     start_round = 0
-    restored = ckpt.restore_latest(_abstract(_saveable(holder["state"])))
+    restored = ckpt.restore_latest(_abstract(named_arrays(holder["state"])))
     if restored is not None:
-        holder["state"] = _restore_state(restored.state, holder["state"])
+        holder["state"] = state_from_named(restored.state, holder["state"])
         loop.load_state_dict(restored.run_state["loop"])
         start_round = restored.run_state["round"] + 1
         log.info("resumed from round %d", restored.run_state["round"])
@@ -397,7 +390,7 @@ def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointMan
             # host, since whether to save (a collective) depends on it.
             score = distributed.agree_json(ckpt.score(metrics))
             if ckpt.should_save(round_index + 1) or last or ckpt.is_new_best(score):
-                ckpt.save(round_index + 1, _saveable(holder["state"]),
+                ckpt.save(round_index + 1, named_arrays(holder["state"]),
                           {"round": round_index, "loop": loop.state_dict()}, score=score)
             if ckpt.preempted:
                 log.warning("preempted: checkpoint saved after round %d, exiting", round_index)
