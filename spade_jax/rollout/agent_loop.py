@@ -405,6 +405,7 @@ class _Scheduler:
         self.cached: dict[int, int] = {}  # episode -> stream tokens in its slot's cache
         self.turn_seed: dict[int, int] = {}
         self.stepping: set[int] = set()  # episodes whose env step is out (on some host)
+        self.launched: dict[int, int] = {}  # episode -> tick its env step started
         self.futures: dict[int, concurrent.futures.Future] = {}  # this host's env steps
         self.chunk = config.sampler.chunk_steps or 32
         self.ticks = 0
@@ -417,7 +418,7 @@ class _Scheduler:
                 self.engine.decode(self.chunk)
                 for done in self.engine.finished():
                     self._end_turn(done)
-            self._take_env_results(block=not self.engine.generating)
+            self._take_env_results()
         self.engine.stats["ticks"] = self.ticks
 
     def _release(self, i: int) -> None:
@@ -476,18 +477,24 @@ class _Scheduler:
             self._end(i, "max_tokens", truncated=True)
             return
         self.stepping.add(i)
+        self.launched[i] = self.ticks
         self.futures.update(_run_envs(self.pool, _step, [(i, ep)], self.shard))
 
-    def _take_env_results(self, block: bool) -> None:
-        """Absorbs the env steps finished on any host (all-gathered), in episode order.
-        ``block`` (nothing is generating): wait for at least one of this host's steps."""
-        if block and self.futures:
-            concurrent.futures.wait(list(self.futures.values()),
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        finished = {i: f for i, f in self.futures.items() if f.done()}
-        for i in finished:
-            del self.futures[i]
-        outcomes = _outcomes(finished, self.shard)
+    def _take_env_results(self) -> None:
+        """Absorbs env steps on a schedule that depends on no timing, so the same episodes
+        form the same batches every run (with default numerics a row's log-probs depend on
+        who shares its batch): a step is due once a decode chunk has run since it started
+        (it was launched in an earlier tick); when nothing is generating and none is due,
+        the lowest-numbered step is, not whichever finishes first. This host waits for its
+        due steps, then the hosts exchange them (every host computes the same due set)."""
+        stepping = sorted(self.stepping)
+        due = [i for i in stepping if self.launched[i] < self.ticks]
+        if not due and not self.engine.generating:
+            due = stepping[:1]
+        if not due:
+            return
+        outcomes = _outcomes({i: self.futures.pop(i) for i in due if i in self.futures},
+                             self.shard)
         for i in sorted(outcomes):
             self.stepping.discard(i)
             _absorb_step(self.eps[i], outcomes[i], self.turns, self.config)

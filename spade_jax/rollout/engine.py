@@ -54,21 +54,21 @@ from spade_jax.models import KVCache
 from spade_jax.rollout import sampling
 from spade_jax.rollout.routing import routing_dtype
 from spade_jax.rollout.sampler import (
-    _CACHE_DTYPES,
-    _EOS,
-    _MAX_TOKENS,
-    _RUNNING,
-    _STOP_STRING,
+    CACHE_DTYPES,
     DONE_REASONS,
+    EOS,
+    MAX_TOKENS,
+    RUNNING,
+    STOP_STRING,
     SamplerConfig,
-    _batch_bucket,
-    _batch_shards,
-    _moe_stack,
-    _next_pow2,
-    _round_up,
-    _StopStrings,
-    _to_device,
-    _to_host,
+    StopStrings,
+    batch_bucket,
+    batch_shards,
+    moe_stack,
+    next_pow2,
+    round_up,
+    to_device,
+    to_host,
 )
 
 
@@ -166,14 +166,14 @@ def _record(state: SlotState, token_b, logprob_b, running_b) -> SlotState:
         logprobs_bn=state.logprobs_bn.at[rows_b, col_b].set(logprob_b, mode="drop"),
         num_generated_b=num_b,
         done_b=state.done_b | hit_stop_b | hit_limit_b,
-        reason_b=jnp.where(hit_stop_b, _EOS, jnp.where(hit_limit_b, _MAX_TOKENS, state.reason_b)),
+        reason_b=jnp.where(hit_stop_b, EOS, jnp.where(hit_limit_b, MAX_TOKENS, state.reason_b)),
         last_token_b=jnp.where(running_b, token_b, state.last_token_b),
     )
 
 
 def _routing(out, static: _Static):
     """The forward's selected experts over the recorded MoE layers, [B, T, L, X] compact."""
-    return _moe_stack(out.selected_experts, static.moe_layers).astype(static.routing_dtype)
+    return moe_stack(out.selected_experts, static.moe_layers).astype(static.routing_dtype)
 
 
 def _step(model, state: SlotState, scalars: _Scalars, static: _Static) -> SlotState:
@@ -233,7 +233,7 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, s
         cache=None, last_token_b=jnp.zeros((k,), jnp.int32),
         tokens_bn=jnp.zeros((k, n), jnp.int32), logprobs_bn=jnp.zeros((k, n), jnp.float32),
         num_generated_b=jnp.zeros((k,), jnp.int32), done_b=jnp.zeros((k,), bool),
-        reason_b=jnp.full((k,), _RUNNING, jnp.int32), limit_b=limit_k, seed_b=seed_k,
+        reason_b=jnp.full((k,), RUNNING, jnp.int32), limit_b=limit_k, seed_b=seed_k,
         stop_m=state.stop_m)
     token_k, logprob_k = _draw(logits_kv, seed_k, rows.num_generated_b, scalars, static)
     rows = _record(rows, token_k, logprob_k, jnp.ones((k,), bool))
@@ -263,7 +263,7 @@ def _cut(state: SlotState, cut_b) -> SlotState:
         cache=state.cache.replace(index=index_b, valid_bs=valid_bs),
         num_generated_b=jnp.where(cut, cut_b, state.num_generated_b),
         done_b=state.done_b | cut,
-        reason_b=jnp.where(cut, _STOP_STRING, state.reason_b))
+        reason_b=jnp.where(cut, STOP_STRING, state.reason_b))
 
 
 _PER_ROW = tuple(f.name for f in dataclasses.fields(SlotState) if f.name not in ("cache", "stop_m"))
@@ -297,7 +297,7 @@ class SlotEngine:
 
     Multi-host: every process builds the engine with the same arguments and makes the same
     ``admit`` / ``decode`` / ``finished`` calls with the same values (one global batch);
-    host reads of sharded state are all-gathered (:func:`sampler._to_host`).
+    host reads of sharded state are all-gathered (:func:`sampler.to_host`).
     """
 
     def __init__(self, model: nnx.Module, num_slots: int, config: SamplerConfig, *,
@@ -307,8 +307,8 @@ class SlotEngine:
         """stop_strings: end a request once its decoded text contains one (needs
         ``tokenizer``), checked by :meth:`finished`; shared by every request."""
         self.mesh, self.config = mesh, config
-        self.num_slots = _round_up(num_slots, _batch_shards(mesh))
-        self.stop_text = _StopStrings([list(stop_strings)] * self.num_slots, tokenizer)
+        self.num_slots = round_up(num_slots, batch_shards(mesh))
+        self.stop_text = StopStrings([list(stop_strings)] * self.num_slots, tokenizer)
         self.graphdef, self.params = nnx.split(model)
         cfg = model.config
         moe_layers = (tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
@@ -321,13 +321,13 @@ class SlotEngine:
             routing_dtype=routing_dtype(cfg.num_experts) if moe_layers else None)
         self.scalars = _Scalars(temperature=jnp.float32(config.temperature),
                                 top_p=jnp.float32(config.top_p))
-        self.new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
-        cache_dtype = (_CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
+        self.new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
+        cache_dtype = (CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
                        else model.options.compute_dtype)
         stop_m = np.full((max(1, len(stop_tokens)),), -1, np.int32)
         stop_m[:len(stop_tokens)] = list(stop_tokens)
         with self._mesh():
-            self.state = self._init_state(model, cache_dtype, _next_pow2(cache_len), stop_m)
+            self.state = self._init_state(model, cache_dtype, next_pow2(cache_len), stop_m)
         self.busy = np.zeros((self.num_slots,), bool)  # generating a request now
         # Host copies of the cache index: a slot's stream length when it is not generating
         # (its index after the prefill while it is), and the most it can reach.
@@ -356,7 +356,7 @@ class SlotEngine:
                 tokens_bn=jnp.zeros((b, n), jnp.int32),
                 logprobs_bn=jnp.zeros((b, n), jnp.float32),
                 num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.ones((b,), bool),
-                reason_b=jnp.full((b,), _MAX_TOKENS, jnp.int32),
+                reason_b=jnp.full((b,), MAX_TOKENS, jnp.int32),
                 limit_b=jnp.ones((b,), jnp.int32), seed_b=jnp.zeros((b,), jnp.int32),
                 stop_m=jnp.asarray(stop_m),
                 experts_bnlx=(jnp.zeros(experts_shape, static.routing_dtype)
@@ -372,7 +372,7 @@ class SlotEngine:
         """Grows every slot's cache (to a power of two) so ``length`` tokens fit."""
         if length > self.cache_len:
             with self._mesh():
-                self.state = _grow(self.state, max_len=_next_pow2(length))
+                self.state = _grow(self.state, max_len=next_pow2(length))
             self.stats["cache_len"] = self.cache_len
 
     def _check(self, requests: Sequence[Request]) -> None:
@@ -393,8 +393,8 @@ class SlotEngine:
         slots rounded up to a power of two (>= ``_MIN_WINDOW``). None: the whole state,
         used when the rows or the window would exceed half of it (the copies in and out
         would cost more than they save)."""
-        k = max(min(min_rows, self.num_slots), _batch_bucket(len(slots), _batch_shards(self.mesh)))
-        window = max(_MIN_WINDOW, _next_pow2(length))
+        k = max(min(min_rows, self.num_slots), batch_bucket(len(slots), batch_shards(self.mesh)))
+        window = max(_MIN_WINDOW, next_pow2(length))
         k = self.num_slots if 2 * k > self.num_slots else k
         window = self.cache_len if 2 * window > self.cache_len else window
         if k == self.num_slots and window == self.cache_len:
@@ -412,7 +412,7 @@ class SlotEngine:
                 self.state, extra = fn(self.state)
                 return extra
             self.stats["partial_calls"] += 1
-            rows_k = _to_device(rows, self.mesh)
+            rows_k = to_device(rows, self.mesh)
             part, extra = fn(_gather(self.state, rows_k, window=window))
             self.state = _scatter(self.state, rows_k, part)
         return extra
@@ -442,8 +442,8 @@ class SlotEngine:
               else {int(s): j for j, s in enumerate(rows)})  # slot -> row of the call
         pad = self.num_slots if rows is None else len(rows)  # a row index that is dropped
         # One bucket for both row counts (U <= K): fewer shapes to compile.
-        u = k = min(pad, _batch_bucket(len(requests), _batch_shards(self.mesh)))
-        t = max(self.config.prompt_bucket_min, _next_pow2(max(len(r.tokens) for r in home)))
+        u = k = min(pad, batch_bucket(len(requests), batch_shards(self.mesh)))
+        t = max(self.config.prompt_bucket_min, next_pow2(max(len(r.tokens) for r in home)))
         ids_ut = np.zeros((u, t), np.int32)
         for j, r in enumerate(home):
             ids_ut[j, :len(r.tokens)] = r.tokens
@@ -455,13 +455,13 @@ class SlotEngine:
         slots_k = np.array([at[r.slot] for r in requests] + [pad] * pad_k, np.int32)
         limit_k = np.array([r.limit for r in requests] + [1] * pad_k, np.int32)
         seed_k = np.array([r.seed for r in requests] + [0] * pad_k, np.int32)
-        args = [_to_device(a, self.mesh) for a in (home_u, fresh_u, ids_ut, len_u, src_k,
+        args = [to_device(a, self.mesh) for a in (home_u, fresh_u, ids_ut, len_u, src_k,
                                                    slots_k, limit_k, seed_k)]
         routing = self._run(lambda state: _admit(self.graphdef, self.params, state, *args,
                                                  self.scalars, static=self.static),
                             rows, window)
         if routing is not None:
-            routing = _to_host(routing)
+            routing = to_host(routing)
             for r, j in zip(requests, src, strict=True):
                 self.prefill_routing[r.slot] = routing[j, :len(r.tokens)]
         for r in requests:  # cache slots the request can fill: its stream, its draws but one
@@ -488,7 +488,7 @@ class SlotEngine:
         counts = self._run(lambda state: _decode(self.graphdef, self.params, state,
                                                  jnp.int32(max_steps), self.scalars,
                                                  static=self.static), rows, window)
-        steps, busy = (int(c) for c in _to_host(counts))
+        steps, busy = (int(c) for c in to_host(counts))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += steps
         self.stats["busy_slot_steps"] += busy
@@ -499,15 +499,15 @@ class SlotEngine:
         """Results of the requests that finished since the last call, in slot order; their
         slots keep their caches (for a continuation) and may be admitted again."""
         self._apply_stop_strings()
-        done_b = _to_host(self.state.done_b)
+        done_b = to_host(self.state.done_b)
         slots = np.flatnonzero(self.busy & done_b)
         if len(slots) == 0:
             return []
         fields = (self.state.tokens_bn, self.state.logprobs_bn, self.state.num_generated_b,
                   self.state.reason_b)
-        tokens, logprobs, num, reason = (_to_host(x)[slots] for x in fields)
+        tokens, logprobs, num, reason = (to_host(x)[slots] for x in fields)
         experts = (None if self.state.experts_bnlx is None  # only the finished rows move
-                   else _to_host(self.state.experts_bnlx[jnp.asarray(slots)]))
+                   else to_host(self.state.experts_bnlx[jnp.asarray(slots)]))
         self.busy[slots] = False
         self.length[slots] += num - 1  # fed: every token drawn but the last
         out = []
@@ -527,7 +527,7 @@ class SlotEngine:
         token or budget), then settled."""
         if not any(self.stop_text.per_row):
             return
-        done_b, num_b, tokens_bn = (_to_host(x) for x in (
+        done_b, num_b, tokens_bn = (to_host(x) for x in (
             self.state.done_b, self.state.num_generated_b, self.state.tokens_bn))
         cut_b = np.full((self.num_slots,), -1, np.int32)
         for s in np.flatnonzero(self.busy):
@@ -540,4 +540,4 @@ class SlotEngine:
                 self.stop_text.settled.add(int(s))
         if (cut_b >= 0).any():
             with self._mesh():
-                self.state = _cut(self.state, _to_device(cut_b, like=self.state.done_b))
+                self.state = _cut(self.state, to_device(cut_b, like=self.state.done_b))

@@ -39,8 +39,8 @@ from spade_jax.rollout import sampling
 from spade_jax.rollout.routing import routing_dtype
 
 DONE_REASONS = ("running", "eos", "stop_string", "max_tokens")
-_RUNNING, _EOS, _STOP_STRING, _MAX_TOKENS = range(4)
-_CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+RUNNING, EOS, STOP_STRING, MAX_TOKENS = range(4)
+CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ROUTER_MODES = (False, True, "experts")
 
 
@@ -97,8 +97,8 @@ class SamplerConfig:
         if self.return_router not in _ROUTER_MODES:
             raise ValueError(f"return_router must be True, False or \"experts\", "
                              f"got {self.return_router!r}")
-        if self.cache_dtype is not None and self.cache_dtype not in _CACHE_DTYPES:
-            raise ValueError(f"cache_dtype must be one of {sorted(_CACHE_DTYPES)} or None, "
+        if self.cache_dtype is not None and self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {sorted(CACHE_DTYPES)} or None, "
                              f"got {self.cache_dtype!r}")
         for name in ("prompt_bucket_min", "new_tokens_bucket"):
             if getattr(self, name) < 1:
@@ -165,7 +165,7 @@ def _static_for(config: SamplerConfig, model_options, cache_len: int, *,
                 router_hook: Callable | None = None, answer_detector: Any = None,
                 mesh: jax.sharding.Mesh | None = None) -> _Static:
     """The compiled shape's static settings for ``config`` and the model's options."""
-    cache_dtype = (_CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
+    cache_dtype = (CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
                    else model_options.compute_dtype)
     return _Static(
         greedy=config.greedy, top_k=config.top_k,
@@ -227,7 +227,7 @@ def _experts_dtype(static: _Static, cfg) -> Any:
     return jnp.dtype(routing_dtype(cfg.num_experts))
 
 
-def _moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None:
+def moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None:
     if not moe_layers:
         return None
     return jnp.stack([per_layer[i] for i in moe_layers], axis=2)  # [B, T, L, ...]
@@ -254,7 +254,7 @@ def _record(state: DecodeState, token_b, logprob_b) -> DecodeState:
     num_b = state.num_generated_b + running_b.astype(jnp.int32)
     hit_stop_b = running_b & jnp.any(token_b[:, None] == state.stop_bm, axis=-1)
     hit_limit_b = running_b & ~hit_stop_b & (num_b >= state.limit_b)
-    reason_b = jnp.where(hit_stop_b, _EOS, jnp.where(hit_limit_b, _MAX_TOKENS, state.reason_b))
+    reason_b = jnp.where(hit_stop_b, EOS, jnp.where(hit_limit_b, MAX_TOKENS, state.reason_b))
     return state.replace(
         tokens_bn=tokens_bn, logprobs_bn=logprobs_bn, num_generated_b=num_b,
         done_b=state.done_b | hit_stop_b | hit_limit_b, reason_b=reason_b,
@@ -285,8 +285,8 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
     experts_dtype = _experts_dtype(static, cfg) if router else None
     prompt_router = None
     if router:
-        prompt_router = (_moe_stack(out.router_logits, moe_layers) if logits else None,
-                         _moe_stack(out.selected_experts, moe_layers).astype(experts_dtype))
+        prompt_router = (moe_stack(out.router_logits, moe_layers) if logits else None,
+                         moe_stack(out.selected_experts, moe_layers).astype(experts_dtype))
     is_pad_row_b = row_id_b < 0
     state = DecodeState(
         cache=out.cache,
@@ -296,7 +296,7 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
         logprobs_bn=jnp.zeros((b, new_buffer), jnp.float32),
         num_generated_b=jnp.zeros((b,), jnp.int32),
         done_b=is_pad_row_b,
-        reason_b=jnp.where(is_pad_row_b, _MAX_TOKENS, _RUNNING).astype(jnp.int32),
+        reason_b=jnp.where(is_pad_row_b, MAX_TOKENS, RUNNING).astype(jnp.int32),
         limit_b=limit_b, row_id_b=row_id_b, stop_bm=stop_bm,
         step=jnp.zeros((), jnp.int32),
         router_bnle=jnp.zeros((b, new_buffer, n_moe, e), jnp.float32) if logits else None,
@@ -314,12 +314,12 @@ def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) 
     if state.experts_bnlx is not None:  # routing of the token just fed, column step - 1
         moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
         col = state.step - 1
-        experts_blx = _moe_stack(out.selected_experts, moe_layers)[:, 0]
+        experts_blx = moe_stack(out.selected_experts, moe_layers)[:, 0]
         state = state.replace(experts_bnlx=state.experts_bnlx.at[:, col].set(
             experts_blx.astype(state.experts_bnlx.dtype)))
         if state.router_bnle is not None:
             state = state.replace(router_bnle=state.router_bnle.at[:, col].set(
-                _moe_stack(out.router_logits, moe_layers)[:, 0]))
+                moe_stack(out.router_logits, moe_layers)[:, 0]))
     state = state.replace(cache=out.cache, position_b=state.position_b + 1)
     token_b, logprob_b = _draw(out.logits[:, -1], state.row_id_b, state.step, scalars, static)
     return _detect(_record(state, token_b, logprob_b), token_b, static)
@@ -356,7 +356,7 @@ def lower_prefill(
     carrying their shardings); the prompt arrays are abstract, rows split over ``mesh``'s
     batch axes. ``lowered.out_info[0]`` is the :class:`DecodeState` that
     :func:`lower_decode_step` takes. Nothing is allocated."""
-    new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
+    new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
     static = _static_for(config, model_options, prompt_len + new_buffer, mesh=mesh)
 
     def rows_of(*shape: int) -> jax.ShapeDtypeStruct:
@@ -403,7 +403,7 @@ def _take_rows(state: DecodeState, rows_b: jax.Array) -> DecodeState:
     return state.replace(cache=cache, **jax.tree.map(take, rest))
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
+def to_host(x: jax.Array) -> np.ndarray:
     """``x`` as a NumPy array on this host. A row-sharded array on a mesh spanning several
     processes holds other hosts' rows, which ``np.asarray`` cannot read: it is all-gathered
     instead (a collective; every process reaches the same reads, as all run the same
@@ -415,7 +415,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _to_device(x: np.ndarray, mesh: jax.sharding.Mesh | None = None, *,
+def to_device(x: np.ndarray, mesh: jax.sharding.Mesh | None = None, *,
                like: jax.Array | None = None) -> jax.Array:
     """A host array back on the devices: with ``like``'s sharding, else replicated over
     ``mesh``. On a mesh spanning several processes every process passes the same values
@@ -428,20 +428,20 @@ def _to_device(x: np.ndarray, mesh: jax.sharding.Mesh | None = None, *,
     return jax.device_put(x, target)
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _batch_shards(mesh) -> int:
+def batch_shards(mesh) -> int:
     return 1 if mesh is None else sharding.data_ways(mesh)
 
 
-def _batch_bucket(n: int, shards: int) -> int:
-    return _round_up(_next_pow2(n), shards)
+def batch_bucket(n: int, shards: int) -> int:
+    return round_up(next_pow2(n), shards)
 
 
 def _per_sequence(value, n: int, name: str) -> list:
@@ -475,7 +475,7 @@ def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return out
 
 
-class _StopStrings:
+class StopStrings:
     """Host-side stop-string check on decoded text (strings span token boundaries)."""
 
     def __init__(self, per_row: list[list[str]], tokenizer):
@@ -535,12 +535,12 @@ def sample(
         _default_stop_tokens(mcfg) if stop_tokens is None else stop_tokens, n, "stop_tokens")
     if any(not 0 <= t < mcfg.vocab_size for row in stop_ids for t in row):
         raise ValueError(f"stop_tokens must be ids in [0, {mcfg.vocab_size})")
-    stop_text = _StopStrings(_per_sequence(stop_strings, n, "stop_strings"), tokenizer)
+    stop_text = StopStrings(_per_sequence(stop_strings, n, "stop_strings"), tokenizer)
 
-    shards = _batch_shards(mesh)
-    batch = _batch_bucket(n, shards)
-    prompt_len = max(config.prompt_bucket_min, _next_pow2(max(len(x) for x in prompts)))
-    new_buffer = _round_up(config.max_new_tokens, config.new_tokens_bucket)
+    shards = batch_shards(mesh)
+    batch = batch_bucket(n, shards)
+    prompt_len = max(config.prompt_bucket_min, next_pow2(max(len(x) for x in prompts)))
+    new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
     static = _static_for(config, model.options, prompt_len + new_buffer,
                          router_hook=router_hook, answer_detector=answer_detector, mesh=mesh)
     cache_dtype = static.cache_dtype
@@ -587,18 +587,18 @@ def sample(
             step = new_step
             if any(stop_text.per_row):
                 state = _apply_stop_strings(state, stop_text)
-            done_b = _to_host(state.done_b)
+            done_b = to_host(state.done_b)
             if done_b.all() or step >= config.max_new_tokens:
                 break
             live = int((~done_b).sum())
-            smaller = _batch_bucket(live, shards)
+            smaller = batch_bucket(live, shards)
             if config.compact_batch and smaller <= done_b.shape[0] // 2:
-                _harvest(state, np.flatnonzero(done_b & (_to_host(state.row_id_b) >= 0)), finished)
+                _harvest(state, np.flatnonzero(done_b & (to_host(state.row_id_b) >= 0)), finished)
                 keep = np.concatenate([np.flatnonzero(~done_b),
                                        np.flatnonzero(done_b)[: smaller - live]])
-                state = _take_rows(state, _to_device(keep.astype(np.int32), mesh))
+                state = _take_rows(state, to_device(keep.astype(np.int32), mesh))
                 stats["compactions"] += 1
-        _harvest(state, np.flatnonzero(_to_host(state.row_id_b) >= 0), finished)
+        _harvest(state, np.flatnonzero(to_host(state.row_id_b) >= 0), finished)
     return _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats)
 
 
@@ -636,12 +636,12 @@ def _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokeni
         moe_layers=parts[0].moe_layers, stats=stats)
 
 
-def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeState:
+def _apply_stop_strings(state: DecodeState, stop_text: StopStrings) -> DecodeState:
     """Ends rows whose decoded text now contains a stop string (cutting their tokens)."""
-    done_b = _to_host(state.done_b).copy()
-    reason_b = _to_host(state.reason_b).copy()
-    num_b = _to_host(state.num_generated_b).copy()
-    row_id_b = _to_host(state.row_id_b)
+    done_b = to_host(state.done_b).copy()
+    reason_b = to_host(state.reason_b).copy()
+    num_b = to_host(state.num_generated_b).copy()
+    row_id_b = to_host(state.row_id_b)
     tokens_bn = None
     changed = False
     for b in range(done_b.shape[0]):
@@ -649,17 +649,17 @@ def _apply_stop_strings(state: DecodeState, stop_text: _StopStrings) -> DecodeSt
         if row < 0 or not stop_text.per_row[row] or row in stop_text.settled:
             continue
         # Read lazily: every host reaches this read at the same row (equal gathered state).
-        tokens_bn = _to_host(state.tokens_bn) if tokens_bn is None else tokens_bn
+        tokens_bn = to_host(state.tokens_bn) if tokens_bn is None else tokens_bn
         cut = stop_text.first_stop(row, tokens_bn[b, : num_b[b]].tolist())
         if cut is not None:
-            done_b[b], reason_b[b], num_b[b], changed = True, _STOP_STRING, cut, True
+            done_b[b], reason_b[b], num_b[b], changed = True, STOP_STRING, cut, True
         if done_b[b]:  # its tokens will not change any more
             stop_text.settled.add(row)
     if not changed:
         return state
-    return state.replace(done_b=_to_device(done_b, like=state.done_b),
-                         reason_b=_to_device(reason_b, like=state.reason_b),
-                         num_generated_b=_to_device(num_b, like=state.num_generated_b))
+    return state.replace(done_b=to_device(done_b, like=state.done_b),
+                         reason_b=to_device(reason_b, like=state.reason_b),
+                         num_generated_b=to_device(num_b, like=state.num_generated_b))
 
 
 def _harvest(state: DecodeState, batch_rows: np.ndarray, finished: dict) -> None:
@@ -668,14 +668,14 @@ def _harvest(state: DecodeState, batch_rows: np.ndarray, finished: dict) -> None
         return
     fields = [state.row_id_b, state.tokens_bn, state.logprobs_bn, state.num_generated_b,
               state.reason_b, state.router_bnle, state.experts_bnlx]
-    host = [None if x is None else _to_host(x)[batch_rows] for x in fields]
+    host = [None if x is None else to_host(x)[batch_rows] for x in fields]
     for j in range(len(batch_rows)):
         row_id, tokens, logprobs, num, reason, router, experts = (
             None if h is None else h[j] for h in host)
         n = int(num)
         finished[int(row_id)] = (
             tokens[:n].tolist(), logprobs[:n].tolist(),
-            DONE_REASONS[int(reason)] if int(reason) != _RUNNING else "max_tokens",
+            DONE_REASONS[int(reason)] if int(reason) != RUNNING else "max_tokens",
             None if router is None else router[: max(n - 1, 0)],
             None if experts is None else experts[: max(n - 1, 0)],
         )
@@ -686,7 +686,7 @@ def _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats) -> Gene
     rows = [finished[i] for i in range(len(prompts))]
     router_logits = selected = None
     if prompt_router is not None and moe_layers:
-        prompt_logits, prompt_experts = (None if x is None else _to_host(x) for x in prompt_router)
+        prompt_logits, prompt_experts = (None if x is None else to_host(x) for x in prompt_router)
         router_logits = None if prompt_logits is None else []
         selected = []
         for i, (p, row) in enumerate(zip(prompts, rows, strict=True)):
