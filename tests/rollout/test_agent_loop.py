@@ -185,6 +185,52 @@ def test_env_steps_overlap_decoding_of_other_episodes(model, tokenizer, monkeypa
     assert len(overlapped) == 3 and max(overlapped) > 0, overlapped
 
 
+def test_env_timing_does_not_change_the_schedule(model, tokenizer, monkeypatch):
+    """The same episodes form the same engine batches whichever env answers first: with
+    default numerics a row's log-probs depend on who shares its batch, so a schedule that
+    followed env timing made two runs of one command differ (the kill-9 resume test saw
+    it). Two runs whose slow env is a different episode admit the same slots in the same
+    calls and give bit-identical records."""
+    import time
+
+    from spade_jax.rollout import agent_loop
+
+    admitted: list[list[tuple[int, bool]]] = []
+    real_admit = agent_loop.SlotEngine.admit
+
+    def logged(self, requests):
+        if requests:
+            admitted.append([(r.slot, r.fresh) for r in requests])
+        return real_admit(self, requests)
+
+    monkeypatch.setattr(agent_loop.SlotEngine, "admit", logged)
+
+    class Delayed(ScriptedEnv):
+        def __init__(self, name, delay):
+            super().__init__(name, [0.0] * 3, None)
+            self.delay = delay
+
+        def step(self, action):
+            time.sleep(self.delay)
+            return super().step(action)
+
+    config = AgentLoopConfig(max_turns=3, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE,
+                                                   chunk_steps=2))
+
+    def run(slow: int):
+        admitted.clear()
+        specs = [EpisodeSpec(Delayed(name, 0.4 if i == slow else 0.0), name, i)
+                 for i, name in enumerate(["alpha", "beta", "gamma"])]
+        records = run_episodes(model, tokenizer, specs, config, seed=11)
+        return list(admitted), [(r.token_ids, r.logprobs, r.turn_spans) for r in records]
+
+    schedule_a, records_a = run(slow=0)
+    schedule_b, records_b = run(slow=2)
+    assert schedule_a == schedule_b
+    assert records_a == records_b
+
+
 def test_sampling_noise_is_keyed_by_the_batch_seed_episode_and_turn(model, tokenizer):
     """Issue 16.3 / 18.3: turn t of episode i draws with derive_seed(seed, i, t). The loop
     passes one seed per (step, phase, batch), so two steps' batches of the same episodes
