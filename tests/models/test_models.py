@@ -217,6 +217,7 @@ def test_router_hook_and_replay(checkpoints):
                            np.asarray(base.logits))
 
 
+@pytest.mark.slow  # > 5 s quiet (fast-tier budget)
 def test_bf16_mode_runs_close_to_fp32(checkpoints):
     _, path = checkpoints["moe_norm_topk"]
     fp32, _ = load_hf(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from spade_jax.models import ModelConfig, ModelOptions, Qwen3
@@ -12,6 +13,7 @@ from spade_jax.rl.batch import TrainSequence, pack_sequences
 from spade_jax.rl.train_step import policy_logprobs
 
 
+@pytest.mark.slow  # > 5 s quiet (fast-tier budget)
 def test_per_row_temperature_matches_reference():
     cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                       head_dim=8, intermediate_size=24)
@@ -29,6 +31,7 @@ def test_per_row_temperature_matches_reference():
         np.testing.assert_allclose(np.asarray(logp)[row, 1:6], want[:5], atol=1e-5)
 
 
+@pytest.mark.slow  # > 5 s quiet (fast-tier budget)
 def test_step_uses_the_roles_temperature_when_both_roles_agree():
     """Both roles sampled at 0.5 (TrainConfig.temperature left at 1): the step's log-probs
     are of softmax(logits / 0.5), so the logged gap to the sampler's is ~0. (Regression:

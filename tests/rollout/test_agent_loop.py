@@ -71,6 +71,7 @@ def test_action_parser():
     assert tagged("no tag here") == ("no tag here", False)
 
 
+@pytest.mark.slow  # > 5 s quiet (fast-tier budget)
 def test_multi_turn_episodes_record_streams_masks_and_returns(model, tokenizer):
     envs = {
         "alpha": ScriptedEnv("alpha", [0.25, 0.5], "terminated"),
@@ -147,6 +148,7 @@ def test_env_errors_end_the_episode(model, tokenizer):
         AgentLoopConfig(max_turns=0)
 
 
+@pytest.mark.slow  # > 5 s quiet (fast-tier budget)
 def test_env_steps_overlap_decoding_of_other_episodes(model, tokenizer, monkeypatch):
     """No per-turn barrier: while episode 1's slow env steps (0.3 s each), episode 0 (whose
     env answers at once) keeps taking turns, so decode calls run during episode 1's steps."""

@@ -154,6 +154,7 @@ def _records(num_tokens, num_layers=3, num_experts=8, k=2, seed=0):
     )
 
 
+@pytest.mark.slow  # > 5 s quiet (fast-tier budget)
 def test_telemetry_round_trip_in_bounded_chunks(tmp_path):
     records = _records(1037)
     writer = TelemetryWriter(tmp_path / "tel", chunk_tokens=100, logits_dtype="float32")
