@@ -135,10 +135,12 @@ def _worker(checkpoint: Path, out_dir: Path) -> None:
     out["episodes"] = [_record_json(r) for r in records]
     out["env_calls"] = log
 
-    # 3. the train step on those episodes (advantages: centred returns).
-    returns = np.array([r.return_ for r in records])
+    # 3. the train step on those episodes. Fixed, nonzero advantages: centred returns are all
+    # zero whenever the sampled actions happen to score alike, and what is checked here is
+    # the step across processes, not the returns.
+    advantages = np.linspace(-1.0, 1.0, len(records))
     seqs = [TrainSequence(r.token_ids, r.loss_mask, r.logprobs, float(a), "agent")
-            for r, a in zip(records, returns - returns.mean(), strict=True)]
+            for r, a in zip(records, advantages, strict=True)]
     # Adam's eps well above rounding-level gradients: its first step is lr * g / (|g| + eps),
     # which with eps=1e-8 turns a gradient entry at the rounding level into a step of up to
     # lr whose size depends on that rounding (the reference reduces in another order).
