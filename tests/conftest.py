@@ -15,6 +15,22 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops JAX's compiled programs after each test file. Every XLA:CPU executable maps
+    about ten memory regions; the whole suite in one process compiles enough of them to
+    pass the kernel's 65530-map limit (vm.max_map_count), and LLVM then aborts the process
+    mid-compile (seen in CI at ~88% of the suite). Files that share a session fixture
+    recompile what they call; that costs seconds."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def chat_tokenizer(tmp_path_factory):
     """A 300-piece sentencepiece tokenizer with the chat-template tokens (agent-loop tests)."""
