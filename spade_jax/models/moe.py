@@ -8,8 +8,8 @@ The dispatch implementations compute the same thing:
               ``jax.lax.ragged_dot``, unsort. FLOPs scale with k, not E. The default.
   ``dense``   every expert on every token, combined with a [T, E] weight matrix that is
               zero off the selected experts. FLOPs scale with E; the reference for tests.
-  ``blocked`` dropless block-sorted dispatch with a lax.map over expert blocks; FLOPs
-              scale with k; the fast path on CPU (NB blocks of BS rows in its legend).
+  ``blocked`` dropless: sort by expert, a loop over experts runs each group in blocks
+              of a few rows; FLOPs scale with k; the fast path on CPU.
   ``expert_parallel``  tokens routed to the devices that hold their experts with
               all_to_all over the "expert" mesh axis (shard_map), local experts run as in
               ``ragged``; dropless by default. Without a mesh it is ``ragged``.
@@ -125,15 +125,65 @@ def _unsort_and_combine(y_sorted_MD: jax.Array, order_M: jax.Array,
 
 
 # ---- blocked: dropless and fast where ragged_dot is not (XLA:CPU lowers ragged_dot to a
-# loop over groups that costs about E full matmuls). Assignments are sorted by expert and
-# cut into blocks of ``bs`` rows that each belong to one expert (groups padded to a
-# multiple of bs); a lax.map over blocks runs one small SwiGLU per block.
-_MAX_BLOCK_ROWS = 16
+# loop over groups that costs about E full matmuls). Two layouts, picked by shape:
+#
+#   capacity  (small groups: decode) each expert's first C sorted rows go into an [E, C, D]
+#             buffer and run as three batched matmuls against the whole [E, D, F] weights;
+#             a group larger than C sends its extra rows through the block loop below, so
+#             nothing is dropped. C ~ 1.25 x the mean group: with a balanced router almost
+#             never exceeded.
+#   blocks    (large groups: prefill, training) a loop over the experts runs each group as
+#             blocks of ``bs`` consecutive sorted rows, one small SwiGLU per block, written
+#             back in place.
+#
+# Why: XLA:CPU copies a sliced weight (dynamic or static slice) before a matmul. The first
+# version (a lax.map over blocks, each slicing its expert's three matrices) copied 3 x 256
+# KiB per block: profiled in the decode loop of ``bench_moe_17m`` at B = 64, those copies
+# took 12.7 of 42 ms per step (about 4 GB/s), more than the matmuls. The capacity layout
+# slices no weights; the block loop slices each used expert's once.
+_MAX_BLOCK_ROWS = 8  # XLA:CPU, bench_moe_17m: 8 rows beat 16..256 (fewer padded rows)
+_CAPACITY_FACTOR = 1.25
+_CAPACITY_MAX_MEAN_GROUP = 64  # larger groups (prefill) ran faster as blocks
 
 
 def _block_rows(num_assignments: int, num_experts: int) -> int:
-    """Rows per block: about the mean group size, so padding stays below half the work."""
+    """Rows per block: the mean group size at most, so padding stays below half the work."""
     return max(1, min(_MAX_BLOCK_ROWS, num_assignments // num_experts))
+
+
+def _capacity_rows(num_tokens: int, num_assignments: int, num_experts: int) -> int:
+    """C: 1.25 x the mean group, a multiple of 8, at most the largest possible group (T)."""
+    mean = num_assignments / num_experts
+    return min(num_tokens, -(-math.ceil(_CAPACITY_FACTOR * mean) // 8) * 8)
+
+
+def _expert_blocks(x_rows_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E, count_E, bs):
+    """SwiGLU of rows ``start_E[e] .. start_E[e] + count_E[e] - 1`` with expert e, for every
+    e, in blocks of ``bs`` rows; other rows of the result are unspecified.
+
+    A group's last block may run past it, into rows of later experts (recomputed when their
+    turn comes: experts run in increasing order) or into ``bs`` zero rows appended at the
+    end; an expert with no rows is skipped, its weights never sliced."""
+    m, num_experts = x_rows_MD.shape[0], w_gate_EDF.shape[0]
+    x_rows = jnp.concatenate([x_rows_MD, jnp.zeros((bs, x_rows_MD.shape[1]), x_rows_MD.dtype)])
+
+    def run_expert(e, y_rows):
+        w_gate_DF, w_up_DF, w_down_FD = w_gate_EDF[e], w_up_EDF[e], w_down_EFD[e]
+
+        def block(j, y_rows):
+            row = start_E[e] + j * bs
+            x_bsD = jax.lax.dynamic_slice_in_dim(x_rows, row, bs)
+            h_bsF = jax.nn.silu(x_bsD @ w_gate_DF) * (x_bsD @ w_up_DF)
+            return jax.lax.dynamic_update_slice_in_dim(
+                y_rows, (h_bsF @ w_down_FD).astype(y_rows.dtype), row, 0)
+
+        return jax.lax.fori_loop(0, (count_E[e] + bs - 1) // bs, block, y_rows)
+
+    def maybe_run(e, y_rows):
+        return jax.lax.cond(count_E[e] > 0, functools.partial(run_expert, e), lambda y: y,
+                            y_rows)
+
+    return jax.lax.fori_loop(0, num_experts, maybe_run, jnp.zeros_like(x_rows))[:m]
 
 
 def dispatch_blocked(
@@ -144,29 +194,35 @@ def dispatch_blocked(
     weights_tX: jax.Array,
     experts_tX: jax.Array,
 ) -> jax.Array:
+    """Dropless sorted dispatch, capacity layout for small groups, blocks for large ones
+    (see above); equal to the other dispatches up to float rounding."""
     num_tokens, k = experts_tX.shape
     num_experts, m = w_gate_EDF.shape[0], num_tokens * k
-    bs = _block_rows(m, num_experts)
-    # Each non-empty group wastes < bs padded rows: a static bound on the block count.
-    nb = -(-(m + min(num_experts, m) * (bs - 1)) // bs)
     order_M, group_E = _sort_by_expert(experts_tX, num_experts)
-    sorted_experts_M = experts_tX.reshape(-1)[order_M]
-    padded_E = -(-group_E // bs) * bs
-    group_start_E = jnp.cumsum(group_E) - group_E
-    padded_start_E = jnp.cumsum(padded_E) - padded_E
-    # Row of sorted assignment j in the padded layout.
-    row_M = padded_start_E[sorted_experts_M] + jnp.arange(m) - group_start_E[sorted_experts_M]
-    block_expert_NB = jnp.searchsorted(jnp.cumsum(padded_E) // bs, jnp.arange(nb), side="right")
-    block_expert_NB = jnp.minimum(block_expert_NB, num_experts - 1)  # trailing empty blocks
-    x_rows = jnp.zeros((nb * bs, x_tD.shape[1]), x_tD.dtype).at[row_M].set(x_tD[order_M // k])
-
-    def expert_block(args):
-        x_bsD, e = args
-        h_bsF = jax.nn.silu(x_bsD @ w_gate_EDF[e]) * (x_bsD @ w_up_EDF[e])
-        return h_bsF @ w_down_EFD[e]
-
-    y_rows = jax.lax.map(expert_block, (x_rows.reshape(nb, bs, -1), block_expert_NB))
-    y_sorted_MD = y_rows.reshape(nb * bs, -1)[row_M]
+    start_E = jnp.cumsum(group_E) - group_E
+    x_sorted_MD = x_tD[order_M // k]
+    bs = _block_rows(m, num_experts)
+    cap = _capacity_rows(num_tokens, m, num_experts)
+    if m > num_experts * _CAPACITY_MAX_MEAN_GROUP or num_experts * cap > 2 * m:
+        y_sorted_MD = _expert_blocks(x_sorted_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E,
+                                     group_E, bs)
+        return _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
+    sorted_expert_M = experts_tX.reshape(-1)[order_M]
+    rank_M = jnp.arange(m) - start_E[sorted_expert_M]  # row within its group
+    fits_M = rank_M < cap
+    slot_M = jnp.where(fits_M, sorted_expert_M * cap + rank_M, num_experts * cap)
+    x_ECD = (jnp.zeros((num_experts * cap, x_tD.shape[1]), x_tD.dtype)
+             .at[slot_M].set(x_sorted_MD, mode="drop").reshape(num_experts, cap, -1))
+    h_ECF = _swiglu(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate_EDF),
+                    jnp.einsum("ecd,edf->ecf", x_ECD, w_up_EDF))
+    y_ECD = jnp.einsum("ecf,efd->ecd", h_ECF, w_down_EFD)
+    y_sorted_MD = y_ECD.reshape(num_experts * cap, -1).at[slot_M].get(mode="fill",
+                                                                       fill_value=0)
+    if cap < num_tokens:  # a group may hold more than C rows: those run as blocks
+        over_E = jnp.maximum(group_E - cap, 0)
+        y_over_MD = _expert_blocks(x_sorted_MD, w_gate_EDF, w_up_EDF, w_down_EFD,
+                                   start_E + cap, over_E, bs)
+        y_sorted_MD = jnp.where(fits_M[:, None], y_sorted_MD, y_over_MD)
     return _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
 
 

@@ -21,6 +21,25 @@ from spade_jax.models import numerics
 _MASKED = -jnp.inf
 
 
+def argmax_last(x_bv: jax.Array) -> jax.Array:
+    """``jnp.argmax(x_bv, axis=-1)`` as int32 (the first maximum; a NaN counts as the
+    maximum), computed as a max and a min reduction. XLA:CPU runs argmax's fused
+    (value, index) reduction unvectorised: 1.7 ms for [64, 8192] against 0.5 ms for this,
+    once per decode step."""
+    best_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
+    hit_bv = (x_bv == best_b1) | jnp.isnan(x_bv)
+    index_bv = jax.lax.broadcasted_iota(jnp.int32, x_bv.shape, x_bv.ndim - 1)
+    return jnp.min(jnp.where(hit_bv, index_bv, x_bv.shape[-1]), axis=-1)
+
+
+def categorical(keys_b: jax.Array, logits_bv: jax.Array) -> jax.Array:
+    """``jax.vmap(jax.random.categorical)(keys_b, logits_bv)``, the same tokens (the same
+    Gumbel draw per row's key), with :func:`argmax_last` in place of argmax."""
+    gumbel_bv = jax.vmap(lambda key: jax.random.gumbel(key, logits_bv.shape[-1:],
+                                                       logits_bv.dtype))(keys_b)
+    return argmax_last(gumbel_bv + logits_bv)
+
+
 def scaled_logits(logits_bv: jax.Array, temperature: float | jax.Array) -> jax.Array:
     """``logits / T``; ``T <= 0`` (greedy) leaves the logits as they are (``T = 1``)."""
     temperature = jnp.asarray(temperature, jnp.float32)
@@ -80,10 +99,10 @@ def sample_tokens(
     """
     scaled_bv = scaled_logits(logits_bv, temperature)
     if greedy:
-        tokens_b = jnp.argmax(scaled_bv, axis=-1).astype(jnp.int32)
+        tokens_b = argmax_last(scaled_bv)
     else:
         masked_bv = filtered_logits(logits_bv, temperature, top_k, top_p, use_top_p)
-        tokens_b = jax.vmap(jax.random.categorical)(keys_b, masked_bv).astype(jnp.int32)
+        tokens_b = categorical(keys_b, masked_bv)
     if invariant:
         return tokens_b, numerics.token_logprobs(scaled_bv, tokens_b, invariant=True)[0]
     logprobs_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
