@@ -9,9 +9,23 @@ top-4), exported with ``save_hf`` and loaded by ``transformers`` (torch, CPU). D
 greedy with EOS disabled, so both generate exactly ``new_tokens`` per row.
 
 Roofline: the FLOP/s of a large fp32 matmul measured in this run (JAX, same devices). The
-sampler's achieved FLOP/s counts model FLOPs of the tokens it generated: 2 x the active
-matmul parameters (attention projections, router, k experts, LM head) per token plus the
-attention score/value FLOPs over the cached context (prompt bucket + tokens so far).
+sampler's achieved FLOP/s counts the model FLOPs of the timed ``generate`` call: 2 x the
+matmul parameters (attention projections, router, k experts) per token *fed to the model*
+(the B x P prompt tokens in prefill, then the N - 1 generated tokens fed back in decode:
+the last one is never fed), 2 x the LM-head parameters per *generated* token, plus the
+attention score/value FLOPs over the causal context of every fed token. (Until this
+version only generated tokens were counted, each with the whole model and the mean decode
+context: the prefill the call also runs and times was left out, ~14% of its FLOPs here.)
+
+Two ceilings, measured in the same run, say how far the roofline fraction can go:
+  * memory: bytes a decode step must read (every weight it uses: attention, norms,
+    router, the experts the batch selects, LM head, plus the KV cache over the attended
+    context) / the read bandwidth of a ``jnp.sum`` over an array of that size; a step can
+    be no faster.
+  * shapes: the step's matmuls at their decode shapes (M = B rows; per expert B * k / E
+    rows, perfectly balanced), each timed alone with hot caches, summed: what XLA:CPU's
+    kernels give those shapes with no other work at all.
+Each is printed as the tokens/s it allows at the largest batch and as a roofline fraction.
 """
 
 from __future__ import annotations
@@ -48,15 +62,71 @@ def matmul_roofline(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def flops_per_token(cfg: ModelConfig, context: float) -> float:
-    """Model FLOPs to generate one token attending over ``context`` cached slots."""
+def _matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul parameters a fed token uses in the decoder layers, LM-head parameters)."""
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn_proj = d * n * h * 2 + d * k * h * 2
     experts = cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size
-    per_layer = attn_proj + d * cfg.num_experts + experts
-    matmul_params = cfg.num_layers * per_layer + d * cfg.vocab_size
-    attention = cfg.num_layers * 2 * 2 * n * h * context
-    return 2 * matmul_params + attention
+    return cfg.num_layers * (attn_proj + d * cfg.num_experts + experts), d * cfg.vocab_size
+
+
+def flops_per_row(cfg: ModelConfig, prompt_len: int, new_tokens: int) -> float:
+    """Model FLOPs of one row of a ``generate`` call: prefill of ``prompt_len`` tokens, then
+    ``new_tokens - 1`` decode steps; the LM head runs once per generated token."""
+    body, head = _matmul_params(cfg)
+    fed = prompt_len + new_tokens - 1
+    contexts = np.arange(1, fed + 1)  # token i attends to itself and the i - 1 before it
+    attention = cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * contexts.sum()
+    return 2 * body * fed + 2 * head * new_tokens + attention
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: float, cache_bytes: int) -> float:
+    """Bytes one decode step must read at least: the weights it uses (the embedding rows
+    are negligible; an expert is read if any of the B x k assignments selects it: expected
+    E (1 - (1 - k / E) ^ B) per layer with uniform routing) and the KV cache over
+    ``context`` slots per row."""
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    used = e * (1 - (1 - cfg.num_experts_per_tok / e) ** batch)
+    per_layer = (d * n * h * 2 + d * k * h * 2) + d * e + used * 3 * d * f + 2 * d + 2 * h
+    weights = 4 * (cfg.num_layers * per_layer + d * cfg.vocab_size + d)
+    cache = batch * context * cfg.num_layers * 2 * k * h * cache_bytes
+    return weights + cache
+
+
+def read_bandwidth(num_bytes: float, reps: int = 5) -> float:
+    """Best-of-``reps`` bytes/s of a jitted ``jnp.sum`` over an fp32 array of ``num_bytes``."""
+    x = jnp.ones((max(1, int(num_bytes) // 4096), 1024), jnp.float32)
+    return x.nbytes / _best_time(jax.jit(jnp.sum), (x,), reps)
+
+
+def _best_time(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def decode_matmul_seconds(cfg: ModelConfig, batch: int, context: int, reps: int = 5) -> float:
+    """Sum of the best times of one decode step's matmuls at their shapes, each run alone:
+    per layer q, k, v, o projections, router, the experts as balanced batched matmuls
+    ([E, B k / E, D] x [E, D, F], twice, and back), attention scores and values over
+    ``context`` slots; then the LM head."""
+    d, e, f, v = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.vocab_size
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rows = max(1, batch * cfg.num_experts_per_tok // e)
+    per_layer = [((batch, d), (d, n * h), 2), ((batch, d), (d, k * h), 2),
+                 ((batch, d), (d, e), 1), ((e, rows, d), (e, d, f), 2), ((e, rows, f), (e, f, d), 1),
+                 ((batch * k, n // k, h), (batch * k, h, context), 1),
+                 ((batch * k, n // k, context), (batch * k, context, h), 1)]
+    mm = jax.jit(jnp.matmul)
+    seconds = 0.0
+    for a, b, count in per_layer:
+        seconds += count * cfg.num_layers * _best_time(mm, (jnp.ones(a), jnp.ones(b)), reps)
+    return seconds + _best_time(mm, (jnp.ones((batch, d)), jnp.ones((d, v))), reps)
 
 
 def time_sampler(model, prompts, new_tokens: int, config: SamplerConfig, reps: int) -> float:
@@ -109,12 +179,12 @@ def main(argv=None) -> None:
             save_hf(model, cfg, tmp)
             hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype="float32").eval()
     roofline = matmul_roofline()
-    context = 32 + args.new_tokens / 2  # average attended slots (prompt bucket >= 32)
-    per_token = flops_per_token(cfg, context)
+    per_row = flops_per_row(cfg, args.prompt_len, args.new_tokens)
     sampler_cfg = SamplerConfig(max_new_tokens=args.new_tokens, cache_dtype=args.cache_dtype,
                                 chunk_steps=0, compact_batch=False)
     print(f"model bench_moe_17m: {cfg.param_count() / 1e6:.1f}M params, "
-          f"{cfg.param_count(active=True) / 1e6:.1f}M active; {per_token / 1e6:.1f} MFLOP/token; "
+          f"{cfg.param_count(active=True) / 1e6:.1f}M active; "
+          f"{per_row / args.new_tokens / 1e6:.1f} MFLOP per generated token (prefill included); "
           f"matmul roofline {roofline / 1e9:.1f} GFLOP/s; devices {jax.devices()[0].platform} "
           f"x{jax.device_count()}; moe_impl={args.moe_impl}, cache={args.cache_dtype}; "
           f"load average {os.getloadavg()[0]:.1f} (2 cores)")
@@ -123,14 +193,34 @@ def main(argv=None) -> None:
     rs = np.random.RandomState(0)
     for b in batches:
         prompts = rs.randint(0, cfg.vocab_size, (b, args.prompt_len)).tolist()
-        ours = b * args.new_tokens / time_sampler(model, prompts, args.new_tokens, sampler_cfg,
-                                                  args.reps)
+        seconds = time_sampler(model, prompts, args.new_tokens, sampler_cfg, args.reps)
+        ours = b * args.new_tokens / seconds
         theirs = (b * args.new_tokens / time_hf(hf_model, prompts, args.new_tokens)
                   if hf_model is not None else float("nan"))
-        achieved = ours * per_token
+        achieved = b * per_row / seconds
         print(f"{b:>4} {ours:>14.1f} {theirs:>10.1f} {ours / theirs:>7.2f} "
               f"{achieved / 1e9:>9.2f} {100 * achieved / roofline:>9.1f}%", flush=True)
+    print_ceilings(cfg, batches, args, roofline)
 
+
+def print_ceilings(cfg: ModelConfig, batches: list[int], args, roofline: float) -> None:
+    """The memory and matmul-shape ceilings of one decode step (module docstring)."""
+    context = args.prompt_len + args.new_tokens // 2  # mean attended slots in decode
+    cache_bytes = np.dtype(args.cache_dtype).itemsize
+    body, head = _matmul_params(cfg)
+    print(f"decode-step ceilings (mean context {context} slots; fraction of the roofline "
+          f"at the ceiling's rate):")
+    print(f"{'B':>4} {'MB/step':>8} {'read GB/s':>10} {'memory tok/s':>13} {'%':>6} "
+          f"{'shapes tok/s':>13} {'%':>6}")
+    for b in batches:
+        step_flops = b * (2 * body + 2 * head
+                          + cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * context)
+        step_bytes = decode_step_bytes(cfg, b, context, cache_bytes)
+        bandwidth = read_bandwidth(step_bytes)
+        memory_s, shapes_s = step_bytes / bandwidth, decode_matmul_seconds(cfg, b, context)
+        print(f"{b:>4} {step_bytes / 1e6:>8.1f} {bandwidth / 1e9:>10.1f} {b / memory_s:>13.0f} "
+              f"{100 * step_flops / memory_s / roofline:>5.0f}% {b / shapes_s:>13.0f} "
+              f"{100 * step_flops / shapes_s / roofline:>5.0f}%", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -141,7 +141,9 @@ def _unsort_and_combine(y_sorted_MD: jax.Array, order_M: jax.Array,
 # KiB per block: profiled in the decode loop of ``bench_moe_17m`` at B = 64, those copies
 # took 12.7 of 42 ms per step (about 4 GB/s), more than the matmuls. The capacity layout
 # slices no weights; the block loop slices each used expert's once.
-_MAX_BLOCK_ROWS = 8  # XLA:CPU, bench_moe_17m: 8 rows beat 16..256 (fewer padded rows)
+# XLA:CPU, prefill of bench_moe_17m at B = 64 (T = 2048, groups of ~512): 32 rows per block
+# 253 ms, 64 rows 292 ms, 8 rows 370 ms (a loaded box; CPU time about equal).
+_MAX_BLOCK_ROWS = 32
 _CAPACITY_FACTOR = 1.25
 _CAPACITY_MAX_MEAN_GROUP = 64  # larger groups (prefill) ran faster as blocks
 
