@@ -159,27 +159,34 @@ def _capacity_rows(num_tokens: int, num_assignments: int, num_experts: int) -> i
     return min(num_tokens, -(-math.ceil(_CAPACITY_FACTOR * mean) // 8) * 8)
 
 
-def _expert_blocks(x_rows_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E, count_E, bs):
+def _expert_blocks(x_rows_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E, count_E, bs,
+                   max_count):
     """SwiGLU of rows ``start_E[e] .. start_E[e] + count_E[e] - 1`` with expert e, for every
-    e, in blocks of ``bs`` rows; other rows of the result are unspecified.
+    e, in blocks of ``bs`` rows; other rows of the result are unspecified. ``max_count``:
+    a static bound on any ``count_E[e]``.
 
     A group's last block may run past it, into rows of later experts (recomputed when their
     turn comes: experts run in increasing order) or into ``bs`` zero rows appended at the
-    end; an expert with no rows is skipped, its weights never sliced."""
+    end; an expert with no rows is skipped, its weights never sliced. The loops have static
+    trip counts (blocks past a group are skipped with ``cond``): a ``while`` loop would be
+    a little faster but cannot be differentiated, and the trainer differentiates this."""
     m, num_experts = x_rows_MD.shape[0], w_gate_EDF.shape[0]
     x_rows = jnp.concatenate([x_rows_MD, jnp.zeros((bs, x_rows_MD.shape[1]), x_rows_MD.dtype)])
 
     def run_expert(e, y_rows):
         w_gate_DF, w_up_DF, w_down_FD = w_gate_EDF[e], w_up_EDF[e], w_down_EFD[e]
 
-        def block(j, y_rows):
-            row = start_E[e] + j * bs
+        def compute(row, y_rows):
             x_bsD = jax.lax.dynamic_slice_in_dim(x_rows, row, bs)
             h_bsF = jax.nn.silu(x_bsD @ w_gate_DF) * (x_bsD @ w_up_DF)
             return jax.lax.dynamic_update_slice_in_dim(
                 y_rows, (h_bsF @ w_down_FD).astype(y_rows.dtype), row, 0)
 
-        return jax.lax.fori_loop(0, (count_E[e] + bs - 1) // bs, block, y_rows)
+        def block(j, y_rows):
+            return jax.lax.cond(j * bs < count_E[e], functools.partial(compute, start_E[e] + j * bs),
+                                lambda y: y, y_rows)
+
+        return jax.lax.fori_loop(0, -(-max_count // bs), block, y_rows)
 
     def maybe_run(e, y_rows):
         return jax.lax.cond(count_E[e] > 0, functools.partial(run_expert, e), lambda y: y,
@@ -207,7 +214,7 @@ def dispatch_blocked(
     cap = _capacity_rows(num_tokens, m, num_experts)
     if m > num_experts * _CAPACITY_MAX_MEAN_GROUP or num_experts * cap > 2 * m:
         y_sorted_MD = _expert_blocks(x_sorted_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E,
-                                     group_E, bs)
+                                     group_E, bs, num_tokens)
         return _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
     sorted_expert_M = experts_tX.reshape(-1)[order_M]
     rank_M = jnp.arange(m) - start_E[sorted_expert_M]  # row within its group
@@ -223,7 +230,7 @@ def dispatch_blocked(
     if cap < num_tokens:  # a group may hold more than C rows: those run as blocks
         over_E = jnp.maximum(group_E - cap, 0)
         y_over_MD = _expert_blocks(x_sorted_MD, w_gate_EDF, w_up_EDF, w_down_EFD,
-                                   start_E + cap, over_E, bs)
+                                   start_E + cap, over_E, bs, num_tokens - cap)
         y_sorted_MD = jnp.where(fits_M[:, None], y_sorted_MD, y_over_MD)
     return _unsort_and_combine(y_sorted_MD, order_M, weights_tX)
 
