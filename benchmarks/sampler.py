@@ -163,7 +163,7 @@ def main(argv=None) -> None:
     parser.add_argument("--moe_impl", default="auto",
                         choices=["auto", "blocked", "ragged", "dense"])
     parser.add_argument("--cache_dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--skip_hf", action="store_true")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
