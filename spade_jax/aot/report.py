@@ -51,7 +51,7 @@ def recost(result: Plan, overrides: tuple[str, ...] = ()) -> Plan:
         else:
             cost = analytic_cost("decode", arch, spec.options(), par, rows=dims["B"], length=1,
                                  keys=dims["S"], cache_itemsize=_itemsize(cache),
-                                 param_itemsize=master)
+                                 param_itemsize=p.param_itemsize or master)
         programs.append(dataclasses.replace(p, **cost))
     return dataclasses.replace(result, programs=tuple(programs))
 
