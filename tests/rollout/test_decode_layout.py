@@ -64,8 +64,10 @@ def test_cast_for_decode_stores_what_the_forward_reads(compute, stored, want):
     """Every weight in its read dtype; the MoE router, read in fp32 (``x.astype(float32) @
     router.astype(float32)``), keeps its stored dtype. Tied and untied heads, scanned and
     listed layers, a shared expert and biases."""
-    for arch, scan in ((preset("tiny_moe"), True), (preset("tiny_moe"), False),
-                       (preset("tiny_dense").replace(tie_word_embeddings=True), False)):
+    moe = preset("bench_moe_17m")
+    for arch, scan in ((moe, True),
+                       (moe.replace(shared_expert_intermediate_size=64, qkv_bias=True), False),
+                       (preset("qwen3_4b"), False)):  # dense, tied embeddings (abstract)
         options = ModelOptions(dtype=compute, param_dtype=stored, scan_layers=scan)
         params = nnx.split(abstract_model(arch, options))[1]
         got = _dtypes(jax.eval_shape(lambda p: sharding.cast_for_decode(p, compute), params))
