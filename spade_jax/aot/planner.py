@@ -25,10 +25,8 @@ from spade_jax.aot.cost import (
     Parallelism,
     analytic_cost,
     matmul_params,
-    next_pow2,
     parallelism,
     reshard_bytes,
-    round_up,
 )
 from spade_jax.aot.rl_step import EpisodeShape, RlStepEstimate, estimate_rl_step
 from spade_jax.aot.topology import Topology, parse_topology, topology_devices
@@ -382,6 +380,7 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     """The agent sampler's prefill of the last turn's prompt (in the trainer's layout) and
     one decode step per decode layout."""
     from spade_jax.rollout import sampler as sampler_lib
+    from spade_jax.rollout.sampler import next_pow2, round_up
 
     agent, spade = s.experiment.agent, s.experiment.spade
     episodes = spade.envs_per_round * (spade.plays_per_game + spade.hint_plays)
@@ -496,7 +495,7 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
         reshard_hlo_bytes=_compiled_reshard_bytes(s, mesh, name))
     # While the sampler runs, the trainer's parameters stay too when it reads its own copy.
     resident = s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
-    note = _sampler_replay_note(s) if sampler.return_router else ""
+    note = _sampler_replay_note(s) if sampler.return_router and s.arch.is_moe else ""
     return _program(
         name, f"B={rows} S={keys} (1 token){note}", compiled, seconds, resident=resident,
         tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved,

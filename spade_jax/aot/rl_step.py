@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from spade_jax.aot.cost import Parallelism, analytic_cost, next_pow2, round_up
+from spade_jax.aot.cost import Parallelism, analytic_cost
 
 ANCHOR_TOKENS_PER_SECOND_PER_H100 = 925.0  # Qwen3-30B-A3B GRPO, 4k tokens (public report)
 
@@ -106,6 +106,8 @@ def estimate_rl_step(experiment, arch, options, *, layout: str, train_par: Paral
     """The step's costs under one decode layout (``decode_par``: its mesh's parallelism).
     ``param_itemsize``: the master parameters' (the train step); ``decode_itemsize``: bytes
     per parameter of the weights the samplers read (default: the master's)."""
+    from spade_jax.rollout.sampler import next_pow2, round_up  # jax: imported late
+
     chips = train_par.chips
     episodes = episodes_per_step(experiment.spade)
     slots = min(episodes, experiment.agent.decode_slots or episodes)

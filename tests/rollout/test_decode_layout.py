@@ -15,7 +15,7 @@ import tiny_hf
 from flax import nnx
 
 from spade_jax import sharding
-from spade_jax.models import ModelOptions, Qwen3, abstract_model, load_hf, preset
+from spade_jax.models import ModelOptions, abstract_model, load_hf, preset
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.engine import Request, SlotEngine
 from spade_jax.rollout.sampler import sample
