@@ -43,15 +43,18 @@ def host_envs(hosts: int, devices_per_host: int = 1, **extra: str) -> list[dict[
             for host in range(hosts)]
 
 
-def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
-                  names: Sequence[str], timeout: float) -> list[str]:
-    """Starts ``commands[i]`` with ``envs[i]`` (all at once: the processes of one system
-    wait for each other), waits up to ``timeout`` seconds for each, kills any still running
-    (one process failing leaves the others waiting in a collective) and asserts every one
-    exited 0, showing the end of a failed one's output. Returns each one's output."""
-    procs = [subprocess.Popen(list(command), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for command, env in zip(commands, envs, strict=True)]
+def start(commands: Sequence[Sequence[str]],
+          envs: Sequence[dict[str, str]]) -> list[subprocess.Popen]:
+    """Starts ``commands[i]`` with ``envs[i]`` in the repository, all at once (the
+    processes of one system wait for each other), output and errors captured together."""
+    return [subprocess.Popen(list(command), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            for command, env in zip(commands, envs, strict=True)]
+
+
+def wait(procs: Sequence[subprocess.Popen], timeout: float) -> list[str]:
+    """Each process's output, waiting up to ``timeout`` seconds for each; kills any still
+    running at the end (one process failing leaves the others waiting in a collective)."""
     logs = []
     try:
         for proc in procs:
@@ -61,6 +64,15 @@ def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, st
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return logs
+
+
+def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict[str, str]],
+                  names: Sequence[str], timeout: float) -> list[str]:
+    """:func:`start` and :func:`wait`, then asserts every process exited 0, showing the end
+    of a failed one's output. Returns each one's output."""
+    procs = start(commands, envs)
+    logs = wait(procs, timeout)
     for name, proc, log in zip(names, procs, logs, strict=True):
         assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{log[-4000:]}"
     return logs
