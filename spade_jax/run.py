@@ -254,7 +254,8 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
     return SpadeLoop(
         spade, tokenizer=tokenizer, pool=pool, generate=generate_fn, run_episodes=episodes_fn,
         update=update, corpus_sampler=corpus_sampler,
-        memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed)),
+        memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed,
+                                             selection=spade.memory_selection)),
         reward_rule=make_designer_reward(spade.designer_reward, spade.designer_reward_config),
         fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
         max_turns=config.agent.max_turns, rules=(config.train.agent, config.train.designer))
