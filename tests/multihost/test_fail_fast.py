@@ -9,17 +9,12 @@ exit, status 1, within seconds.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
+import multiproc
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 
 WORKER = textwrap.dedent("""
     from spade_jax import distributed
@@ -36,29 +31,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two JAX processes (~10 s)
 def test_one_host_raising_ends_both_processes_within_seconds():
-    port = _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", WORKER], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(REPO),
-                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                 JAX_PROCESS_ID=str(host))) for host in range(2)]
+    procs = multiproc.start([[sys.executable, "-c", WORKER]] * 2, multiproc.host_envs(2))
     start = time.monotonic()
-    try:
-        logs = [proc.communicate(timeout=150)[0] for proc in procs]  # far below 300 s
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    logs = multiproc.wait(procs, timeout=150)  # far below 300 s
     assert time.monotonic() - start < 150
     assert [proc.returncode for proc in procs] == [1, 1], logs
     assert "RuntimeError: host 1 breaks between two collectives" in logs[1]
