@@ -253,7 +253,8 @@ def shard_batch(batch: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
 # the "embed" rule maps to nothing, so no weight is split along the dim a matmul contracts
 # over its rows: heads / MLP hidden / vocab split over "tensor" (the per-token collectives
 # are all-reduces of activations), experts over "expert" (all-to-alls of tokens), rows
-# over "data" and "expert".
+# over "data" and "expert". The copy stores each weight in the dtype the forward reads it
+# in (:func:`decode_dtype`): half the bytes under bf16 compute, the same numbers.
 
 
 def _tensor_ways(arch, budget: int) -> int:
