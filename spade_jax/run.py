@@ -43,7 +43,7 @@ from spade_jax.experiment import (
     train_config_for_run,
 )
 from spade_jax.metrics import MetricsWriter, Progress
-from spade_jax.models import ModelOptions, Qwen3, load_hf, preset
+from spade_jax.models import ModelOptions, Qwen3, abstract_model, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.rl.batch import PackConfig, pack_sequences
 from spade_jax.rl.replay_stats import ReplayTelemetry
@@ -141,6 +141,11 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     if spec.hf_checkpoint or spec.orbax_checkpoint:  # pretrained: its own tokenizer only
         check_tokenizer_matches(tokenizer, model.config,
                                 spec.hf_checkpoint or spec.orbax_checkpoint)
+        # The loaders build every module with fp32 options; each module keeps the dtype it
+        # was built with, so re-merge the loaded (fp32 master) weights into a structure
+        # built with the run's options: every layer then computes in spec.dtype.
+        graphdef = nnx.graphdef(abstract_model(model.config, options))
+        model = nnx.merge(graphdef, nnx.state(model))
     # the model computes in spec.dtype; master weights stay fp32 in the train state
     model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
     return model
