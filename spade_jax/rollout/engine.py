@@ -266,9 +266,10 @@ class _Packed:
 
 
 def packed_bucket(tokens: int, floor: int) -> int:
-    """Packed tokens per group of an admit: ``tokens`` rounded up to a quarter of its power
-    of two (<= 25% padding, four shapes per octave), at least ``floor``."""
-    return max(floor, round_up(tokens, max(1, next_pow2(tokens) // 4)))
+    """Packed tokens per group of an admit: ``tokens`` rounded up to an eighth of the next
+    power of two (less than 25% padding; four shapes between consecutive powers of two), at
+    least ``floor``."""
+    return max(floor, round_up(tokens, max(1, next_pow2(tokens) // 8)))
 
 
 def _pack(token_lists: Sequence[Sequence[int]], rows: int, width: int, groups: int,
