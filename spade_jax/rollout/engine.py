@@ -14,7 +14,8 @@ How it runs:
   * ``admit`` prefills only the tokens a request adds to its slot's stream (a fresh request:
     the whole prompt; a continuing one: what came after its last cached token) into the
     slots named, in one jitted call over the admitted rows only, and draws their first
-    token. Fresh requests with the same prompt are prefilled once and the result copied
+    token. The added tokens are fed packed (``models.qwen3.Packing``): padding costs no
+    position-wise work, only attention sees them laid out as rows. Fresh requests with the same prompt are prefilled once and the result copied
     into each of their slots (prefix sharing).
   * ``decode`` runs up to n one-token steps of every slot in a ``lax.while_loop``; rows that
     are done (waiting for their next request, or empty) are masked: they write nothing

@@ -213,9 +213,9 @@ def test_engine_matches_the_sampler_on_stop_strings_eos_budgets_and_slots(model,
     """Two turns per job (the second continues the first's KV cache) through 1, 3 and 8
     slots with shuffled arrivals: each turn equals ``sample`` on the whole stream with that
     turn's seed, whether it ended on a stop token, a stop string (the cache rolled back to
-    the cut) or its budget. Calls run on the slots involved (8 slots: 4 or fewer generating
-    run as 4) and, with the smallest window lowered to 16 slots, on the part of the cache
-    they fill."""
+    the cut) or its budget. Calls run on the slots involved (``row_bucket`` rows) and, with
+    the smallest window lowered to 16 slots, on the part of the cache they fill; admits
+    feed their tokens packed."""
     monkeypatch.setattr(engine_module, "_MIN_WINDOW", 16)
     config = _sampler(temperature, 8)
     prompts, extras, limits = _engine_jobs()
@@ -283,6 +283,7 @@ def _tiny_moe():
     return nnx.merge(graphdef, jax.tree.map(fill, shapes))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [1, 2])
 def test_packed_prefill_equals_the_padded_prefill(groups):
     """``Packing``: the admitted rows' added tokens fed back to back ([G, N], padding only
@@ -348,6 +349,7 @@ def test_packed_bucket_pads_at_most_a_quarter_with_four_shapes_per_octave():
     assert engine_module.packed_bucket(3, 16) == 16
 
 
+@pytest.mark.slow
 def test_a_second_run_of_the_same_episodes_compiles_nothing(model, tokenizer):  # noqa: F811
     """A new engine (one per ``run_episodes`` call) reuses every compiled program of the
     first run on the same episodes: the empty-state init included (it was a fresh closure,
@@ -370,3 +372,13 @@ def test_a_second_run_of_the_same_episodes_compiles_nothing(model, tokenizer):  
     counted["on"] = False
     assert [r.token_ids for r in second] == [r.token_ids for r in first]
     assert counted["compiles"] == 0
+
+
+def test_row_bucket_leaves_at_most_a_third_of_the_rows_idle():
+    """Working-set rows: powers of two and their halfway points, a multiple of the shards."""
+    assert [engine_module.row_bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 18, 25, 33)] == [
+        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]
+    for n in range(1, 300):
+        got = engine_module.row_bucket(n)
+        assert n <= got and 3 * (got - n) < got + 1, n
+        assert engine_module.row_bucket(n, 4) % 4 == 0 and engine_module.row_bucket(n, 4) >= n
