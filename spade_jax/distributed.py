@@ -25,11 +25,13 @@ What runs where on a pod slice:
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -117,6 +119,32 @@ def maybe_initialize(env: Mapping[str, str] | None = None) -> bool:
              jax.process_index(), jax.process_count(), jax.local_device_count(),
              jax.device_count())
     return True
+
+
+@contextlib.contextmanager
+def fail_fast() -> Iterator[None]:
+    """In a multi-host job, an exception that escapes the block ends this process at once
+    (its traceback logged, exit status 1).
+
+    Raising normally would run JAX's exit handler, which waits in a shutdown barrier (up to
+    ``shutdown_timeout_seconds``, 5 minutes) for the other hosts, while they wait for this
+    one in their next collective. Exiting at once closes this process's connections: the
+    other hosts' collectives fail and the whole job stops. What is skipped is safe to skip:
+    checkpoints are committed atomically, and sandbox workers die with their parent. One
+    host: the exception propagates unchanged.
+    """
+    try:
+        yield
+    except (Exception, KeyboardInterrupt):
+        import jax
+
+        if jax.process_count() == 1:
+            raise
+        log.exception("process %d failed; exiting without the shutdown barrier",
+                      jax.process_index())
+        logging.shutdown()  # flush every handler (the run's train.log)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def process_index() -> int:

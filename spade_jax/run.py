@@ -43,7 +43,7 @@ from spade_jax.experiment import (
     train_config_for_run,
 )
 from spade_jax.metrics import MetricsWriter, Progress
-from spade_jax.models import Qwen3, load_hf, preset
+from spade_jax.models import ModelOptions, Qwen3, abstract_model, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.rl.batch import PackConfig, pack_sequences
 from spade_jax.rl.replay_stats import ReplayTelemetry
@@ -141,6 +141,11 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
     if spec.hf_checkpoint or spec.orbax_checkpoint:  # pretrained: its own tokenizer only
         check_tokenizer_matches(tokenizer, model.config,
                                 spec.hf_checkpoint or spec.orbax_checkpoint)
+        # The loaders build every module with fp32 options; each module keeps the dtype it
+        # was built with, so re-merge the loaded (fp32 master) weights into a structure
+        # built with the run's options: every layer then computes in spec.dtype.
+        graphdef = nnx.graphdef(abstract_model(model.config, options))
+        model = nnx.merge(graphdef, nnx.state(model))
     # the model computes in spec.dtype; master weights stay fp32 in the train state
     model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
     return model
@@ -254,10 +259,33 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
     return SpadeLoop(
         spade, tokenizer=tokenizer, pool=pool, generate=generate_fn, run_episodes=episodes_fn,
         update=update, corpus_sampler=corpus_sampler,
-        memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed)),
+        memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed,
+                                             selection=spade.memory_selection)),
         reward_rule=make_designer_reward(spade.designer_reward, spade.designer_reward_config),
         fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
         max_turns=config.agent.max_turns, rules=(config.train.agent, config.train.designer))
+
+
+def decode_cast_dtype(model: Qwen3, mesh_config: sharding.MeshConfig) -> Any | None:
+    """The dtype the decode copy casts to (``sharding.cast_for_decode``), None to keep the
+    master dtype. ``decode_param_dtype="compute"``: the compute dtype when every module of
+    ``model`` casts its weights to that one dtype before use (so the activations, and the
+    norms that read their weight in the activations' dtype, are in it too) and the copy
+    changes no number. A model whose modules differ (one built in fp32 whose top-level
+    ``options.dtype`` was set to bf16 afterwards: its layers still compute in fp32) keeps
+    the master dtype."""
+    if mesh_config.decode_param_dtype == "master":
+        return None
+    dtypes = set()
+    for _, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        for options in (getattr(node, "options", None), getattr(node, "opts", None)):
+            if isinstance(options, ModelOptions):
+                dtypes.add(jnp.dtype(options.compute_dtype))
+        if getattr(node, "dtype", None) is not None:
+            dtypes.add(jnp.dtype(node.dtype))
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def decode_policy(mesh_config: sharding.MeshConfig, mesh: Any, graphdef: Any,
@@ -265,18 +293,21 @@ def decode_policy(mesh_config: sharding.MeshConfig, mesh: Any, graphdef: Any,
     """The samplers' policy and mesh under ``mesh_config.decode_layout``: the trained
     parameters (``holder["state"].params``) resharded onto the decode mesh
     (:func:`sharding.decode_mesh`) once per train state, i.e. once per step, never per
-    token; the previous copy is dropped first. "train" (or no FSDP axis to re-purpose, or no
-    mesh): the trainer's own parameters on its mesh, as before."""
+    token, in ``mesh_config.decode_param_dtype`` (see :class:`sharding.MeshConfig`); the
+    previous copy is dropped first. "train" (or no FSDP axis to re-purpose, or no mesh): the
+    trainer's own parameters on its mesh, as before."""
     sample_mesh = None if mesh is None else sharding.decode_mesh(mesh, mesh_config, arch)
     if sample_mesh is mesh:
         return (lambda: nnx.merge(graphdef, holder["state"].params)), mesh
+    compute_dtype = decode_cast_dtype(nnx.merge(graphdef, holder["state"].params), mesh_config)
     copy: dict[str, Any] = {"of": None, "params": None, "copy": None}
 
     def policy() -> Qwen3:
         state = holder["state"]
         if copy["of"] is not state:
             copy["of"] = copy["params"] = None  # free the old copy before the new one
-            copy["copy"] = copy["copy"] or sharding.resharder(state.params, sample_mesh)
+            copy["copy"] = copy["copy"] or sharding.resharder(state.params, sample_mesh,
+                                                              compute_dtype=compute_dtype)
             copy["params"] = copy["copy"](state.params)
             copy["of"] = state
         return nnx.merge(graphdef, copy["params"])

@@ -21,12 +21,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 DECODE_LAYOUTS = ("auto", "tensor", "replicated", "train")
+DECODE_PARAM_DTYPES = ("compute", "master")
 
 LogicalAxes = tuple[str | None, ...]
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -72,6 +74,14 @@ class MeshConfig:
         rest data-parallel), "replicated" (the FSDP ways become data-parallel ways: dense
         weights whole on every chip) or "train" (the trainer's layout, re-gathered by FSDP
         for every token).
+      decode_param_dtype: the dtype of that copy (:func:`decode_dtype`): "compute" stores
+        every weight in the dtype the forward reads it in (the model's compute dtype; fp32
+        for weights marked ``read_dtype="float32"``, the MoE router), never wider than the
+        master's. The forward casts each weight to that dtype before any use, so sampling is
+        bit-identical to sampling with the master parameters, and under bf16 compute the
+        copy, its per-token reads and the reshard are half the bytes. "master" keeps the
+        master dtype (fp32). Without a copy (layout "train", or no FSDP axis) the sampler
+        reads the master parameters either way.
     """
 
     data: int = -1
@@ -79,11 +89,15 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1
     decode_layout: str = "auto"
+    decode_param_dtype: str = "compute"
 
     def __post_init__(self) -> None:
         if self.decode_layout not in DECODE_LAYOUTS:
             raise ValueError(f"MeshConfig.decode_layout must be one of {DECODE_LAYOUTS}, "
                              f"got {self.decode_layout!r}")
+        if self.decode_param_dtype not in DECODE_PARAM_DTYPES:
+            raise ValueError(f"MeshConfig.decode_param_dtype must be one of "
+                             f"{DECODE_PARAM_DTYPES}, got {self.decode_param_dtype!r}")
 
     def shape(self, n_devices: int) -> tuple[int, int, int, int]:
         sizes = [self.data, self.fsdp, self.tensor, self.expert]
@@ -239,7 +253,8 @@ def shard_batch(batch: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
 # the "embed" rule maps to nothing, so no weight is split along the dim a matmul contracts
 # over its rows: heads / MLP hidden / vocab split over "tensor" (the per-token collectives
 # are all-reduces of activations), experts over "expert" (all-to-alls of tokens), rows
-# over "data" and "expert".
+# over "data" and "expert". The copy stores each weight in the dtype the forward reads it
+# in (:func:`decode_dtype`): half the bytes under bf16 compute, the same numbers.
 
 
 def _tensor_ways(arch, budget: int) -> int:
@@ -262,11 +277,11 @@ def decode_mesh_config(config: MeshConfig, n_devices: int, arch) -> MeshConfig:
     data, fsdp, tensor, expert = config.shape(n_devices)
     layout = config.decode_layout
     if layout == "train" or fsdp == 1:
-        return MeshConfig(data, fsdp, tensor, expert, decode_layout=layout)
+        return dataclasses.replace(config, data=data, fsdp=fsdp, tensor=tensor, expert=expert)
     model_ways = fsdp * tensor
     new_tensor = tensor if layout == "replicated" else _tensor_ways(arch, model_ways)
-    return MeshConfig(data=data * model_ways // new_tensor, fsdp=1, tensor=new_tensor,
-                      expert=expert, decode_layout=layout)
+    return dataclasses.replace(config, data=data * model_ways // new_tensor, fsdp=1,
+                               tensor=new_tensor, expert=expert)
 
 
 def decode_mesh(mesh: Mesh, config: MeshConfig, arch) -> Mesh:
@@ -278,16 +293,46 @@ def decode_mesh(mesh: Mesh, config: MeshConfig, arch) -> Mesh:
     return make_mesh(shape, list(mesh.devices.flat))
 
 
-def resharder(like: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+def decode_dtype(variable: Any, compute_dtype: Any) -> np.dtype:
+    """The dtype of ``variable`` in the sampler's copy (``decode_param_dtype="compute"``):
+    the dtype the forward reads it in (its ``read_dtype`` metadata, else ``compute_dtype``)
+    when that is a narrower float than it is stored in, else its own dtype. The forward casts
+    every weight to its read dtype before use, so the copy changes no number it computes;
+    never wider than stored, since widening would add bytes and no precision."""
+    dtype = np.dtype(variable.get_value().dtype)
+    read = np.dtype(variable.get_metadata().get("read_dtype") or compute_dtype)
+    narrower = read.itemsize < dtype.itemsize
+    return read if jnp.issubdtype(dtype, jnp.floating) and narrower else dtype
+
+
+def cast_for_decode(tree: Any, compute_dtype: Any | None) -> Any:
+    """``tree`` (parameters: nnx Variables) with every Variable cast to :func:`decode_dtype`;
+    unchanged for ``compute_dtype=None`` (the master dtype kept)."""
+    if compute_dtype is None:
+        return tree
+
+    def one(leaf):
+        if not isinstance(leaf, nnx.Variable):
+            return leaf
+        return leaf.replace(leaf.get_value().astype(decode_dtype(leaf, compute_dtype)))
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def resharder(like: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES,
+              compute_dtype: Any | None = None):
     """A jitted copy of trees shaped like ``like`` (parameters: nnx Variables carrying
-    ``axes``) onto ``mesh`` as the rules say. The decode mesh holds the same devices in the
-    same order, so this is one SPMD program over the global arrays (multi-host too), the
-    program ``spade_jax.aot`` compiles for the per-step reshard; compiled once, reused."""
-    return jax.jit(lambda tree: tree, out_shardings=tree_shardings(like, mesh, rules))
+    ``axes``) onto ``mesh`` as the rules say, cast by :func:`cast_for_decode` (``None``: the
+    dtypes kept). The decode mesh holds the same devices in the same order, so this is one
+    SPMD program over the global arrays (multi-host too), the program ``spade_jax.aot``
+    compiles for the per-step reshard; compiled once, reused."""
+    return jax.jit(lambda tree: cast_for_decode(tree, compute_dtype),
+                   out_shardings=tree_shardings(like, mesh, rules))
 
 
-def reshard(tree: Any, mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Any:
+def reshard(tree: Any, mesh: Mesh | None, rules: Rules = DEFAULT_RULES,
+            compute_dtype: Any | None = None) -> Any:
     """``tree`` copied onto ``mesh`` by :func:`resharder` (unchanged without a mesh)."""
     if mesh is None:
         return tree
-    return resharder(tree, mesh, rules)(tree)
+    return resharder(tree, mesh, rules, compute_dtype)(tree)

@@ -144,6 +144,13 @@ class MirroredDir:
         if self.remote:
             shutil.rmtree(self.local, ignore_errors=True)
 
+    def __enter__(self) -> MirroredDir:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # Uploads on an error too: what was written (a resumable progress file) is kept.
+        self.close()
+
 
 def _signature(path: pathlib.Path) -> tuple[int, int]:
     stat = path.stat()

@@ -76,7 +76,8 @@ def main(argv: list[str]) -> int:
 
     start = time.time()
     try:
-        run_experiment(config, workdir)
+        with distributed.fail_fast():  # one host failing stops the job, not a 5-min hang
+            run_experiment(config, workdir)
         log.info("done in %.1f min; report: %s", (time.time() - start) / 60,
                  workdir / "report.md")
     finally:

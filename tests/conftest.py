@@ -61,3 +61,17 @@ def chat_model(chat_tokenizer):
         return jnp.asarray((1 + noise if len(x.shape) == 1 else noise).astype(x.dtype))
 
     return nnx.merge(graphdef, jax.tree.map(fill, shapes))
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """A local GCS emulator (tests/gcs_emulator.py) that gs:// paths in the test reach."""
+    from gcs_emulator import GcsEmulator, apply_env, restore_env
+
+    emulator = GcsEmulator()
+    previous = apply_env(emulator)
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+        restore_env(previous)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import signal
 import subprocess
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from etils import epath
-from gcs_emulator import GcsEmulator, apply_env, restore_env
+from gcs_emulator import GcsEmulator
 from test_train_resume_kill import (
     _assert_bitwise_equal,
     _checkpoint_leaves,
@@ -38,17 +40,6 @@ from test_train_resume_kill import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def gcs():
-    emulator = GcsEmulator()
-    previous = apply_env(emulator)
-    try:
-        yield emulator
-    finally:
-        emulator.stop()
-        restore_env(previous)
 
 
 def _upload(local: Path, remote: epath.Path) -> None:
@@ -121,6 +112,44 @@ def test_model_tokenizer_metrics_and_report_through_a_bucket(tmp_path, gcs):
         ("a", "try harder")]
     assert [p.name for p in load_program_pool("gs://pieces/games_pool")] == ["game_1"]
     _no_local_gs_dir(REPO, Path.cwd(), tmp_path)
+
+
+def test_evaluate_and_steer_outputs_land_in_a_bucket(tmp_path, gcs, monkeypatch):
+    """--out=gs://... for the evaluate and steer commands: their files land in the bucket,
+    equal to a local --out, and nothing is written to a local ``gs:`` directory (the hint
+    filter's: tests/hint_filter/test_filter.py)."""
+    from spade_jax.evaluate import main as evaluate_main
+    from spade_jax.steering.compare import CONDITIONS, ConditionResult, table_rows, write_table
+
+    gcs.create_bucket("outs")
+    monkeypatch.chdir(tmp_path)  # a wrong local write would land here, as ./gs:/...
+    problems = tmp_path / "aime.jsonl"
+    problems.write_text(json.dumps({"id": "p1", "problem": "ONE", "answer": "12"}) + "\n")
+    script = tmp_path / "policy.json"
+    script.write_text(json.dumps({"rules": [{"match": "ONE", "outputs": ["\\boxed{12}"]}]}))
+    for out in (tmp_path / "eval", "gs://outs/eval"):
+        assert evaluate_main([f"--policy=scripted:{script}", f"--suite=math:{problems}",
+                              "--samples=2", f"--out={out}"]) == 0
+    for name in ("results.md", "samples.jsonl"):
+        assert (epath.Path("gs://outs/eval") / name).read_text() == (
+            tmp_path / "eval" / name).read_text(), name
+    remote_rows = list(csv.DictReader(io.StringIO(
+        epath.Path("gs://outs/eval/results.csv").read_text())))
+    local_rows = list(csv.DictReader((tmp_path / "eval" / "results.csv").open()))
+    for row in remote_rows + local_rows:
+        row.pop("seconds")  # wall time, the one column that differs between runs
+    assert remote_rows == local_rows and remote_rows[0]["pass@1"] == "1.0"
+    assert (epath.Path("gs://outs/eval") / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+    rows = table_rows([ConditionResult(c, tokens, 0.5, 0.1, 8)
+                       for c, tokens in zip(CONDITIONS, (100.0, 80.0, 99.0, 90.0), strict=True)])
+    write_table(rows, "gs://outs/steer", "title")
+    write_table(rows, tmp_path / "steer", "title")
+    assert epath.Path("gs://outs/steer/results.csv").read_text() == (
+        tmp_path / "steer" / "results.csv").read_text()
+    assert set(gcs.objects("outs", "steer/")) == {
+        "steer/results.md", "steer/results.csv", "steer/results.png"}
+    _no_local_gs_dir(REPO, tmp_path)
 
 
 def _no_local_gs_dir(*roots: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import jax
+
 from spade_jax import run
 from spade_jax.experiment import load_experiment
 
@@ -36,3 +38,36 @@ def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
     # Router replay (tiny has it on): the designer's sampler records routing, the
     # untrained hint writer's does not; experts only (no router logits kept on device).
     assert design.return_router == "experts" and not hint.return_router
+
+
+def test_a_checkpoint_computes_in_the_run_dtype_in_every_layer(tmp_path):
+    """``build_model`` on a checkpoint: the loaders build in fp32, and the run's compute
+    dtype must reach every layer (not only the top-level options): its logits equal, bit
+    for bit, those of a model built with the run's options and given the same weights, and
+    every module agrees on bf16 (so the decode copy can be bf16)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import pytest
+    from flax import nnx
+
+    tiny_hf = pytest.importorskip("tiny_hf")
+    from spade_jax.experiment import ModelSpec
+    from spade_jax.models import Qwen3, load_hf
+    from spade_jax.sharding import MeshConfig
+
+    tiny_hf.make_hf_model("moe", tmp_path / "hf")
+    spec = ModelSpec(hf_checkpoint=str(tmp_path / "hf"), dtype="bfloat16")
+    tokenizer = SimpleNamespace(vocab_size=tiny_hf.VOCAB, eos_ids=frozenset({1}), pad_id=1)
+    model = run.build_model(spec, tokenizer, seed=0, mesh=None)
+    assert run.decode_cast_dtype(model, MeshConfig()) == jnp.dtype("bfloat16")
+    loaded, config = load_hf(tmp_path / "hf")
+    reference = Qwen3(config, spec.options(), rngs=nnx.Rngs(0))
+    nnx.update(reference, nnx.state(loaded, nnx.Param))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, tiny_hf.VOCAB, (2, 9)))
+    got, want = model(tokens).logits, reference(tokens).logits
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(got, np.float32),
+                              np.asarray(loaded(tokens).logits, np.float32))  # not fp32
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
+        jnp.dtype("float32")}  # master weights stay fp32

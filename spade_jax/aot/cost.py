@@ -24,10 +24,6 @@ def matmul_params(arch) -> int:
     return arch.param_count(active=True) - embedding
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class Parallelism:
     """Ways the slice splits the work: batch rows, FSDP parameter shards, expert shards,
@@ -56,11 +52,12 @@ def local_params(arch, par: Parallelism) -> float:
     return dense / (par.fsdp * par.tensor) + experts / (par.fsdp * par.tensor * par.expert)
 
 
-def reshard_bytes(arch, train: Parallelism, decode: Parallelism, param_itemsize: int) -> float:
+def reshard_bytes(arch, train: Parallelism, decode: Parallelism,
+                  param_itemsize: float) -> float:
     """Bytes one chip receives to build its shard of the sampler's copy of the weights from
     the trainer's (once per step). The decode shard spans the whole embed dim, of which the
     chip's train shard holds one FSDP slice: it receives at least (fsdp - 1) / fsdp of its
-    decode shard (at most all of it)."""
+    decode shard (at most all of it), ``param_itemsize`` bytes per parameter of the copy."""
     if decode == train:
         return 0.0
     return param_itemsize * local_params(arch, decode) * (train.fsdp - 1) / train.fsdp
@@ -99,8 +96,9 @@ def analytic_cost(program: str, arch, options, par: Parallelism, *, rows: int, l
 
     HBM bytes per chip (lower bound): the weights each pass reads, which with FSDP are the
     bf16 weights a chip multiplies through (after the all-gather: its tensor shard of every
-    dense weight, its expert shard's experts), without FSDP its own parameter shard in the
-    master dtype (``param_itemsize``); plus that shard once (read to gather / update); for
+    dense weight, its expert shard's experts), without FSDP its own parameter shard as
+    stored (``param_itemsize``: the master dtype's, or the sampler's copy's bytes per
+    parameter, ``MeshConfig.decode_param_dtype``); plus that shard once (read to gather / update); for
     decode also its rows' KV cache (its tensor shard of the kv heads).
 
     ICI bytes per chip (lower bound): FSDP all-gathers of bf16 weights per pass and a
@@ -162,7 +160,3 @@ def analytic_cost(program: str, arch, options, par: Parallelism, *, rows: int, l
         hbm_traffic=per_pass + (stored if par.fsdp > 1 else 0.0) + kv_bytes,
         ici_traffic=fsdp_gather + moe_layers * a2a_layer + tp_allreduce + logits_gather,
     )
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple

@@ -25,10 +25,8 @@ from spade_jax.aot.cost import (
     Parallelism,
     analytic_cost,
     matmul_params,
-    next_pow2,
     parallelism,
     reshard_bytes,
-    round_up,
 )
 from spade_jax.aot.rl_step import EpisodeShape, RlStepEstimate, estimate_rl_step
 from spade_jax.aot.topology import Topology, parse_topology, topology_devices
@@ -120,6 +118,9 @@ class ProgramCost:
     mesh_shape: dict[str, int] | None = None
     reshard_bytes: float = 0.0  # analytic (``cost.reshard_bytes``)
     reshard_hlo_bytes: float = 0.0  # the compiled reshard's collectives (``aot.hlo``)
+    # Bytes per parameter of the weights the program reads: the master dtype's itemsize, or
+    # the decode copy's (``MeshConfig.decode_param_dtype``). 0: a plan written before.
+    param_itemsize: float = 0.0
     # Result bytes per chip of the compiled HLO's collectives by kind (``aot.hlo``: each
     # loop body counted once): which collectives the program issues.
     collectives: dict[str, int] | None = None
@@ -249,6 +250,9 @@ class _Setting:
     moments_bytes: int  # Adam moments per chip, resident while the sampler runs
     par: Parallelism
     param_itemsize: int  # the master parameters' (the sampler reads them too)
+    # The decode copy's cast (``sharding.cast_for_decode``): the compute dtype, or None
+    # with ``mesh.decode_param_dtype="master"``.
+    decode_dtype: Any
 
 
 def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
@@ -262,6 +266,7 @@ def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
     from spade_jax.models import abstract_model, preset
     from spade_jax.rl.optim import MASTER_DTYPES, make_optimizer
     from spade_jax.rl.train_step import TrainState
+    from spade_jax.run import decode_cast_dtype
 
     topology = parse_topology(config.topology)
     experiment = load_experiment(config.experiment, list(config.overrides))
@@ -294,7 +299,9 @@ def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
         graphdef=graphdef, sample_graphdef=sample_graphdef, state=state,
         moments_bytes=_bytes_per_chip(state.opt_state),
         par=parallelism(dict(mesh.shape), len(devices), rules),
-        param_itemsize=np.dtype(master).itemsize)
+        param_itemsize=np.dtype(master).itemsize,
+        decode_dtype=decode_cast_dtype(nnx.merge(graphdef, abstract_params),
+                                       experiment.mesh))
 
 
 def _train_program(config: AotConfig, s: _Setting) -> ProgramCost:
@@ -373,6 +380,7 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     """The agent sampler's prefill of the last turn's prompt (in the trainer's layout) and
     one decode step per decode layout."""
     from spade_jax.rollout import sampler as sampler_lib
+    from spade_jax.rollout.sampler import next_pow2, round_up
 
     agent, spade = s.experiment.agent, s.experiment.spade
     episodes = spade.envs_per_round * (spade.plays_per_game + spade.hint_plays)
@@ -412,12 +420,26 @@ def _decode_mesh(s: _Setting, layout: str):
 
 
 def _decode_params(s: _Setting, mesh) -> Any:
-    """The abstract master parameters placed for ``mesh`` (the sampler's copy)."""
+    """The abstract parameters the sampler reads on ``mesh``: the master parameters on the
+    trainer's mesh, else the run's copy (``run.decode_policy``: cast by
+    ``sharding.cast_for_decode``, placed for ``mesh``)."""
+    import jax
+
     from spade_jax import sharding
 
     if mesh is s.mesh:
         return s.state.params
-    return _sds(s.state.params, sharding.tree_shardings(s.state.params, mesh, s.rules))
+    copy = jax.eval_shape(lambda p: sharding.cast_for_decode(p, s.decode_dtype), s.state.params)
+    return _sds(copy, sharding.tree_shardings(copy, mesh, s.rules))
+
+
+def _bytes_per_param(params: Any) -> float:
+    """Bytes per parameter of an abstract parameter tree (mixed dtypes: the mean)."""
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    total = sum(int(np.prod(x.shape)) for x in leaves)
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves) / total
 
 
 def _decode_state(info: Any, mesh, rules, rows: int) -> Any:
@@ -467,26 +489,30 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
     par = parallelism(dict(mesh.shape), s.par.chips, s.rules)
     cache_itemsize = np.dtype(jax.tree.leaves(state.cache.k)[0].dtype).itemsize
     keys = jax.tree.leaves(state.cache.valid_bs)[0].shape[1]
+    itemsize = _bytes_per_param(params)
     moved = {} if mesh is s.mesh else dict(
-        reshard_bytes=reshard_bytes(s.arch, s.par, par, s.param_itemsize),
+        reshard_bytes=reshard_bytes(s.arch, s.par, par, itemsize),
         reshard_hlo_bytes=_compiled_reshard_bytes(s, mesh, name))
     # While the sampler runs, the trainer's parameters stay too when it reads its own copy.
     resident = s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
-    note = _sampler_replay_note(s) if sampler.return_router else ""
+    note = _sampler_replay_note(s) if sampler.return_router and s.arch.is_moe else ""
     return _program(
         name, f"B={rows} S={keys} (1 token){note}", compiled, seconds, resident=resident,
         tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved,
+        param_itemsize=itemsize,
         **analytic_cost("decode", s.arch, s.options, par, rows=rows, length=1, keys=keys,
-                        cache_itemsize=cache_itemsize, param_itemsize=s.param_itemsize))
+                        cache_itemsize=cache_itemsize, param_itemsize=itemsize))
 
 
 def _compiled_reshard_bytes(s: _Setting, mesh: Any, name: str) -> float:
     """The run's per-step copy of the master parameters from the trainer's layout onto
-    ``mesh`` (``sharding.resharder``), compiled: result bytes per chip of its collectives."""
+    ``mesh`` (``sharding.resharder``, cast as the run casts it), compiled: result bytes per
+    chip of its collectives."""
     from spade_jax import sharding
     from spade_jax.aot.hlo import collective_bytes
 
-    lowered = sharding.resharder(s.state.params, mesh, s.rules).lower(s.state.params)
+    lowered = sharding.resharder(s.state.params, mesh, s.rules,
+                                 s.decode_dtype).lower(s.state.params)
     compiled, _ = _timed_compile(lowered, f"reshard for {name}")
     return float(sum(collective_bytes(compiled.as_text()).values()))
 
@@ -506,13 +532,13 @@ def _rl_steps(config: AotConfig, s: _Setting) -> tuple[RlStepEstimate, ...]:
     for layout in config.decode_layouts:
         mesh = _decode_mesh(s, layout)
         par = parallelism(_shape(mesh), s.par.chips, s.rules)
+        itemsize = _bytes_per_param(_decode_params(s, mesh))
         out.append(estimate_rl_step(
             s.experiment, s.arch, s.options, layout=layout, train_par=s.par, decode_par=par,
             chip=parse_topology(config.topology).chip,
-            reshard_bytes=0.0 if mesh is s.mesh else reshard_bytes(
-                s.arch, s.par, par, s.param_itemsize),
-            param_itemsize=s.param_itemsize, cache_itemsize=cache_itemsize,
-            episode=config.episodes))
+            reshard_bytes=0.0 if mesh is s.mesh else reshard_bytes(s.arch, s.par, par, itemsize),
+            param_itemsize=s.param_itemsize, decode_itemsize=itemsize,
+            cache_itemsize=cache_itemsize, episode=config.episodes))
     return tuple(out)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from spade_jax.aot.cost import analytic_cost, parallelism, round_up
+from spade_jax.aot.cost import analytic_cost, parallelism
 from spade_jax.aot.planner import Plan, ProgramCost
 from spade_jax.aot.rl_step import ANCHOR_TOKENS_PER_SECOND_PER_H100, RlStepEstimate
 from spade_jax.aot.topology import GIB, parse_topology
@@ -29,6 +29,7 @@ def recost(result: Plan, overrides: tuple[str, ...] = ()) -> Plan:
 
     from spade_jax.experiment import load_experiment
     from spade_jax.models import preset
+    from spade_jax.rollout.sampler import round_up
 
     experiment = load_experiment(result.experiment, list(overrides))
     spec = experiment.model
@@ -51,7 +52,7 @@ def recost(result: Plan, overrides: tuple[str, ...] = ()) -> Plan:
         else:
             cost = analytic_cost("decode", arch, spec.options(), par, rows=dims["B"], length=1,
                                  keys=dims["S"], cache_itemsize=_itemsize(cache),
-                                 param_itemsize=master)
+                                 param_itemsize=p.param_itemsize or master)
         programs.append(dataclasses.replace(p, **cost))
     return dataclasses.replace(result, programs=tuple(programs))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from spade_jax.aot.cost import Parallelism, analytic_cost, next_pow2, round_up
+from spade_jax.aot.cost import Parallelism, analytic_cost
 
 ANCHOR_TOKENS_PER_SECOND_PER_H100 = 925.0  # Qwen3-30B-A3B GRPO, 4k tokens (public report)
 
@@ -101,14 +101,19 @@ def episodes_per_step(spade) -> int:
 
 def estimate_rl_step(experiment, arch, options, *, layout: str, train_par: Parallelism,
                      decode_par: Parallelism, chip, reshard_bytes: float, param_itemsize: int,
-                     cache_itemsize: int, episode: EpisodeShape) -> RlStepEstimate:
-    """The step's costs under one decode layout (``decode_par``: its mesh's parallelism)."""
+                     cache_itemsize: int, episode: EpisodeShape,
+                     decode_itemsize: float | None = None) -> RlStepEstimate:
+    """The step's costs under one decode layout (``decode_par``: its mesh's parallelism).
+    ``param_itemsize``: the master parameters' (the train step); ``decode_itemsize``: bytes
+    per parameter of the weights the samplers read (default: the master's)."""
+    from spade_jax.rollout.sampler import next_pow2, round_up  # jax: imported late
+
     chips = train_par.chips
     episodes = episodes_per_step(experiment.spade)
     slots = min(episodes, experiment.agent.decode_slots or episodes)
     rows = round_up(slots, decode_par.batch)
     cache_len = next_pow2(episode.context)
-    sampler = dict(param_itemsize=param_itemsize)
+    sampler = dict(param_itemsize=decode_itemsize or param_itemsize)
     step, bound = _roofline(analytic_cost(
         "decode", arch, options, decode_par, rows=rows, length=1, keys=cache_len,
         cache_itemsize=cache_itemsize, **sampler), chip, chips)
@@ -123,7 +128,7 @@ def estimate_rl_step(experiment, arch, options, *, layout: str, train_par: Paral
     train_rows = round_up(episodes, train.microbatches * train_par.batch)  # one row each
     train_seconds = _roofline(analytic_cost(
         "train", arch, options, train_par, rows=train_rows, length=cache_len, keys=cache_len,
-        microbatches=train.microbatches, **sampler), chip, chips)[0]
+        microbatches=train.microbatches, param_itemsize=param_itemsize), chip, chips)[0]
     return RlStepEstimate(
         layout=layout, episodes=episodes, generated_tokens=episodes * episode.generated,
         slots=rows, cache_len=cache_len, decode_steps=decode_steps,

@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from etils import epath
+
+from spade_jax import storage
 
 
 @dataclasses.dataclass
@@ -98,28 +101,28 @@ def markdown_table(results: Sequence[SuiteResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(results: Sequence[SuiteResult], out_dir: str | Path,
-                 title: str = "Evaluation") -> dict[str, Path]:
-    """Writes results.md, results.csv, results.png and samples.jsonl; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in ("results.md", "results.csv", "results.png",
-                                           "samples.jsonl")}
-    paths["results.md"].write_text(f"# {title}\n\n{markdown_table(results)}")
-    with paths["results.csv"].open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=_COLUMNS)
-        writer.writeheader()
-        writer.writerows(_rows(results))
-    with paths["samples.jsonl"].open("w") as handle:
-        for r in results:
-            for i, pid in enumerate(r.problem_ids):
-                for j in range(r.scores.shape[1]):
-                    handle.write(json.dumps({
-                        "suite": r.name, "problem": pid, "sample": j,
-                        "score": float(r.scores[i, j]), "reason": r.sample_reasons[i][j],
-                        "completion": r.completions[i][j]}) + "\n")
-    _plot(results, paths["results.png"], title)
-    return paths
+def write_report(results: Sequence[SuiteResult], out_dir: storage.PathLike,
+                 title: str = "Evaluation") -> dict[str, epath.Path]:
+    """Writes results.md, results.csv, results.png and samples.jsonl to ``out_dir`` (local
+    or ``gs://...``); returns their paths there."""
+    names = ("results.md", "results.csv", "results.png", "samples.jsonl")
+    with storage.MirroredDir(out_dir) as mirror:
+        out = mirror.local
+        (out / "results.md").write_text(f"# {title}\n\n{markdown_table(results)}")
+        with (out / "results.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=_COLUMNS)
+            writer.writeheader()
+            writer.writerows(_rows(results))
+        with (out / "samples.jsonl").open("w") as handle:
+            for r in results:
+                for i, pid in enumerate(r.problem_ids):
+                    for j in range(r.scores.shape[1]):
+                        handle.write(json.dumps({
+                            "suite": r.name, "problem": pid, "sample": j,
+                            "score": float(r.scores[i, j]), "reason": r.sample_reasons[i][j],
+                            "completion": r.completions[i][j]}) + "\n")
+        _plot(results, out / "results.png", title)
+    return {name: storage.as_path(out_dir) / name for name in names}
 
 
 def _plot(results: Sequence[SuiteResult], path: Path, title: str) -> None:

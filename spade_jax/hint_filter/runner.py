@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from spade_jax import storage
 from spade_jax.envs import SandboxConfig
 from spade_jax.evaluation.checkers import get_checker
 from spade_jax.evaluation.episodes import run_task_episodes
@@ -234,37 +235,52 @@ def _append(path: Path, entries: list[dict[str, Any]]) -> None:
 def run_filter(
     policy: TextPolicy,
     tasks: Sequence[FilterTask],
-    out_dir: str | Path,
+    out_dir: storage.PathLike,
     config: FilterConfig | None = None,
     *,
     restart: bool = False,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """Scores every selected task (resuming from `out_dir`); returns stats in task order."""
-    from tqdm import tqdm
-
+    """Scores every selected task (resuming from ``out_dir``); returns stats in task order.
+    ``out_dir`` may be ``gs://...``: the progress file is uploaded after every chunk, so a
+    killed run on another machine resumes from it."""
     config = config or FilterConfig()
     selected = select_tasks(tasks, config)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with storage.MirroredDir(out_dir, resume=(RUN,) if restart else (RUN, PROGRESS)) as mirror:
+        chunks, done = _open_run(mirror.local, str(out_dir), selected, config, restart)
+        _score_chunks(policy, chunks, done, config, mirror, progress)
+    return [done[t.id] for t in selected]
+
+
+def _open_run(out: Path, name: str, selected: list[FilterTask], config: FilterConfig,
+              restart: bool) -> tuple[list[list[FilterTask]], dict[str, dict[str, Any]]]:
+    """The run's chunks and the tasks already finished in ``out`` (named ``name``)."""
     fingerprint = _fingerprint(selected, config)
     run_file, progress_file = out / RUN, out / PROGRESS
     if restart:
-        progress_file.unlink(missing_ok=True)
+        progress_file.write_text("")  # emptied, not deleted: a remote copy is overwritten too
     elif run_file.exists():
         previous = json.loads(run_file.read_text()).get("fingerprint")
         if previous != fingerprint and progress_file.exists():
-            raise ValueError(f"{out} holds a run with other tasks or settings; use another "
+            raise ValueError(f"{name} holds a run with other tasks or settings; use another "
                              "--out or --restart to start over")
     run_file.write_text(json.dumps({"fingerprint": fingerprint,
                                     "config": config.fingerprint_fields(),
                                     "num_tasks": len(selected)}, indent=1, default=str))
     size = config.chunk_size
     chunks = [selected[i : i + size] for i in range(0, len(selected), size)]
-    done = _read_progress(progress_file, chunks)
+    return chunks, _read_progress(progress_file, chunks)
+
+
+def _score_chunks(policy: TextPolicy, chunks: list[list[FilterTask]],
+                  done: dict[str, dict[str, Any]], config: FilterConfig,
+                  mirror: storage.MirroredDir, progress: bool) -> None:
+    """Scores the unfinished chunks, appending each to the progress file and syncing it."""
+    from tqdm import tqdm
+
     pool = None
-    bar = tqdm(total=len(selected), initial=len(done), unit="task", disable=not progress,
-               file=sys.stderr, desc="hint filter")
+    bar = tqdm(total=sum(map(len, chunks)), initial=len(done), unit="task",
+               disable=not progress, file=sys.stderr, desc="hint filter")
     try:
         for index, chunk in enumerate(chunks):
             if all(t.id in done for t in chunk):
@@ -274,11 +290,11 @@ def run_filter(
 
                 pool = EnvPool(config.sandbox)
             entries = score_chunk(policy, chunk, config, _chunk_seed(config.seed, index), pool)
-            _append(progress_file, entries)
+            _append(mirror.local / PROGRESS, entries)
+            mirror.sync()
             done.update((e["id"], e) for e in entries)
             bar.update(len(chunk))
     finally:
         bar.close()
         if pool is not None:
             pool.close()
-    return [done[t.id] for t in selected]

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from spade_jax import storage
 from spade_jax.hint_filter.runner import FilterConfig
 from spade_jax.hint_filter.tasks import FilterTask
 
@@ -24,9 +25,15 @@ _COLORS = {"frontier": "#2ca02c", "mastered": "#1f77b4", "intractable": "#d62728
 
 
 def write_outputs(tasks: Sequence[FilterTask], stats: Sequence[dict[str, Any]],
-                  out_dir: str | Path, config: FilterConfig) -> dict[str, Any]:
-    """Writes <regime>.jsonl, summary.json and regret_vs_win_rate.png; returns the summary."""
-    out = Path(out_dir)
+                  out_dir: storage.PathLike, config: FilterConfig) -> dict[str, Any]:
+    """Writes <regime>.jsonl, summary.json and regret_vs_win_rate.png to ``out_dir`` (local
+    or ``gs://...``); returns the summary."""
+    with storage.MirroredDir(out_dir) as mirror:
+        return _write_outputs(tasks, stats, mirror.local, config)
+
+
+def _write_outputs(tasks: Sequence[FilterTask], stats: Sequence[dict[str, Any]], out: Path,
+                   config: FilterConfig) -> dict[str, Any]:
     by_id = {t.id: t for t in tasks}
     lines: dict[str, list[str]] = {r: [] for r in REGIMES}
     for entry in stats:

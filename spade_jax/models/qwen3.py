@@ -284,8 +284,9 @@ class ModelOutput:
     cache: KVCache | None = None
 
 
-def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple, std: float = 0.02):
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple, std: float = 0.02,
+          **metadata: Any):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes, **metadata)
 
 
 class RMSNorm(nnx.Module):
@@ -467,7 +468,9 @@ class MoEBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, opts: ModelOptions, rngs: nnx.Rngs):
         d, e, f, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, opts.storage_dtype
         self.cfg, self.opts = cfg, opts
-        self.router_de = _init(rngs, (d, e), pd, ("embed", None))
+        # read_dtype: read in fp32 whatever the compute dtype (see __call__), so a copy of
+        # the weights in the compute dtype (sharding.decode_dtype) keeps it in fp32.
+        self.router_de = _init(rngs, (d, e), pd, ("embed", None), read_dtype="float32")
         self.gate_edf = _init(rngs, (e, d, f), pd, ("expert", "embed", "expert_mlp"))
         self.up_edf = _init(rngs, (e, d, f), pd, ("expert", "embed", "expert_mlp"))
         self.down_efd = _init(rngs, (e, f, d), pd, ("expert", "expert_mlp", "embed"))

@@ -78,8 +78,15 @@ class SpadeConfig:
         boxed actions) or "paper" (``class Environment``).
       baseline: "none" (SPADE) or a fixed-environment baseline on the reasoning-gym pool.
       docs_per_prompt / max_doc_chars: corpus documents per designer prompt, characters kept.
+      max_doc_words: words kept from each document before the character cut (0 = no word
+        cut; recipe 6000).
       memory_capacity: environments the memory keeps (recipe: 200).
-      memory_examples: memory records shown per designer prompt.
+      memory_examples: memory records shown per designer prompt (with memory_selection
+        "recipe": games to build on, besides one game to avoid).
+      memory_selection: ``MemoryConfig.selection``: "regime" (examples by regime, the
+        lowest-priority regime evicted first) or "recipe" (the top 10 by regret among games
+        with win rate in [0.15, 0.85], one too easy or too hard game to avoid, first in,
+        first out).
       memory_train_envs: memory games replayed for agent training every round.
       learnable_window: rounds in the learnable-share window (the paper: 16).
       eval_every: run the held-out suites every N rounds (0 = never).
@@ -120,7 +127,9 @@ class SpadeConfig:
     baseline: str = "none"
     docs_per_prompt: int = 1
     max_doc_chars: int = 1500
+    max_doc_words: int = 0
     memory_capacity: int = 512
+    memory_selection: str = "regime"
     memory_examples: int = 2
     memory_train_envs: int = 0
     learnable_window: int = 16
@@ -137,14 +146,20 @@ class SpadeConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"spade.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("hint_plays", "designer_delay", "docs_per_prompt", "memory_examples",
-                     "memory_train_envs", "eval_every", "max_doc_chars", "skills_per_window",
+                     "memory_train_envs", "eval_every", "max_doc_chars", "max_doc_words",
+                     "skills_per_window",
                      "probe_episodes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"spade.{name} must be >= 0, got {getattr(self, name)}")
         if self.envs_per_round % self.designer_group_size:
             raise ValueError(f"spade.envs_per_round ({self.envs_per_round}) must be a multiple "
                              f"of spade.designer_group_size ({self.designer_group_size})")
+        from spade_jax.spade.memory import SELECTIONS
         from spade_jax.spade.skills import SKILL_SETS
+
+        if self.memory_selection not in SELECTIONS:
+            raise ValueError(f"spade.memory_selection must be one of {SELECTIONS}, "
+                             f"got {self.memory_selection!r}")
 
         if self.skills not in SKILL_SETS:
             raise ValueError(f"spade.skills must be one of {sorted(SKILL_SETS)}, got {self.skills!r}")

@@ -127,15 +127,17 @@ class Designer:
         others to avoid) or the paper's ``class Environment`` with a hint."""
         cfg = self.config
         if cfg.contract == "reference":
-            good = [e for e in examples if e["regime"] == "frontier"]
-            bad = [e for e in examples if e["regime"] != "frontier"]
+            good = [e for e in examples if e["build_on"]]
+            bad = [e for e in examples if not e["build_on"]]
             system = reference_designer_system_prompt(self.max_turns)
             user = reference_designer_user_prompt(skill, documents, good, bad,
-                                                  max_doc_chars=cfg.max_doc_chars)
+                                                  max_doc_chars=cfg.max_doc_chars,
+                                                  max_doc_words=cfg.max_doc_words)
         else:
             system = DESIGNER_SYSTEM_PROMPTS[cfg.prompt_style]
             user = designer_user_prompt(skill, documents, examples,
-                                        max_doc_chars=cfg.max_doc_chars)
+                                        max_doc_chars=cfg.max_doc_chars,
+                                        max_doc_words=cfg.max_doc_words)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def _prompt_draws(self, skills: Sequence[str]) -> tuple[list[list[Document]],
@@ -149,8 +151,9 @@ class Designer:
                 slot_docs = self.corpus_sampler.sample(cfg.docs_per_prompt)
             slot_examples = []
             if cfg.use_memory and self.memory.records and cfg.memory_examples:
-                slot_examples = [_memory_example(r) for r in
-                                 self.memory.sample_for_prompt(cfg.memory_examples, skill)]
+                build_on, avoid = self.memory.prompt_examples(cfg.memory_examples, skill)
+                slot_examples = ([_memory_example(r, True) for r in build_on]
+                                 + [_memory_example(r, False) for r in avoid])
             docs.append(slot_docs)
             examples.append(slot_examples)
         return agreement.agree_prompt_draws(docs, examples)
@@ -300,8 +303,10 @@ def _sample(att: Attempt, env_id: str | None) -> DesignerSample:
                           env_id=env_id, verdict=att.verdict, routing=att.routing)
 
 
-def _memory_example(record: EnvironmentRecord) -> dict[str, Any]:
+def _memory_example(record: EnvironmentRecord, build_on: bool) -> dict[str, Any]:
+    """A memory record as a prompt example; ``build_on``: shown as a game to build on
+    (else as one to avoid)."""
     return {"program": record.program_source, "hint": record.hint, "regime": str(record.regime),
-            "win_rate": record.win_rate_no_hint, "regret": record.regret}
+            "win_rate": record.win_rate_no_hint, "regret": record.regret, "build_on": build_on}
 
 

@@ -25,6 +25,8 @@ import numpy as np
 
 from spade_jax.spade.reward import DesignerReward, DesignerRewardConfig, Regime, classify_regime
 
+SELECTIONS = ("regime", "recipe")
+
 # Lower value = evicted first.
 _EVICTION_PRIORITY = {Regime.INTRACTABLE: 0, Regime.MASTERED: 1, Regime.FRONTIER: 2}
 
@@ -118,6 +120,16 @@ class MemoryConfig:
       regimes: thresholds of the frontier / mastered / intractable classification
         (``frontier_regret``, ``mastered_return``); the loop classifies with them whatever
         the designer reward rule is.
+      selection: how designer-prompt examples are chosen and records evicted.
+        "regime": examples by regime (``negative_example_fraction`` of them mastered or
+        intractable, the rest frontier, uniformly), the lowest-priority regime's oldest
+        record evicted first. "recipe" (the published recipe's memory): the examples to
+        build on are drawn uniformly from the top ``max(3 * num, top_pool)`` records by
+        regret among those whose no-hint win rate lies in ``build_on_win_rate``; then
+        ``recipe_negatives`` records whose win rate lies outside ``avoid_win_rate`` (too
+        easy or too hard); first in, first out eviction.
+      build_on_win_rate / avoid_win_rate / top_pool / recipe_negatives: the "recipe"
+        selection's settings (recipe: [0.15, 0.85], outside [0.1, 0.9], 10, 1).
     """
 
     capacity: int = 512
@@ -127,10 +139,27 @@ class MemoryConfig:
     )
     seed: int = 0
     regimes: DesignerRewardConfig = dataclasses.field(default_factory=DesignerRewardConfig)
+    selection: str = "regime"
+    build_on_win_rate: tuple[float, float] = (0.15, 0.85)
+    avoid_win_rate: tuple[float, float] = (0.1, 0.9)
+    top_pool: int = 10
+    recipe_negatives: int = 1
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"MemoryConfig.capacity must be >= 1, got {self.capacity}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"MemoryConfig.selection must be one of {SELECTIONS}, "
+                             f"got {self.selection!r}")
+        for name in ("build_on_win_rate", "avoid_win_rate"):
+            low, high = getattr(self, name)
+            if not 0.0 <= low <= high <= 1.0:
+                raise ValueError(f"MemoryConfig.{name} must be (low, high) with "
+                                 f"0 <= low <= high <= 1, got {getattr(self, name)}")
+            object.__setattr__(self, name, (float(low), float(high)))
+        if self.top_pool < 1 or self.recipe_negatives < 0:
+            raise ValueError("MemoryConfig.top_pool must be >= 1 and recipe_negatives >= 0, "
+                             f"got {self.top_pool}, {self.recipe_negatives}")
         if not 0.0 <= self.negative_example_fraction <= 1.0:
             raise ValueError(
                 "MemoryConfig.negative_example_fraction must be in [0, 1], "
@@ -181,10 +210,13 @@ class EnvironmentMemory:
             raise ValueError(f"environment {record.env_id!r} is already in memory; use update()")
         evicted = None
         if len(self._records) >= self.config.capacity:
-            victim = min(
-                self._records.values(),
-                key=lambda r: (_EVICTION_PRIORITY[r.regime], r.last_evaluated_round),
-            )
+            if self.config.selection == "recipe":  # first in, first out
+                victim = next(iter(self._records.values()))
+            else:
+                victim = min(
+                    self._records.values(),
+                    key=lambda r: (_EVICTION_PRIORITY[r.regime], r.last_evaluated_round),
+                )
             evicted = self._records.pop(victim.env_id)
             self.evicted_total += 1
         self._records[record.env_id] = record
@@ -221,24 +253,47 @@ class EnvironmentMemory:
         ]
 
     def sample_for_prompt(self, num: int, skill: str | None = None) -> list[EnvironmentRecord]:
-        """Up to `num` distinct records for a designer prompt.
+        """Up to `num` distinct records for a designer prompt (see :meth:`prompt_examples`;
+        the examples to build on first)."""
+        build_on, avoid = self.prompt_examples(num, skill)
+        return build_on + avoid
 
-        `round(num * negative_example_fraction)` come from mastered + intractable records,
-        the rest uniformly from frontier records (no trend-based selection); a pool that
-        runs short is topped up from the other one.
+    def prompt_examples(self, num: int, skill: str | None = None
+                        ) -> tuple[list[EnvironmentRecord], list[EnvironmentRecord]]:
+        """(records to build on, records to avoid) for a designer prompt, by ``selection``.
+
+        "regime": `num` records in all, `round(num * negative_example_fraction)` of them
+        mastered or intractable (to avoid), the rest frontier, uniformly; a pool that runs
+        short is topped up from the other one. "recipe": up to `num` to build on and up to
+        ``recipe_negatives`` to avoid (see :class:`MemoryConfig`); nothing is topped up.
         """
         if num < 1:
             raise ValueError(f"num must be >= 1, got {num}")
         rng = self._rng()
+        if self.config.selection == "recipe":
+            return self._recipe_examples(rng, num, skill)
         frontier = self._candidates(skill, [Regime.FRONTIER])
         negatives = self._candidates(skill, [Regime.MASTERED, Regime.INTRACTABLE])
         want_negative = round(num * self.config.negative_example_fraction)
         take_negative = min(want_negative, len(negatives))
         take_frontier = min(num - take_negative, len(frontier))
         take_negative = min(num - take_frontier, len(negatives))  # top up from negatives
-        chosen = [frontier[i] for i in rng.permutation(len(frontier))[:take_frontier]]
-        chosen += [negatives[i] for i in rng.permutation(len(negatives))[:take_negative]]
-        return chosen
+        return ([frontier[i] for i in rng.permutation(len(frontier))[:take_frontier]],
+                [negatives[i] for i in rng.permutation(len(negatives))[:take_negative]])
+
+    def _recipe_examples(self, rng: np.random.Generator, num: int, skill: str | None
+                         ) -> tuple[list[EnvironmentRecord], list[EnvironmentRecord]]:
+        records = self._candidates(skill, list(Regime))
+        low, high = self.config.build_on_win_rate
+        eligible = [r for r in records if low <= r.win_rate_no_hint <= high]
+        # A stable sort: ties in regret keep arrival order, so the pool is reproducible.
+        eligible.sort(key=lambda r: -r.regret)
+        pool = eligible[: max(3 * num, self.config.top_pool)]
+        build_on = [pool[i] for i in rng.permutation(len(pool))[:num]]
+        too_hard, too_easy = self.config.avoid_win_rate
+        bad = [r for r in records if not too_hard <= r.win_rate_no_hint <= too_easy]
+        avoid = [bad[i] for i in rng.permutation(len(bad))[: self.config.recipe_negatives]]
+        return build_on, avoid
 
     def sample_for_training(
         self, num: int, skill: str | None = None, replace: bool = False

@@ -178,14 +178,16 @@ def reference_designer_user_prompt(
     *,
     max_doc_chars: int,
     max_program_chars: int = 4000,
+    max_doc_words: int = 0,
 ) -> str:
     """The per-slot request for one reference-contract game.
 
     Args:
       skill: a skill name from `spade_jax.spade.skills` or a `Skill` (its description is
         shown).
-      documents: corpus documents (str or objects with `.text`), each cut to
-        `max_doc_chars`; empty for the corpus-free style.
+      documents: corpus documents (str or objects with `.text`), each cut to its first
+        `max_doc_words` words (0 = no word cut; the recipe: 6000) and to `max_doc_chars`;
+        empty for the corpus-free style.
       good_examples / bad_examples: earlier games to build on / to avoid, as mappings with
         the program (`program_source`, `program` or `source`), `win_rate` (or
         `win_rate_no_hint`) and `regret`; each program cut to `max_program_chars`.
@@ -195,7 +197,7 @@ def reference_designer_user_prompt(
     parts = [f"Design one new game that trains the skill '{resolved.name}': "
              f"{resolved.description}."]
     parts += _document_parts(
-        documents, max_doc_chars,
+        documents, max_doc_chars, max_doc_words,
         "Source material, drawn fresh for this request. Build the game around an idea, "
         "quantity or procedure from it; do not copy it.")
     headings = (
@@ -270,6 +272,7 @@ def designer_user_prompt(
     *,
     max_doc_chars: int,
     max_program_chars: int = 4000,
+    max_doc_words: int = 0,
 ) -> str:
     """The per-slot request to the designer: the skill, grounding documents, memory.
 
@@ -285,12 +288,14 @@ def designer_user_prompt(
         intractable = too hard or broken. Pass an empty list for the no-memory ablation.
       max_doc_chars: most characters kept from each document (>= 1).
       max_program_chars: most characters kept from each memory program (>= 1).
+      max_doc_words: most words kept from each document before the character cut
+        (0 = no word cut; the recipe: 6000).
     """
     _check_limits(max_doc_chars, max_program_chars)
     resolved = _resolve_skill(skill)
     parts = [f"Design one new environment for the skill '{resolved.name}': {resolved.description}."]
     parts += _document_parts(
-        documents, max_doc_chars,
+        documents, max_doc_chars, max_doc_words,
         "Reference documents, sampled fresh for this request. Ground the environment in "
         "a concept, quantity or procedure from them; do not copy them.")
     examples = [_memory_example(example, index) for index, example in enumerate(memory_examples)]
@@ -376,14 +381,34 @@ def _check_limits(max_doc_chars: int, max_program_chars: int) -> None:
         raise ValueError(f"max_program_chars must be >= 1, got {max_program_chars}")
 
 
-def _document_parts(documents: Sequence[Any], max_doc_chars: int, intro: str) -> list[str]:
+def _document_parts(documents: Sequence[Any], max_doc_chars: int, max_doc_words: int,
+                    intro: str) -> list[str]:
     """The documents section of a designer request: ``intro``, then each document cut to
-    ``max_doc_chars``; nothing without documents (the corpus-free style)."""
+    its first ``max_doc_words`` words (0: no word cut) and to ``max_doc_chars``; nothing
+    without documents (the corpus-free style)."""
     if not documents:
         return []
-    return [intro] + [
-        f"[Document {index}]\n{_truncate(_document_text(d, index).strip(), max_doc_chars)}"
-        for index, d in enumerate(documents, start=1)]
+    if max_doc_words < 0:
+        raise ValueError(f"max_doc_words must be >= 0, got {max_doc_words}")
+    texts = [_document_text(d, index).strip() for index, d in enumerate(documents, start=1)]
+    if max_doc_words:
+        texts = [_first_words(text, max_doc_words) for text in texts]
+    return [intro] + [f"[Document {index}]\n{_truncate(text, max_doc_chars)}"
+                      for index, text in enumerate(texts, start=1)]
+
+
+def _first_words(text: str, limit: int) -> str:
+    """``text`` up to the end of its ``limit``-th whitespace-separated word (line breaks
+    kept), marked as truncated when words were dropped."""
+    words = re.finditer(r"\S+", text)
+    end = None
+    for count, word in enumerate(words, start=1):
+        if count == limit:
+            end = word.end()
+            break
+    if end is None or not text[end:].strip():
+        return text
+    return text[:end] + "\n[... truncated]"
 
 
 def _truncate(text: str, limit: int) -> str:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from spade_jax import storage
+
 CONDITIONS = ("unmodified", "steered", "random-control", "prompt-control")
 ANSWER_MARKERS = ("\\boxed{", "<answer>", "answer is", "Answer:")
 
@@ -85,15 +87,20 @@ def markdown_table(rows: Sequence[dict[str, object]], title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(rows: Sequence[dict[str, object]], out_dir: str | Path, title: str) -> None:
-    """``results.md``, ``results.csv`` and ``results.png`` (token change and accuracy delta)."""
+def write_table(rows: Sequence[dict[str, object]], out_dir: storage.PathLike,
+                title: str) -> None:
+    """``results.md``, ``results.csv`` and ``results.png`` (token change and accuracy delta)
+    in ``out_dir``, a local folder or ``gs://...``."""
+    with storage.MirroredDir(out_dir) as mirror:
+        _write_table_files(rows, mirror.local, title)
+
+
+def _write_table_files(rows: Sequence[dict[str, object]], out: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(markdown_table(rows, title))
     with (out / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -109,11 +109,12 @@ def test_rl_step_estimate_adds_up():
 
 @pytest.fixture(scope="module")
 def fsdp_plan():
-    """The tiny MoE with its parameters FSDP-sharded over a 4-chip v4-8: decode compiled
-    in the train layout and the decode layout."""
+    """The tiny MoE with its parameters FSDP-sharded over a 4-chip v4-8, computing in bf16
+    as the recipes do: decode compiled in the train layout and the decode layout."""
     config = aot.AotConfig(experiment="tiny", topology="v4-8", sample_batch=8, prompt_len=32,
                            new_tokens=16, programs=("decode",),
-                           overrides=("mesh.data=1", "mesh.fsdp=4"))
+                           overrides=("mesh.data=1", "mesh.fsdp=4", "model.dtype='bfloat16'",
+                                      "train.compute_dtype='bfloat16'"))
     return config, aot.plan(config)
 
 
@@ -141,6 +142,16 @@ def test_decode_layout_gathers_no_weights_per_token(fsdp_plan):
     assert auto.reshard_hlo_bytes >= auto.reshard_bytes > 0 == train.reshard_hlo_bytes
     assert result.reshard_seconds(auto) == pytest.approx(
         auto.reshard_bytes / result.topology.chip.ici_bandwidth)
+    # The sampler's copy in the compute dtype (``mesh.decode_param_dtype="compute"``): bf16
+    # but the MoE routers (read in fp32); the train layout reads the fp32 master. The
+    # compiled copy's arguments are its bf16 shard: half the master's bytes on the chip.
+    router = arch.num_layers * arch.hidden_size * arch.num_experts
+    total = arch.param_count()
+    assert auto.param_itemsize == pytest.approx((2 * total + 2 * router) / total)
+    assert train.param_itemsize == 4
+    assert auto.reshard_bytes == pytest.approx(cost.reshard_bytes(
+        arch, cost.parallelism(result.mesh_shape, 4), cost.parallelism(auto.mesh_shape, 4),
+        auto.param_itemsize))
     assert [r.layout for r in result.rl_steps] == ["train", "auto"]
     text = aot.format_plan(result)
     assert "decode mesh data2xtensor2" in text and "RL step estimate (auto layout" in text

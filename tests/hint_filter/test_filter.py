@@ -132,6 +132,33 @@ def test_resume_skips_finished_chunks_and_torn_lines(tmp_path):
         run_filter(script, tasks, tmp_path / "run", other, progress=False)
 
 
+def test_progress_and_outputs_in_a_bucket_resume_like_a_local_run(tmp_path, gcs, monkeypatch):
+    """--out=gs://...: the progress file is uploaded after every chunk, so a run that dies
+    resumes from the bucket without re-sampling finished chunks and equals an uninterrupted
+    local run; the outputs land in the bucket, equal to the local ones, and nothing is
+    written to a local ``gs:`` directory."""
+    from etils import epath
+
+    gcs.create_bucket("outs")
+    monkeypatch.chdir(tmp_path)  # a wrong local write would land here, as ./gs:/...
+    tasks = load_filter_tasks(_tasks_file(tmp_path / "tasks.jsonl", extra=6))  # 12 tasks
+    config = FilterConfig(samples_hint=8, samples_no_hint=8, chunk_size=3)
+    scripted = ScriptedPolicy.from_json(_script())
+    reference = run_filter(scripted, tasks, tmp_path / "filter", config, progress=False)
+    with pytest.raises(_Crash):  # dies in chunk 2, after chunks 0 and 1 were uploaded
+        run_filter(_CountingPolicy(scripted, crash_after=5), tasks, "gs://outs/filter", config,
+                   progress=False)
+    assert len(epath.Path("gs://outs/filter/progress.jsonl").read_text().splitlines()) == 6
+    resumed = _CountingPolicy(scripted)
+    assert run_filter(resumed, tasks, "gs://outs/filter", config, progress=False) == reference
+    assert len(resumed.prompts) == 4  # two chunks left, two arms each
+    summary = write_outputs(tasks, reference, "gs://outs/filter", config)
+    assert summary == write_outputs(tasks, reference, tmp_path / "filter", config)
+    assert epath.Path("gs://outs/filter/frontier.jsonl").read_text() == (
+        tmp_path / "filter" / "frontier.jsonl").read_text()
+    assert not (tmp_path / "gs:").exists()
+
+
 def _cli(*args: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "spade_jax.filter", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)

@@ -17,9 +17,6 @@ would set them, so ``distributed.maybe_initialize()`` is exercised too.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +24,6 @@ from typing import Any
 import gymnasium
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_HOSTS = 2
 # Every test reads the one two-process JAX run of the `hosts` fixture.
 pytestmark = pytest.mark.slow
@@ -332,32 +328,12 @@ def _worker(out_dir: Path) -> None:
 
 
 # ---- the test (runs under pytest) ----------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_hosts(out_dir: Path) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs = []
-    for host in range(NUM_HOSTS):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(REPO),
-                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   JAX_NUM_PROCESSES=str(NUM_HOSTS), JAX_PROCESS_ID=str(host))
-        procs.append(subprocess.Popen([sys.executable, __file__, str(out_dir)], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=120)[0])
-    finally:
-        for proc in procs:  # one host failing leaves the other waiting in a collective
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for host, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"host {host} exited {proc.returncode}:\n{log[-3000:]}"
+    import multiproc
+
+    multiproc.run_processes([[sys.executable, __file__, str(out_dir)]] * NUM_HOSTS,
+                            multiproc.host_envs(NUM_HOSTS),
+                            [f"host {h}" for h in range(NUM_HOSTS)], timeout=120)
     return [json.loads((out_dir / f"host{h}.json").read_text()) for h in range(NUM_HOSTS)]
 
 

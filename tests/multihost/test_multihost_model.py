@@ -19,9 +19,6 @@ The same file is the worker: ``python tests/multihost/test_multihost_model.py CK
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +26,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_HOSTS, DEVICES_PER_HOST = 2, 2
 EOS = 0
 
@@ -175,45 +171,19 @@ def _worker(checkpoint: Path, out_dir: Path) -> None:
 
 
 # ---- the test ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(checkpoint: Path, out_dir: Path, devices: int, extra: dict[str, str]):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
-    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        if key not in extra:
-            env.pop(key, None)
-    return subprocess.Popen([sys.executable, __file__, str(checkpoint), str(out_dir)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    import multiproc
     from tiny_hf import make_hf_model
 
     root = tmp_path_factory.mktemp("multihost_model")
     make_hf_model("moe", root / "ckpt", seed=3)
-    port = _free_port()
-    procs = [_launch(root / "ckpt", root, NUM_HOSTS * DEVICES_PER_HOST, {})]
-    procs += [_launch(root / "ckpt", root, DEVICES_PER_HOST,
-                      {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-                       "JAX_NUM_PROCESSES": str(NUM_HOSTS), "JAX_PROCESS_ID": str(h)})
-              for h in range(NUM_HOSTS)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=600)[0])
-    finally:
-        for proc in procs:  # one host failing leaves the other waiting in a collective
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for name, proc, log in zip(("reference", "host 0", "host 1"), procs, logs, strict=True):
-        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{log[-4000:]}"
+    command = [sys.executable, __file__, str(root / "ckpt"), str(root)]
+    multiproc.run_processes(
+        [command] * (1 + NUM_HOSTS),
+        [multiproc.jax_env(NUM_HOSTS * DEVICES_PER_HOST),
+         *multiproc.host_envs(NUM_HOSTS, DEVICES_PER_HOST)],
+        ["reference", *(f"host {h}" for h in range(NUM_HOSTS))], timeout=600)
     read = lambda name: json.loads((root / name).read_text())  # noqa: E731
     return root, read("reference.json"), [read(f"host{h}.json") for h in range(NUM_HOSTS)]
 

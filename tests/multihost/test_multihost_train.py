@@ -13,50 +13,23 @@ array (``np.asarray`` on an array spanning both processes).
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
+import multiproc
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_train_command_on_two_processes(tmp_path):
     workdir = tmp_path / "run"
-    port = _free_port()
     overrides = ["spade.rounds=1", "warm_start.steps=0", "spade.eval_every=0",
                  "spade.designer_mode='fixed_pool'", "agent.max_turns=1",
                  "agent.max_turn_tokens=8"]
     command = [sys.executable, "-m", "spade_jax.train", "--experiment=tiny",
                f"--workdir={workdir}"] + [f"--set={o}" for o in overrides]
-    procs = []
-    for host in range(2):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(REPO),
-                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(host), SPADE_JAX_CACHE=str(tmp_path / "cache"))
-        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=900)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for host, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"host {host} exited {proc.returncode}:\n{log[-4000:]}"
+    logs = multiproc.run_processes(
+        [command] * 2, multiproc.host_envs(2, SPADE_JAX_CACHE=str(tmp_path / "cache")),
+        ["host 0", "host 1"], timeout=900)
     # Process 0's report and metrics; the round really ran on both hosts' episodes.
     assert (workdir / "report.md").read_text().startswith("# SPADE run: tiny")
     (line,) = (workdir / "metrics.jsonl").read_text().splitlines()

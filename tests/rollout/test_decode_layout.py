@@ -1,6 +1,8 @@
 """The sampler's decode layout (``MeshConfig.decode_layout``): the trained weights resharded
 once per step onto a mesh without FSDP give the tokens and log-probs of the trainer's
-layout, on 8 simulated CPU devices."""
+layout, on 8 simulated CPU devices; the copy in the compute dtype
+(``MeshConfig.decode_param_dtype``) gives exactly the master parameters' tokens and
+log-probs."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ import tiny_hf
 from flax import nnx
 
 from spade_jax import sharding
-from spade_jax.models import ModelOptions, load_hf, preset
+from spade_jax.models import ModelOptions, abstract_model, load_hf, preset
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.engine import Request, SlotEngine
 from spade_jax.rollout.sampler import sample
-from spade_jax.run import decode_policy
+from spade_jax.run import decode_cast_dtype, decode_policy
 
 needs_8 = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -44,6 +46,36 @@ def test_decode_mesh_shapes(name, mesh, decode, want):
 def test_bad_decode_layout_is_named():
     with pytest.raises(ValueError, match="decode_layout"):
         sharding.MeshConfig(decode_layout="fast")
+    with pytest.raises(ValueError, match="decode_param_dtype"):
+        sharding.MeshConfig(decode_param_dtype="bfloat16")
+
+
+def _dtypes(params) -> dict[str, str]:
+    return {"/".join(map(str, k)): np.dtype(v.get_value().dtype).name
+            for k, v in nnx.to_flat_state(params)}
+
+
+@pytest.mark.parametrize("compute, stored, want", [
+    ("bfloat16", "float32", "bfloat16"),  # the recipes: bf16 compute, fp32 master
+    ("float32", "float32", "float32"),  # nothing narrower to read
+    ("float32", "bfloat16", "bfloat16"),  # never widened
+])
+def test_cast_for_decode_stores_what_the_forward_reads(compute, stored, want):
+    """Every weight in its read dtype; the MoE router, read in fp32 (``x.astype(float32) @
+    router.astype(float32)``), keeps its stored dtype. Tied and untied heads, scanned and
+    listed layers, a shared expert and biases."""
+    moe = preset("bench_moe_17m")
+    for arch, scan in ((moe, True),
+                       (moe.replace(shared_expert_intermediate_size=64, qkv_bias=True), False),
+                       (preset("qwen3_4b"), False)):  # dense, tied embeddings (abstract)
+        options = ModelOptions(dtype=compute, param_dtype=stored, scan_layers=scan)
+        params = nnx.split(abstract_model(arch, options))[1]
+        got = _dtypes(jax.eval_shape(lambda p: sharding.cast_for_decode(p, compute), params))
+        router = {k for k in got if k.endswith("router_de")}
+        assert len(router) == (arch.num_layers if arch.is_moe and not scan else int(arch.is_moe))
+        assert {got[k] for k in router} <= {stored}
+        assert {v for k, v in got.items() if k not in router} == {want}
+        assert _dtypes(sharding.cast_for_decode(params, None)) == _dtypes(params)
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +170,72 @@ def test_decode_policy_reshards_once_per_train_state(placed):
                                     train_mesh, graphdef, holder, cfg)
     assert same_mesh is train_mesh
     assert jax.tree.leaves(nnx.split(same())[1])[0] is jax.tree.leaves(params)[0]
+
+
+def _tiny_on_train_mesh(kind: str, tmp_path, options: ModelOptions):
+    """A tiny HF model (fp32 master weights) on the trainer's mesh, built for ``options``."""
+    tiny_hf.make_hf_model(kind, tmp_path, eos_token_id=None, num_hidden_layers=2)
+    train_mesh = sharding.make_mesh(TRAIN)
+    model, cfg = load_hf(tmp_path, mesh=train_mesh, options=options)
+    graphdef = nnx.graphdef(abstract_model(cfg, options))  # compute in options.dtype
+    return graphdef, nnx.split(model)[1], train_mesh, cfg
+
+
+class _State:  # a train state: only .params is read
+    def __init__(self, params):
+        self.params = params
+
+
+@pytest.mark.slow  # ~30 s per model: compiles the sampler twice on the decode mesh
+@needs_8
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_compute_dtype_copy_samples_exactly_as_the_master(kind, tmp_path):
+    """The recipes' options (bf16 compute, fp32 master; the 30B recipe's expert-parallel
+    dispatch): the run's decode copy in bf16 (router fp32) samples the same tokens and the
+    same log-probs, bit for bit, as the fp32 master parameters on the same decode mesh."""
+    options = ModelOptions(dtype="bfloat16", param_dtype="float32", moe_impl="expert_parallel")
+    graphdef, params, train_mesh, cfg = _tiny_on_train_mesh(kind, tmp_path, options)
+    holder = {"state": _State(params)}
+    policies = {name: decode_policy(dataclasses.replace(TRAIN, decode_param_dtype=name),
+                                    train_mesh, graphdef, holder, cfg)
+                for name in ("compute", "master")}
+    (compute, mesh), (master, master_mesh) = policies["compute"], policies["master"]
+    assert dict(mesh.shape) == dict(master_mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2,
+                                                           "expert": 2}
+    copy = _dtypes(nnx.split(compute())[1])
+    assert set(_dtypes(nnx.split(master())[1]).values()) == {"float32"}
+    assert {k: v for k, v in copy.items() if v != "bfloat16"} == (
+        {f"layers/{i}/moe/router_de": "float32" for i in range(2)} if kind == "moe" else {})
+    config = SamplerConfig(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=3,
+                           chunk_steps=0, compact_batch=False)
+    got = sample(compute(), PROMPTS, config, mesh=mesh)
+    want = sample(master(), PROMPTS, config, mesh=master_mesh)
+    assert got.tokens == want.tokens and all(len(t) == 12 for t in got.tokens)
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the copy really is what sampled: its bf16 weights are the master's, rounded
+    for a, b in zip(jax.tree.leaves(nnx.split(compute())[1]), jax.tree.leaves(params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(a.dtype))
+
+
+@needs_8
+def test_mixed_or_fp32_compute_model_keeps_the_master_dtype(tmp_path):
+    """fp32 compute: nothing to narrow. A mixed model (built in fp32, then its top-level
+    ``options.dtype`` set to bf16, as ``run.build_model`` does for a checkpoint: its layers
+    still read their weights in fp32) keeps every weight fp32, values unchanged."""
+    fp32 = ModelOptions(moe_impl="expert_parallel")
+    graphdef, params, train_mesh, cfg = _tiny_on_train_mesh("moe", tmp_path, fp32)
+    mixed = nnx.merge(graphdef, params)
+    mixed.options = dataclasses.replace(mixed.options, dtype="bfloat16")
+    bf16 = abstract_model(cfg, dataclasses.replace(fp32, dtype="bfloat16"))
+    assert decode_cast_dtype(bf16, TRAIN) == np.dtype("bfloat16")
+    assert decode_cast_dtype(bf16, dataclasses.replace(TRAIN, decode_param_dtype="master")) is None
+    assert decode_cast_dtype(mixed, TRAIN) is None
+    assert decode_cast_dtype(nnx.merge(graphdef, params), TRAIN) == np.dtype("float32")
+    for graph in (graphdef, nnx.graphdef(mixed)):
+        policy, _ = decode_policy(TRAIN, train_mesh, graph, {"state": _State(params)}, cfg)
+        copy = nnx.split(policy())[1]
+        assert set(_dtypes(copy).values()) == {"float32"}
+        for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,6 +1,7 @@
 """Environment memory: capacity policy, sampling for prompts and training, resume."""
 
 import collections
+import dataclasses
 import json
 
 import numpy as np
@@ -163,3 +164,94 @@ def test_bad_config_and_state_raise():
         EnvironmentMemory(MemoryConfig(capacity=5)).load_state_dict(big.state_dict())
     with pytest.raises(ValueError, match="missing 'records'"):
         EnvironmentMemory().load_state_dict({"draws": 0})
+
+
+def _scored(env_id, skill, regret, win_rate, round_index=0):
+    """A record with exactly these statistics (the recipe selection reads only them)."""
+    reward = designer_reward([1.0], [0.0])
+    return dataclasses.replace(
+        EnvironmentRecord.from_reward(env_id, f"class G{env_id}Env:\n    pass\n", "", skill,
+                                      round_index, reward),
+        regret=regret, win_rate_no_hint=win_rate)
+
+
+def test_recipe_selection_is_the_top_ten_by_regret_in_the_win_rate_window_plus_one_negative():
+    """Re-derived from the statistics: the games to build on come from the 10 same-skill
+    records with the highest regret among those with win rate in [0.15, 0.85], every one
+    of the 10 is drawn some time and no other; the game to avoid is a same-skill record
+    with win rate < 0.1 or > 0.9."""
+    rng = np.random.default_rng(3)
+    memory = EnvironmentMemory(MemoryConfig(capacity=200, seed=5, selection="recipe"))
+    stats = {}
+    for i in range(60):
+        skill = ("math", "logic")[i % 2]
+        regret, win_rate = float(rng.uniform(-0.5, 1.0)), float(rng.choice(
+            [rng.uniform(0, 1), 0.15, 0.85, 0.05, 0.95]))
+        memory.add(_scored(f"e{i}", skill, regret, win_rate))
+        stats[f"e{i}"] = (skill, regret, win_rate)
+    window = sorted((e for e, (s, _, w) in stats.items() if s == "math" and 0.15 <= w <= 0.85),
+                    key=lambda e: -stats[e][1])
+    top10 = set(window[:10])
+    assert len(window) > 10  # the cut matters
+    outside = {e for e, (s, _, w) in stats.items() if s == "math" and (w < 0.1 or w > 0.9)}
+    assert outside
+    seen_good, seen_bad = set(), set()
+    for _ in range(200):
+        good, bad = memory.prompt_examples(2, skill="math")
+        assert len(good) == 2 and len({r.env_id for r in good}) == 2 and len(bad) == 1
+        seen_good |= {r.env_id for r in good}
+        seen_bad |= {r.env_id for r in bad}
+    assert seen_good == top10
+    assert seen_bad == outside
+    # the pool is max(3 * num, 10): 4 games to build on come from the top 12
+    seen = set()
+    for _ in range(300):
+        seen |= {r.env_id for r in memory.prompt_examples(4, skill="math")[0]}
+    assert seen == set(window[:12])
+    # nothing is topped up from elsewhere when a pool is empty
+    lonely = EnvironmentMemory(MemoryConfig(seed=0, selection="recipe"))
+    lonely.add(_scored("easy", "math", 0.9, 0.99))
+    assert lonely.prompt_examples(2, skill="math") == ([], [lonely["easy"]])
+    assert lonely.sample_for_prompt(2, skill="logic") == []
+
+
+def test_recipe_memory_evicts_first_in_first_out():
+    memory = EnvironmentMemory(MemoryConfig(capacity=3, selection="recipe"))
+    for i, regime in enumerate([Regime.FRONTIER, Regime.INTRACTABLE, Regime.MASTERED]):
+        memory.add(_record(f"e{i}", regime, round_index=i))
+    evicted = memory.add(_record("e3", Regime.INTRACTABLE, round_index=3))
+    assert evicted.env_id == "e0"  # the oldest, although it is frontier
+    assert [r.env_id for r in memory.records] == ["e1", "e2", "e3"]
+    with pytest.raises(ValueError, match="selection must be one of"):
+        MemoryConfig(selection="best")
+    with pytest.raises(ValueError, match="build_on_win_rate"):
+        MemoryConfig(selection="recipe", build_on_win_rate=(0.9, 0.1))
+
+
+def test_designer_prompt_shows_recipe_picks_by_role_not_regime():
+    """With the recipe selection, a game picked to build on is shown under "build on" even
+    when the regret thresholds call it mastered, and the pick to avoid under "avoid"."""
+    from spade_jax.spade.config import SpadeConfig
+    from spade_jax.spade.design import Designer, slot_skills
+
+    config = SpadeConfig(use_corpus=False, docs_per_prompt=0, memory_examples=2,
+                         memory_selection="recipe", contract="reference")
+    skill = slot_skills(config, 0)[0]
+    memory = EnvironmentMemory(MemoryConfig(seed=1, selection="recipe"))
+    build_on = _scored("keep", skill, regret=0.05, win_rate=0.6)  # small regret: not frontier
+    memory.add(dataclasses.replace(build_on, regime=Regime.MASTERED))
+    memory.add(dataclasses.replace(_scored("avoid", skill, regret=0.0, win_rate=1.0),
+                                   regime=Regime.MASTERED))
+    chats = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **_):
+            chats.append(messages)
+            return [0]
+
+    designer = Designer(config, tokenizer=Tokenizer(), pool=None, generate=None,
+                        corpus_sampler=None, memory=memory, seed=0, max_turns=4)
+    designer.prompts(0)
+    user = chats[0][1]["content"]
+    good_at, bad_at = user.index("sat at the agent's frontier"), user.index("taught little")
+    assert good_at < user.index("class GkeepEnv") < bad_at < user.index("class GavoidEnv")

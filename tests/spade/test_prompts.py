@@ -524,6 +524,24 @@ def test_designer_user_prompts_are_pinned_byte_for_byte():
     assert texts[2].count("[Document ") == 2 and "C = 3C = 3" in texts[2]
 
 
+def test_documents_are_cut_to_words_then_characters():
+    """The recipe cuts a document to its first 6000 words: ``max_doc_words`` keeps the
+    text up to the end of the n-th word (line breaks kept), before the character cut."""
+    doc = "one two\nthree  four five\tsix"
+    for prompt in (designer_user_prompt, reference_designer_user_prompt):
+        kwargs = {"max_doc_chars": 1000}
+        args = ("math", [doc], []) if prompt is designer_user_prompt else ("math", [doc])
+        cut = prompt(*args, max_doc_words=4, **kwargs)
+        assert "[Document 1]\none two\nthree  four\n[... truncated]" in cut
+        assert "five" not in cut
+        assert prompt(*args, max_doc_words=6, **kwargs) == prompt(*args, **kwargs)
+        assert "[Document 1]\none\n[... truncated]" in prompt(*args, max_doc_words=1, **kwargs)
+        both = prompt(*args, max_doc_words=5, max_doc_chars=5)  # characters cut after words
+        assert "[Document 1]\none t\n[... truncated]" in both
+        with pytest.raises(ValueError, match="max_doc_words must be >= 0"):
+            prompt(*args, max_doc_words=-1, **kwargs)
+
+
 def test_reference_designer_user_prompt_rejects_bad_input():
     with pytest.raises(ValueError, match="max_program_chars must be >= 1"):
         reference_designer_user_prompt("math", [], max_doc_chars=5, max_program_chars=0)
