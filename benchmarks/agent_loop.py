@@ -16,8 +16,9 @@ measured in this run, in wall seconds and in process CPU seconds (steadier on a 
 box). Warm-up runs repeat until one compiles nothing new (the arrival order, and so the
 shapes the engine meets, varies from run to run; a training job meets them once), and the
 compiles that still happen inside measured runs are printed. Also printed: prefill tokens
-per generated token (KV reuse makes this the added tokens only) and slot utilisation
-(busy slot-steps / slot-steps decoded).
+per generated token (KV reuse makes this the added tokens only; admits feed them packed,
+so the padding fed beside them is printed too) and slot utilisation (busy slot-steps /
+slot-steps decoded).
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def main(argv=None) -> None:
     print(f"ratio run_episodes / sample: {ratio:.2f}x wall (per repeat {per_rep}), "
           f"{cpu_ratio:.2f}x CPU; target <= 1.5x")
     print(f"prefill tokens per generated token: {stats['prefill_tokens'] / generated:.2f} "
-          f"({stats['prefill_tokens']} prefilled, {stats['shared_prefills']} shared openings)")
+          f"({stats['prefill_tokens']} prefilled, {stats['prefill_fed_tokens']} fed with the "
+          f"packing's padding, {stats['shared_prefills']} shared openings)")
     busy = stats["busy_slot_steps"] / max(1, stats["decode_steps"] * slots)
     print(f"slot utilisation: {100 * busy:.1f}% ({stats['decode_steps']} decode steps, "
           f"{stats['ticks']} ticks, {stats['prefill_calls']} prefill calls, "

@@ -233,6 +233,40 @@ def write_slots(cache_bs: jax.Array, new_bt: jax.Array, index: jax.Array) -> jax
 
 
 @struct.dataclass
+class Packing:
+    """A call's tokens fed with no padding, and where attention sees them.
+
+    The tokens of a [B, T] layout (row b: one sequence, its real tokens first, as the
+    attention mask says) are fed as ``input_ids`` [G, N]: G groups of N packed tokens, group
+    g holding the tokens of layout rows g * B / G .. (g + 1) * B / G - 1 (G = the batch
+    shards, so a group's rows and tokens stay on one shard). Position-wise work (norms,
+    projections, router, MoE) runs on the G * N packed tokens; the cache writes and
+    attention run on the layout. A prefill of ragged sequences then costs its real tokens,
+    not B * T (the rollout engine's admits).
+
+    slot_gn: [G, N] int32 layout slot within the group (row in group * T + t) of packed
+      token n; ``B / G * T`` (no slot) for a padding token.
+    token_gr: [G, B / G * T] int32 packed index within the group of each layout slot; N
+      (no token) for a slot that holds none.
+    """
+
+    slot_gn: jax.Array
+    token_gr: jax.Array
+
+    def unpack(self, x_gn: jax.Array, rows: int) -> jax.Array:
+        """[G, N, ...] -> [B, T, ...] (zeros where the layout holds no token)."""
+        idx = self.token_gr.reshape(self.token_gr.shape + (1,) * (x_gn.ndim - 2))
+        x_gr = jnp.take_along_axis(x_gn, idx, axis=1, mode="fill", fill_value=0)
+        return x_gr.reshape(rows, -1, *x_gn.shape[2:])
+
+    def pack(self, x_bt: jax.Array) -> jax.Array:
+        """[B, T, ...] -> [G, N, ...] (zeros for padding tokens)."""
+        x_gr = x_bt.reshape(self.slot_gn.shape[0], -1, *x_bt.shape[2:])
+        idx = self.slot_gn.reshape(self.slot_gn.shape + (1,) * (x_gr.ndim - 2))
+        return jnp.take_along_axis(x_gr, idx, axis=1, mode="fill", fill_value=0)
+
+
+@struct.dataclass
 class ModelOutput:
     """What a forward pass returns.
 
@@ -315,7 +349,10 @@ class Attention(nnx.Module):
         mask_bts: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None,
         write_index: jax.Array | None,
+        packing: Packing | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``packing``: ``x_btd`` is packed tokens [G, N, D] (see :class:`Packing`), laid
+        out as the mask's [B, T] rows for the cache writes and attention."""
         cfg, dt = self.cfg, self.dtype
         ein = functools.partial(numerics.einsum, invariant=self.invariant)
         q_btnh = ein("btd,dnh->btnh", x_btd, self.q_dnh[...].astype(dt))
@@ -332,6 +369,9 @@ class Attention(nnx.Module):
             q_btnh = q_btnh * jnp.asarray(cfg.head_dim ** -0.5, q_btnh.dtype)
         q_btnh = constrain(q_btnh, ("batch", "seq", "act_heads", None))
         k_btkh = apply_rope(k_btkh, cos_bth, sin_bth, self.invariant)
+        if packing is not None:
+            rows = mask_bts.shape[0]
+            q_btnh, k_btkh, v_btkh = (packing.unpack(x, rows) for x in (q_btnh, k_btkh, v_btkh))
 
         if kv is not None:  # write this step's keys/values into the cache, attend to all slots
             k_cache, v_cache = kv
@@ -347,6 +387,8 @@ class Attention(nnx.Module):
                                           self.invariant)
         else:
             out_btnh = _attention(q_btnh, k_bskh, v_bskh, mask_bts, self.invariant)
+        if packing is not None:
+            out_btnh = packing.pack(out_btnh)
         out_btd = ein("btnh,nhd->btd", out_btnh, self.o_nhd[...].astype(dt))
         if cfg.o_bias:
             out_btd += self.o_bias_d[...].astype(dt)
@@ -489,11 +531,14 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, opts, rngs)
 
     def __call__(self, x_btd, cos_bth, sin_bth, mask_bts, kv, write_index, router_hook, replay_btX,
-                 layer_idx: int | jax.Array | None = None, mesh: jax.sharding.Mesh | None = None):
+                 layer_idx: int | jax.Array | None = None, mesh: jax.sharding.Mesh | None = None,
+                 packing: Packing | None = None):
         """``layer_idx`` overrides the stored index (a traced one when layers are scanned);
-        ``mesh`` goes to the MoE dispatch only (see ``Qwen3``'s ``mesh``)."""
+        ``mesh`` goes to the MoE dispatch only (see ``Qwen3``'s ``mesh``); ``packing``: the
+        tokens are packed (:class:`Packing`)."""
         layer_idx = self.layer_idx if layer_idx is None else layer_idx
-        attn_out, kv = self.attn(self.input_norm(x_btd), cos_bth, sin_bth, mask_bts, kv, write_index)
+        attn_out, kv = self.attn(self.input_norm(x_btd), cos_bth, sin_bth, mask_bts, kv, write_index,
+                                 packing)
         h_btd = constrain(x_btd + attn_out, ("batch", "seq", "act_embed"))
         normed = self.post_attn_norm(h_btd)
         if hasattr(self, "moe"):
@@ -521,6 +566,9 @@ class Qwen3(nnx.Module):
       mesh: the device mesh, handed to the MoE dispatch and nothing else: the
         "expert_parallel" dispatch routes tokens across its expert axis (without a mesh it
         runs as "ragged"). The layers themselves only name logical axes.
+      packing: feed ``input_ids_bt`` as packed tokens [G, N] (:class:`Packing`) laid out as
+        ``attention_mask_bt``'s [B, T] rows (required, as is a per-row cache); hidden,
+        logits and routing come back packed, [G, N, ...].
     """
 
     def __init__(self, config: ModelConfig, options: ModelOptions | None = None, *, rngs: nnx.Rngs):
@@ -562,12 +610,16 @@ class Qwen3(nnx.Module):
         routing_replay: list | None = None,
         return_logits: bool = True,
         mesh: jax.sharding.Mesh | None = None,
+        packing: Packing | None = None,
     ) -> ModelOutput:
         cfg, dt = self.config, self.options.compute_dtype
         input_ids_bt = jnp.asarray(input_ids_bt)
         if input_ids_bt.ndim != 2:
             raise ValueError(f"input_ids must be [batch, time], got shape {input_ids_bt.shape}")
-        b, t = input_ids_bt.shape
+        if packing is not None and (attention_mask_bt is None or cache is None
+                                    or not cache.per_row):
+            raise ValueError("packing needs the layout's attention_mask_bt and a per-row cache")
+        b, t = input_ids_bt.shape if packing is None else jnp.shape(attention_mask_bt)
         mask_bt = (jnp.ones((b, t), bool) if attention_mask_bt is None
                    else jnp.asarray(attention_mask_bt).astype(bool))
         start = jnp.zeros((), jnp.int32) if cache is None else cache.index
@@ -588,11 +640,13 @@ class Qwen3(nnx.Module):
 
         x_btd = jnp.take(self.embed_vd[...], input_ids_bt, axis=0).astype(dt)
         x_btd = constrain(x_btd, ("batch", "seq", "act_embed"))
+        if packing is not None:  # the packed tokens' positions
+            positions_bt = packing.pack(jnp.broadcast_to(positions_bt, (b, t)))
         cos_bth, sin_bth = rope_tables(positions_bt, cfg.head_dim, cfg.rope_theta)
 
         # Remat only matters when differentiating; the cache (sampling) path never is.
         policy = REMAT_POLICIES[self.options.remat_policy] if cache is None else None
-        layer_args = (cos_bth, sin_bth, mask_bts, start, router_hook, mesh)
+        layer_args = (cos_bth, sin_bth, mask_bts, start, router_hook, mesh, packing)
         if self.options.scan_layers:
             if cache is not None and not cache.stacked:
                 raise ValueError("a model with scan_layers needs a stacked KVCache "
@@ -622,11 +676,11 @@ class Qwen3(nnx.Module):
 
 def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
     """Runs the layers one after another in Python (any mix of dense and MoE layers)."""
-    cos_bth, sin_bth, mask_bts, start, router_hook, mesh = layer_args
+    cos_bth, sin_bth, mask_bts, start, router_hook, mesh, packing = layer_args
 
     def run_layer(layer, x_btd, kv, replay_btX):
         return layer(x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX,
-                     mesh=mesh)
+                     mesh=mesh, packing=packing)
 
     if policy is not None:
         run_layer = nnx.remat(run_layer, policy=policy)
@@ -647,7 +701,7 @@ def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
     """Runs stacked layers with ``jax.lax.scan``: the layer index, its parameters, its cache
     slice and its replayed routing are the scanned inputs; router logits, selected experts
     and the updated cache come back stacked and are split into per-layer lists."""
-    cos_bth, sin_bth, mask_bts, start, router_hook, mesh = layer_args
+    cos_bth, sin_bth, mask_bts, start, router_hook, mesh, packing = layer_args
     graphdef, params = nnx.split(layers)
     num_layers = jax.tree.leaves(params)[0].shape[0]
 
@@ -656,7 +710,7 @@ def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
         layer = nnx.merge(graphdef, layer_params)
         x_btd, kv, logits_btE, experts_btX = layer(
             x_btd, cos_bth, sin_bth, mask_bts, kv, start, router_hook, replay_btX,
-            layer_idx=layer_idx, mesh=mesh)
+            layer_idx=layer_idx, mesh=mesh, packing=packing)
         return x_btd, (kv, logits_btE, experts_btX)
 
     if policy is not None:

@@ -14,7 +14,8 @@ How it runs:
   * ``admit`` prefills only the tokens a request adds to its slot's stream (a fresh request:
     the whole prompt; a continuing one: what came after its last cached token) into the
     slots named, in one jitted call over the admitted rows only, and draws their first
-    token. Fresh requests with the same prompt are prefilled once and the result copied
+    token. The added tokens are fed packed (``models.qwen3.Packing``): padding costs no
+    position-wise work, only attention sees them laid out as rows. Fresh requests with the same prompt are prefilled once and the result copied
     into each of their slots (prefix sharing).
   * ``decode`` runs up to n one-token steps of every slot in a ``lax.while_loop``; rows that
     are done (waiting for their next request, or empty) are masked: they write nothing
@@ -51,6 +52,7 @@ from flax import nnx, struct
 
 from spade_jax import sharding
 from spade_jax.models import KVCache
+from spade_jax.models.qwen3 import Packing
 from spade_jax.rollout import sampling
 from spade_jax.rollout.routing import routing_dtype
 from spade_jax.rollout.sampler import (
@@ -62,7 +64,6 @@ from spade_jax.rollout.sampler import (
     STOP_STRING,
     SamplerConfig,
     StopStrings,
-    batch_bucket,
     batch_shards,
     moe_stack,
     next_pow2,
@@ -210,21 +211,23 @@ def _decode(graphdef, params, state: SlotState, max_steps, scalars, *, static: _
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
-def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, src_k, slots_k,
-           limit_k, seed_k, scalars, *, static: _Static):
+def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_gn, packing: Packing, mask_ut,
+           last_gu, src_k, slots_k, limit_k, seed_k, scalars, *, static: _Static):
     """Prefills U unique requests (row u extends the cache of slot ``home_u[u]``, emptied
-    first when ``fresh_u[u]``) and installs them in K slots (slot ``slots_k[k]`` gets the
-    result of row ``src_k[k]``), each drawing its first token with its own seed. Returns
-    the state and, when routing is recorded, the prefill's [U, T, L, X] experts."""
+    first when ``fresh_u[u]``; its added tokens are the real ones of ``mask_ut[u]``, fed
+    packed as ``ids_gn`` with ``packing``, so padding costs no position-wise work; its last
+    token is packed token ``last_gu`` of its group) and installs them in K slots (slot
+    ``slots_k[k]`` gets the result of row ``src_k[k]``), each drawing its first token with
+    its own seed. Returns the state and, when routing is recorded, the prefill's packed
+    [G, N, L, X] experts."""
     model = nnx.merge(graphdef, params)
     part = state.cache.take_rows(jnp.clip(home_u, 0, state.done_b.shape[0] - 1))
     part = part.replace(valid_bs=part.valid_bs & ~fresh_u[:, None],
                         index=jnp.where(fresh_u, 0, part.index))
-    mask_ut = jnp.arange(ids_ut.shape[1])[None, :] < len_u[:, None]
-    out = model(ids_ut, attention_mask_bt=mask_ut, cache=part, router_hook=static.router_hook,
-                return_logits=False, mesh=static.mesh)
-    last_u = jnp.maximum(len_u - 1, 0)
-    hidden_u1d = jnp.take_along_axis(out.hidden, last_u[:, None, None], axis=1)
+    out = model(ids_gn, attention_mask_bt=mask_ut, cache=part, router_hook=static.router_hook,
+                return_logits=False, mesh=static.mesh, packing=packing)
+    hidden_u1d = jnp.take_along_axis(out.hidden, last_gu[..., None], axis=1).reshape(
+        home_u.shape[0], 1, -1)
     logits_kv = jnp.take(model.lm_head(hidden_u1d)[:, 0], src_k, axis=0)
     cache = state.cache.put_rows(slots_k, out.cache.take_rows(src_k))
 
@@ -248,6 +251,54 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_ut, len_u, s
     return state, (_routing(out, static) if static.moe_layers else None)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """Host arrays of one admit's packed prefill (see :class:`spade_jax.models.Packing`):
+    ``start[j]`` is where unique request j's tokens begin in its group ``group[j]``."""
+
+    ids_gn: np.ndarray
+    slot_gn: np.ndarray
+    token_gr: np.ndarray
+    mask_ut: np.ndarray
+    last_gu: np.ndarray
+    group: list[int]
+    start: list[int]
+
+
+def packed_bucket(tokens: int, floor: int) -> int:
+    """Packed tokens per group of an admit: ``tokens`` rounded up to an eighth of the next
+    power of two (less than 25% padding; four shapes between consecutive powers of two), at
+    least ``floor``."""
+    return max(floor, round_up(tokens, max(1, next_pow2(tokens) // 8)))
+
+
+def _pack(token_lists: Sequence[Sequence[int]], rows: int, width: int, groups: int,
+          floor: int) -> _Packed:
+    """Lays ``token_lists`` out as ``rows`` rows of ``width`` (row j: list j, then empty
+    rows) and packs each group of ``rows / groups`` consecutive rows' tokens back to back."""
+    per = rows // groups
+    totals = [0] * groups
+    group, start = [], []
+    for j, tokens in enumerate(token_lists):
+        group.append(j // per)
+        start.append(totals[j // per])
+        totals[j // per] += len(tokens)
+    n = packed_bucket(max(totals), floor)
+    ids_gn = np.zeros((groups, n), np.int32)
+    slot_gn = np.full((groups, n), per * width, np.int32)
+    token_gr = np.full((groups, per * width), n, np.int32)
+    mask_ut = np.zeros((rows, width), bool)
+    last_gu = np.zeros((groups, per), np.int32)
+    for j, tokens in enumerate(token_lists):
+        g, row, lo, count = group[j], j % per, start[j], len(tokens)
+        ids_gn[g, lo:lo + count] = tokens
+        slot_gn[g, lo:lo + count] = row * width + np.arange(count)
+        token_gr[g, row * width:row * width + count] = lo + np.arange(count)
+        mask_ut[j, :count] = True
+        last_gu[g, row] = lo + count - 1
+    return _Packed(ids_gn, slot_gn, token_gr, mask_ut, last_gu, group, start)
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _cut(state: SlotState, cut_b) -> SlotState:
     """Ends the rows with ``cut_b >= 0`` after their first ``cut_b`` tokens (a stop string):
@@ -268,7 +319,15 @@ def _cut(state: SlotState, cut_b) -> SlotState:
 
 _PER_ROW = tuple(f.name for f in dataclasses.fields(SlotState) if f.name not in ("cache", "stop_m"))
 _MIN_WINDOW = 64  # smallest cache window a call works on (fewer shapes to compile)
-_MIN_DECODE_ROWS = 4  # a decode step of 1 row costs about what one of 4 does
+
+
+def row_bucket(rows: int, shards: int = 1) -> int:
+    """Rows a call runs on: the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (powers of
+    two and their halfway points: at most a third of the rows idle, two shapes per octave),
+    a multiple of ``shards``. On CPU a decode step costs about in proportion to its rows
+    (bench_moe_17m, W = 512: 2.0 / 3.5 / 5.8 / 10.6 ms for 1 / 2 / 4 / 8 rows)."""
+    pow2 = next_pow2(rows)
+    return round_up(3 * pow2 // 4 if pow2 >= 4 and rows <= 3 * pow2 // 4 else pow2, shards)
 
 
 @functools.partial(jax.jit, static_argnames=("window",))
@@ -290,6 +349,26 @@ def _scatter(state: SlotState, rows_k, part: SlotState) -> SlotState:
 @functools.partial(jax.jit, static_argnames=("max_len",))  # new shapes: nothing to donate to
 def _grow(state: SlotState, *, max_len: int) -> SlotState:
     return state.replace(cache=state.cache.pad_to(max_len))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "config", "stacked", "slots", "cache_len", "cache_dtype", "new_buffer", "experts", "mesh"))
+def _empty_state(stop_m, *, config, stacked: bool, slots: int, cache_len: int, cache_dtype,
+                 new_buffer: int, experts: tuple | None, mesh) -> SlotState:
+    """Every slot empty. Module-level (static shapes and mesh), so a new engine with the
+    same settings, e.g. one per ``run_episodes`` call, reuses the compiled program."""
+    del mesh  # a static key only: the cache's sharding follows the active mesh
+    b, n = slots, new_buffer
+    cache = KVCache.init(config, b, cache_len, cache_dtype, stacked=stacked,
+                         per_row=True).constrain()
+    return SlotState(
+        cache=cache, last_token_b=jnp.zeros((b,), jnp.int32),
+        tokens_bn=jnp.zeros((b, n), jnp.int32), logprobs_bn=jnp.zeros((b, n), jnp.float32),
+        num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.ones((b,), bool),
+        reason_b=jnp.full((b,), MAX_TOKENS, jnp.int32), limit_b=jnp.ones((b,), jnp.int32),
+        seed_b=jnp.zeros((b,), jnp.int32), stop_m=stop_m,
+        experts_bnlx=(None if experts is None
+                      else jnp.zeros((b, n, experts[0], experts[1]), experts[2])))
 
 
 class SlotEngine:
@@ -334,10 +413,10 @@ class SlotEngine:
         self.length = np.zeros((self.num_slots,), np.int64)
         self.reach = np.zeros((self.num_slots,), np.int64)
         self.prefill_routing: dict[int, np.ndarray] = {}  # slot -> its request's prefill
-        self.stats = {"prefill_tokens": 0, "prefill_rows": 0, "shared_prefills": 0,
-                      "prefill_calls": 0, "decode_calls": 0, "decode_steps": 0,
-                      "busy_slot_steps": 0, "decode_row_steps": 0, "partial_calls": 0,
-                      "cache_len": self.cache_len}
+        self.stats = {"prefill_tokens": 0, "prefill_fed_tokens": 0, "prefill_rows": 0,
+                      "shared_prefills": 0, "prefill_calls": 0, "decode_calls": 0,
+                      "decode_steps": 0, "busy_slot_steps": 0, "decode_row_steps": 0,
+                      "partial_calls": 0, "cache_len": self.cache_len}
 
     def _mesh(self):
         import contextlib
@@ -345,24 +424,13 @@ class SlotEngine:
         return sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _init_state(self, model, cache_dtype, cache_len, stop_m) -> SlotState:
-        b, n, static = self.num_slots, self.new_buffer, self.static
-        experts_shape = (b, n, len(static.moe_layers), model.config.num_experts_per_tok)
-
-        @jax.jit
-        def init():
-            cache = model.init_cache(b, cache_len, cache_dtype, per_row=True).constrain()
-            return SlotState(
-                cache=cache, last_token_b=jnp.zeros((b,), jnp.int32),
-                tokens_bn=jnp.zeros((b, n), jnp.int32),
-                logprobs_bn=jnp.zeros((b, n), jnp.float32),
-                num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.ones((b,), bool),
-                reason_b=jnp.full((b,), MAX_TOKENS, jnp.int32),
-                limit_b=jnp.ones((b,), jnp.int32), seed_b=jnp.zeros((b,), jnp.int32),
-                stop_m=jnp.asarray(stop_m),
-                experts_bnlx=(jnp.zeros(experts_shape, static.routing_dtype)
-                              if static.moe_layers else None))
-
-        return init()
+        static = self.static
+        experts = ((len(static.moe_layers), model.config.num_experts_per_tok, static.routing_dtype)
+                   if static.moe_layers else None)
+        return _empty_state(jnp.asarray(stop_m), config=model.config,
+                            stacked=model.options.scan_layers, slots=self.num_slots,
+                            cache_len=cache_len, cache_dtype=cache_dtype,
+                            new_buffer=self.new_buffer, experts=experts, mesh=self.mesh)
 
     @property
     def cache_len(self) -> int:
@@ -386,16 +454,13 @@ class SlotEngine:
                 raise ValueError(f"request for slot {r.slot}: needs tokens and a limit in "
                                  f"[1, {self.config.max_new_tokens}]")
 
-    def _working_set(self, slots: Sequence[int], length: int, min_rows: int = 1
-                     ) -> tuple[np.ndarray | None, int]:
+    def _working_set(self, slots: Sequence[int], length: int) -> tuple[np.ndarray | None, int]:
         """The slots and cache window a call on ``slots`` runs over: ``slots`` first,
-        padded with idle slots to a power-of-two count, and the first ``length`` cache
-        slots rounded up to a power of two (>= ``_MIN_WINDOW``). None: the whole state,
-        used when the rows or the window would exceed half of it (the copies in and out
-        would cost more than they save)."""
-        k = max(min(min_rows, self.num_slots), batch_bucket(len(slots), batch_shards(self.mesh)))
+        padded with idle slots to a :func:`row_bucket` count, and the first ``length`` cache
+        slots rounded up to a power of two (>= ``_MIN_WINDOW``; the whole cache when that
+        is more than half of it). None: the whole state (every slot, every cache slot)."""
+        k = min(self.num_slots, row_bucket(len(slots), batch_shards(self.mesh)))
         window = max(_MIN_WINDOW, next_pow2(length))
-        k = self.num_slots if 2 * k > self.num_slots else k
         window = self.cache_len if 2 * window > self.cache_len else window
         if k == self.num_slots and window == self.cache_len:
             return None, window
@@ -442,33 +507,37 @@ class SlotEngine:
               else {int(s): j for j, s in enumerate(rows)})  # slot -> row of the call
         pad = self.num_slots if rows is None else len(rows)  # a row index that is dropped
         # One bucket for both row counts (U <= K): fewer shapes to compile.
-        u = k = min(pad, batch_bucket(len(requests), batch_shards(self.mesh)))
+        shards = batch_shards(self.mesh)
+        u = k = min(pad, row_bucket(len(requests), shards))
         t = max(self.config.prompt_bucket_min, next_pow2(max(len(r.tokens) for r in home)))
-        ids_ut = np.zeros((u, t), np.int32)
-        for j, r in enumerate(home):
-            ids_ut[j, :len(r.tokens)] = r.tokens
+        packed = _pack([r.tokens for r in home], u, t, shards, self.config.prompt_bucket_min)
         pad_u, pad_k = u - len(home), k - len(requests)
         home_u = np.array([at[r.slot] for r in home] + [pad] * pad_u, np.int32)
         fresh_u = np.array([r.fresh for r in home] + [True] * pad_u)
-        len_u = np.array([len(r.tokens) for r in home] + [0] * pad_u, np.int32)
         src_k = np.array(src + [0] * pad_k, np.int32)
         slots_k = np.array([at[r.slot] for r in requests] + [pad] * pad_k, np.int32)
         limit_k = np.array([r.limit for r in requests] + [1] * pad_k, np.int32)
         seed_k = np.array([r.seed for r in requests] + [0] * pad_k, np.int32)
-        args = [to_device(a, self.mesh) for a in (home_u, fresh_u, ids_ut, len_u, src_k,
-                                                   slots_k, limit_k, seed_k)]
-        routing = self._run(lambda state: _admit(self.graphdef, self.params, state, *args,
-                                                 self.scalars, static=self.static),
-                            rows, window)
+        home_u, fresh_u, ids_gn, slot_gn, token_gr, mask_ut, last_gu, src_k, slots_k, limit_k, \
+            seed_k = (to_device(a, self.mesh) for a in (
+                home_u, fresh_u, packed.ids_gn, packed.slot_gn, packed.token_gr, packed.mask_ut,
+                packed.last_gu, src_k, slots_k, limit_k, seed_k))
+        packing = Packing(slot_gn=slot_gn, token_gr=token_gr)
+        routing = self._run(lambda state: _admit(
+            self.graphdef, self.params, state, home_u, fresh_u, ids_gn, packing, mask_ut,
+            last_gu, src_k, slots_k, limit_k, seed_k, self.scalars, static=self.static),
+            rows, window)
         if routing is not None:
             routing = to_host(routing)
             for r, j in zip(requests, src, strict=True):
-                self.prefill_routing[r.slot] = routing[j, :len(r.tokens)]
+                lo = packed.start[j]
+                self.prefill_routing[r.slot] = routing[packed.group[j], lo:lo + len(r.tokens)]
         for r in requests:  # cache slots the request can fill: its stream, its draws but one
             self.length[r.slot], self.reach[r.slot] = filled[r.slot], filled[r.slot] + r.limit - 1
         self.busy[[r.slot for r in requests]] = True
         self.stop_text.settled.difference_update(r.slot for r in requests)
-        self.stats["prefill_tokens"] += int(len_u.sum())
+        self.stats["prefill_tokens"] += sum(len(r.tokens) for r in home)
+        self.stats["prefill_fed_tokens"] += packed.ids_gn.size
         self.stats["prefill_rows"] += len(home)
         self.stats["shared_prefills"] += len(requests) - len(home)
         self.stats["prefill_calls"] += 1
@@ -483,8 +552,7 @@ class SlotEngine:
         slots = np.flatnonzero(self.busy)
         if len(slots) == 0:
             return 0
-        rows, window = self._working_set(slots.tolist(), int(self.reach[slots].max()),
-                                         _MIN_DECODE_ROWS)
+        rows, window = self._working_set(slots.tolist(), int(self.reach[slots].max()))
         counts = self._run(lambda state: _decode(self.graphdef, self.params, state,
                                                  jnp.int32(max_steps), self.scalars,
                                                  static=self.static), rows, window)

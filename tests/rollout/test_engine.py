@@ -213,9 +213,9 @@ def test_engine_matches_the_sampler_on_stop_strings_eos_budgets_and_slots(model,
     """Two turns per job (the second continues the first's KV cache) through 1, 3 and 8
     slots with shuffled arrivals: each turn equals ``sample`` on the whole stream with that
     turn's seed, whether it ended on a stop token, a stop string (the cache rolled back to
-    the cut) or its budget. Calls run on the slots involved (8 slots: 4 or fewer generating
-    run as 4) and, with the smallest window lowered to 16 slots, on the part of the cache
-    they fill."""
+    the cut) or its budget. Calls run on the slots involved (``row_bucket`` rows) and, with
+    the smallest window lowered to 16 slots, on the part of the cache they fill; admits
+    feed their tokens packed."""
     monkeypatch.setattr(engine_module, "_MIN_WINDOW", 16)
     config = _sampler(temperature, 8)
     prompts, extras, limits = _engine_jobs()
@@ -259,3 +259,126 @@ def test_moe_impl_auto_is_the_backends_fastest_and_explicit_values_win():
     assert explicit.options.moe_impl == "ragged"
     with pytest.raises(ValueError, match="moe_impl must be 'auto' or one of"):
         ModelOptions(moe_impl="fast")
+
+
+def _tiny_moe():
+    """A random 2-layer MoE (4 experts, top 2), filled from NumPy like ``chat_model``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from spade_jax.models import ModelConfig, abstract_model
+
+    cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16)
+    graphdef, shapes = nnx.split(abstract_model(cfg))
+    rs = np.random.RandomState(1)
+
+    def fill(x):
+        noise = rs.normal(0, 0.3, x.shape)
+        return jnp.asarray((1 + noise if len(x.shape) == 1 else noise).astype(x.dtype))
+
+    return nnx.merge(graphdef, jax.tree.map(fill, shapes))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("groups", [1, 2])
+def test_packed_prefill_equals_the_padded_prefill(groups):
+    """``Packing``: the admitted rows' added tokens fed back to back ([G, N], padding only
+    at the end of a group) give, at every real token, the hidden state and routing of the
+    padded [B, T] forward over the same per-row cache, and the same cache (keys, values,
+    valid slots, indices). Rows continue caches of different lengths (one starts fresh);
+    G = 2 splits the rows into two groups, as the engine does per batch shard."""
+    import jax.numpy as jnp
+
+    from spade_jax.models.qwen3 import Packing
+
+    moe = _tiny_moe()
+    rng = np.random.default_rng(0)
+    rows, width = 4, 8
+    cache = moe.init_cache(rows, 32, per_row=True)
+    before = [5, 0, 11, 2]  # tokens already cached per row
+    history = jnp.asarray(rng.integers(1, 64, size=(rows, 11)), jnp.int32)
+    cache = moe(history, attention_mask_bt=jnp.arange(11)[None] < jnp.asarray(before)[:, None],
+                  cache=cache).cache
+    added = [rng.integers(1, 64, size=n).tolist() for n in (3, 8, 1, 6)]
+    ids_bt = np.zeros((rows, width), np.int32)
+    for b, tokens in enumerate(added):
+        ids_bt[b, :len(tokens)] = tokens
+    mask_bt = np.arange(width)[None] < np.array([len(a) for a in added])[:, None]
+    padded = moe(jnp.asarray(ids_bt), attention_mask_bt=mask_bt, cache=cache)
+
+    packed_host = engine_module._pack(added, rows, width, groups, floor=4)
+    assert packed_host.ids_gn.shape[1] == engine_module.packed_bucket(
+        max(sum(len(a) for a in added[g * 2:g * 2 + 2]) for g in range(groups))
+        if groups == 2 else sum(len(a) for a in added), 4)
+    packing = Packing(slot_gn=jnp.asarray(packed_host.slot_gn),
+                      token_gr=jnp.asarray(packed_host.token_gr))
+    packed = moe(jnp.asarray(packed_host.ids_gn), attention_mask_bt=mask_bt, cache=cache,
+                   packing=packing)
+    for j, tokens in enumerate(added):
+        g, lo = packed_host.group[j], packed_host.start[j]
+        got = slice(lo, lo + len(tokens))
+        np.testing.assert_allclose(packed.hidden[g, got], padded.hidden[j, :len(tokens)],
+                                   atol=1e-5)
+        np.testing.assert_allclose(packed.logits[g, got], padded.logits[j, :len(tokens)],
+                                   atol=1e-4)
+        for layer in range(2):
+            np.testing.assert_array_equal(packed.selected_experts[layer][g, got],
+                                          padded.selected_experts[layer][j, :len(tokens)])
+        assert packed_host.last_gu[g, j % (rows // groups)] == lo + len(tokens) - 1
+    np.testing.assert_array_equal(packed.cache.index, padded.cache.index)
+    np.testing.assert_array_equal(packed.cache.valid_bs, padded.cache.valid_bs)
+    for a, b in zip(packed.cache.k + packed.cache.v, padded.cache.k + padded.cache.v,
+                    strict=True):
+        np.testing.assert_allclose(np.where(padded.cache.valid_bs[..., None, None], a, 0),
+                                   np.where(padded.cache.valid_bs[..., None, None], b, 0),
+                                   atol=1e-5)
+
+
+def test_packed_bucket_pads_at_most_a_quarter_with_four_shapes_per_octave():
+    """Packed admit lengths: never below the tokens, at most 25% above them (4 buckets per
+    power of two, so few shapes compile), and at least the floor."""
+    buckets = {engine_module.packed_bucket(n, 16) for n in range(1, 2049)}
+    for n in range(1, 2049):
+        got = engine_module.packed_bucket(n, 16)
+        assert n <= got and (got <= 16 or got <= 1.25 * n), n
+    assert len({b for b in buckets if 256 < b <= 512}) == 4
+    assert engine_module.packed_bucket(3, 16) == 16
+
+
+@pytest.mark.slow
+def test_a_second_run_of_the_same_episodes_compiles_nothing(model, tokenizer):  # noqa: F811
+    """A new engine (one per ``run_episodes`` call) reuses every compiled program of the
+    first run on the same episodes: the empty-state init included (it was a fresh closure,
+    compiled again by every engine). Compiles counted as the benchmark does."""
+    import jax
+
+    specs = _specs()[:4]
+    config = AgentLoopConfig(max_turns=3, max_turn_tokens=TURN_TOKENS, max_episode_tokens=200,
+                             sampler=_sampler(0.9), decode_slots=3)
+    counted = {"on": False, "compiles": 0}
+
+    def count(event: str, seconds: float, **_) -> None:
+        if counted["on"] and event == "/jax/core/compile/backend_compile_duration":
+            counted["compiles"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    first = run_episodes(model, tokenizer, specs, config, seed=5)
+    counted["on"] = True
+    second = run_episodes(model, tokenizer, _specs()[:4], config, seed=5)
+    counted["on"] = False
+    assert [r.token_ids for r in second] == [r.token_ids for r in first]
+    assert counted["compiles"] == 0
+
+
+def test_row_bucket_leaves_at_most_a_third_of_the_rows_idle():
+    """Working-set rows: powers of two and their halfway points, a multiple of the shards."""
+    assert [engine_module.row_bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 18, 25, 33)] == [
+        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]
+    for n in range(1, 300):
+        got = engine_module.row_bucket(n)
+        assert n <= got and 3 * (got - n) < got + 1, n
+        assert engine_module.row_bucket(n, 4) % 4 == 0 and engine_module.row_bucket(n, 4) >= n
