@@ -19,15 +19,9 @@ def _numpy_moe(x, wg, wu, wd, weights, experts):
     return out
 
 
-@pytest.mark.parametrize("tokens,skew", [(1, 0.0), (5, 0.0), (64, 0.0), (40, 8.0), (23, -1.0),
-                                         (200, 0.0), (200, 8.0), (200, -1.0)])
-def test_blocked_dispatch_matches_numpy(tokens, skew):
-    """skew > 0: every token picks experts 0..k-1 (one huge group each, the rest empty);
-    skew < 0: only experts 1, 2, 5 and 7 are picked (groups of uneven sizes, not multiples
-    of the block rows, with empty experts between them: a group's last block runs into the
-    rows of the next non-empty expert, which must be recomputed after it). Up to 64 tokens
-    the capacity layout runs (40 and 23 tokens overflow its capacity into the block loop),
-    200 tokens run as blocks only."""
+def _skewed_problem(tokens: int, skew: float):
+    """(rng, tokens [T, D], gate / up / down weights, route weights, experts) of 8 experts
+    top-3, the routing skewed as the tests below describe; the rng continues for more."""
     rs = np.random.RandomState(tokens)
     d, f, e, k = 16, 12, 8, 3
     x = rs.normal(size=(tokens, d)).astype(np.float32)
@@ -39,6 +33,19 @@ def test_blocked_dispatch_matches_numpy(tokens, skew):
     elif skew < 0:
         logits[:, [0, 3, 4, 6]] -= 100.0
     weights, experts = moe.route(jax.numpy.asarray(logits), k, True)
+    return rs, x, wg, wu, wd, weights, experts
+
+
+@pytest.mark.parametrize("tokens,skew", [(1, 0.0), (5, 0.0), (64, 0.0), (40, 8.0), (23, -1.0),
+                                         (200, 0.0), (200, 8.0), (200, -1.0)])
+def test_blocked_dispatch_matches_numpy(tokens, skew):
+    """skew > 0: every token picks experts 0..k-1 (one huge group each, the rest empty);
+    skew < 0: only experts 1, 2, 5 and 7 are picked (groups of uneven sizes, not multiples
+    of the block rows, with empty experts between them: a group's last block runs into the
+    rows of the next non-empty expert, which must be recomputed after it). Up to 64 tokens
+    the capacity layout runs (40 and 23 tokens overflow its capacity into the block loop),
+    200 tokens run as blocks only."""
+    _, x, wg, wu, wd, weights, experts = _skewed_problem(tokens, skew)
     got = jax.jit(dispatch_blocked)(x, wg, wu, wd, weights, experts)
     want = _numpy_moe(x, wg, wu, wd, np.asarray(weights), np.asarray(experts))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
@@ -50,18 +57,8 @@ def test_blocked_dispatch_gradients_match_dense(tokens, skew):
     """The trainer differentiates the blocked dispatch (the CPU default): its gradients with
     respect to the tokens, the router weights and the expert weights equal the dense
     reference's, on the capacity layout with overflow (40), without (64) and on blocks (200)."""
-    rs = np.random.RandomState(tokens)
-    d, f, e, k = 16, 12, 8, 3
-    x = rs.normal(size=(tokens, d)).astype(np.float32)
-    wg, wu = (rs.normal(0, 0.3, (e, d, f)).astype(np.float32) for _ in range(2))
-    wd = rs.normal(0, 0.3, (e, f, d)).astype(np.float32)
-    logits = rs.normal(size=(tokens, e)).astype(np.float32)
-    if skew > 0:
-        logits[:, :k] += skew
-    elif skew < 0:
-        logits[:, [0, 3, 4, 6]] -= 100.0
-    weights, experts = moe.route(jax.numpy.asarray(logits), k, True)
-    probe = rs.normal(size=(tokens, d)).astype(np.float32)
+    rs, x, wg, wu, wd, weights, experts = _skewed_problem(tokens, skew)
+    probe = rs.normal(size=x.shape).astype(np.float32)
 
     def loss(dispatch):
         return lambda *a: jax.numpy.sum(dispatch(*a, experts) * probe)
