@@ -178,7 +178,7 @@ def _expert_blocks(x_rows_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E, count_E
 
         def compute(row, y_rows):
             x_bsD = jax.lax.dynamic_slice_in_dim(x_rows, row, bs)
-            h_bsF = jax.nn.silu(x_bsD @ w_gate_DF) * (x_bsD @ w_up_DF)
+            h_bsF = _swiglu(x_bsD @ w_gate_DF, x_bsD @ w_up_DF)
             return jax.lax.dynamic_update_slice_in_dim(
                 y_rows, (h_bsF @ w_down_FD).astype(y_rows.dtype), row, 0)
 
