@@ -124,8 +124,7 @@ def _seed_program_text(directory: Path) -> Path:
 
 
 def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
-    dtype = jnp.dtype(spec.dtype)
-    options = spec.options()
+    options = spec.options()  # computes in spec.dtype; master weights stay fp32
     if spec.hf_checkpoint:
         model, _ = load_hf(spec.hf_checkpoint, jnp.float32, mesh=mesh, options=options)
     elif spec.orbax_checkpoint:
@@ -146,8 +145,6 @@ def build_model(spec: ModelSpec, tokenizer, seed: int, mesh) -> Qwen3:
         # built with the run's options: every layer then computes in spec.dtype.
         graphdef = nnx.graphdef(abstract_model(model.config, options))
         model = nnx.merge(graphdef, nnx.state(model))
-    # the model computes in spec.dtype; master weights stay fp32 in the train state
-    model.options = dataclasses.replace(model.options, dtype=jnp.dtype(dtype).name)
     return model
 
 
