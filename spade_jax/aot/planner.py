@@ -44,8 +44,8 @@ class AotConfig:
         sequence per data-parallel chip per microbatch).
       seq_len: train sequence length T (0 = the agent's ``max_episode_tokens``).
       sample_batch: sampler rows (0 = agent episodes of a regeneration round = envs_per_round
-        x (plays_per_game + hint_plays), at most the agent sampler's ``max_rows``, rounded up to the
-        batch shards).
+        x (plays_per_game + hint_plays), at most the agent sampler's ``max_rows``), rounded up
+        to the batch shards of the mesh each sampler program runs on.
       prompt_len: prefill length (0 = next power of two >= max_episode_tokens -
         max_turn_tokens, the last turn's prompt).
       new_tokens: decode buffer (0 = the agent sampler's ``max_new_tokens``).
@@ -385,8 +385,7 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
 
     agent, spade = s.experiment.agent, s.experiment.spade
     episodes = spade.envs_per_round * (spade.plays_per_game + spade.hint_plays)
-    b = round_up(config.sample_batch or min(episodes, agent.sampler.max_rows or episodes),
-                 s.par.batch)
+    b = config.sample_batch or min(episodes, agent.sampler.max_rows or episodes)
     p = config.prompt_len or next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
     n = round_up(config.new_tokens or agent.sampler.max_new_tokens,
                  agent.sampler.new_tokens_bucket)
@@ -405,8 +404,12 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
 def _layout_programs(config: AotConfig, s: _Setting, sampler: Any, layout: str, *, rows: int,
                      prompt_len: int) -> list[ProgramCost]:
     """The prefill and one decode step with the sampler's weights in ``layout`` (those of
-    ``config.programs``), from one lowering of the prefill (its output is the decode state)."""
+    ``config.programs``), from one lowering of the prefill (its output is the decode state);
+    ``rows`` rounded up to the batch shards of the layout's mesh."""
+    from spade_jax.rollout.sampler import round_up
+
     mesh = _decode_mesh(s, layout)
+    rows = round_up(rows, parallelism(_shape(mesh), s.par.chips, s.rules).batch)
     params = _decode_params(s, mesh)
     prefill = _lower_layout_prefill(s, sampler, mesh, params, rows=rows, prompt_len=prompt_len)
     programs = []
