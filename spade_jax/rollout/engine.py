@@ -13,8 +13,9 @@ How it runs:
     positions the trainer's forward gives the same stream.
   * ``admit`` prefills only the tokens a request adds to its slot's stream (a fresh request:
     the whole prompt; a continuing one: what came after its last cached token) into the
-    slots named, in one jitted call over the admitted rows only, and draws their first
-    token. The added tokens are fed packed (``models.qwen3.Packing``): padding costs no
+    slots named, in one jitted call over the admitted rows only (or, with
+    ``max_prefill_tokens``, consecutive calls each within that budget of rows x prompt
+    bucket), and draws their first token. The added tokens are fed packed (``models.qwen3.Packing``): padding costs no
     position-wise work, only attention sees them laid out as rows. Fresh requests with the same prompt are prefilled once and the result copied
     into each of their slots (prefix sharing).
   * ``decode`` runs up to n one-token steps of every slot in a ``lax.while_loop``; rows that
@@ -321,6 +322,12 @@ _PER_ROW = tuple(f.name for f in dataclasses.fields(SlotState) if f.name not in 
 _MIN_WINDOW = 64  # smallest cache window a call works on (fewer shapes to compile)
 
 
+def _share_key(request: Request) -> tuple:
+    """Requests with one key are prefilled once: a fresh prompt is shared, a continuation
+    extends its own slot."""
+    return ("fresh", tuple(request.tokens)) if request.fresh else ("slot", request.slot)
+
+
 def row_bucket(rows: int, shards: int = 1) -> int:
     """Rows a call runs on: the next of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... (powers of
     two and their halfway points: at most a third of the rows idle, two shapes per octave),
@@ -382,9 +389,18 @@ class SlotEngine:
     def __init__(self, model: nnx.Module, num_slots: int, config: SamplerConfig, *,
                  stop_tokens: Sequence[int], stop_strings: Sequence[str] = (),
                  tokenizer: Any = None, router_hook: Callable | None = None,
-                 mesh: jax.sharding.Mesh | None = None, cache_len: int = 256):
+                 mesh: jax.sharding.Mesh | None = None, cache_len: int = 256,
+                 max_prefill_tokens: int = 0):
         """stop_strings: end a request once its decoded text contains one (needs
-        ``tokenizer``), checked by :meth:`finished`; shared by every request."""
+        ``tokenizer``), checked by :meth:`finished`; shared by every request.
+
+        max_prefill_tokens: prefill budget of one jitted admit call (0 = unlimited), counted
+          as :meth:`prefill_size`: its padded rows times its prompt bucket. :meth:`admit`
+          splits its requests into consecutive calls within it."""
+        if max_prefill_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be >= 0 (0 = unlimited), "
+                             f"got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.mesh, self.config = mesh, config
         self.num_slots = round_up(num_slots, batch_shards(mesh))
         self.stop_text = StopStrings([list(stop_strings)] * self.num_slots, tokenizer)
@@ -453,6 +469,16 @@ class SlotEngine:
             if not r.tokens or not 1 <= r.limit <= self.config.max_new_tokens:
                 raise ValueError(f"request for slot {r.slot}: needs tokens and a limit in "
                                  f"[1, {self.config.max_new_tokens}]")
+        filled = self._filled(requests)
+        for r in requests:  # checked for every call of a split admit before the first runs
+            if filled[r.slot] + r.limit - 1 > self.cache_len:
+                raise ValueError(f"slot {r.slot}: {filled[r.slot]} tokens plus {r.limit} new "
+                                 f"exceed the cache ({self.cache_len}); call ensure_cache first")
+
+    def _filled(self, requests: Sequence[Request]) -> dict[int, int]:
+        """Slot -> its stream's length once the request's tokens are in."""
+        return {r.slot: (0 if r.fresh else int(self.length[r.slot])) + len(r.tokens)
+                for r in requests}
 
     def _working_set(self, slots: Sequence[int], length: int) -> tuple[np.ndarray | None, int]:
         """The slots and cache window a call on ``slots`` runs over: ``slots`` first,
@@ -482,26 +508,67 @@ class SlotEngine:
             self.state = _scatter(self.state, rows_k, part)
         return extra
 
+    def prefill_size(self, requests: Sequence[Request]) -> int:
+        """What an admit call of ``requests`` costs against ``max_prefill_tokens``: its rows
+        (``row_bucket`` of the request count, a multiple of the batch shards; requests
+        sharing a prompt count one row each, as the call lays them out) times its prompt
+        bucket (the longest added tokens, a power of two >= ``prompt_bucket_min``). The
+        attention and cache writes see the added tokens as these ``[rows, T]`` rows, and
+        the packed position-wise work (MLP / MoE dispatch) feeds the real tokens among them
+        (to the packing's rounding). The cache window they attend over is not counted: it
+        is the slots' resident cache."""
+        rows = min(self.num_slots, row_bucket(len(requests), batch_shards(self.mesh)))
+        return rows * self._prompt_bucket(requests)
+
+    def _prompt_bucket(self, requests: Sequence[Request]) -> int:
+        return max(self.config.prompt_bucket_min, next_pow2(max(len(r.tokens) for r in requests)))
+
+    def _prefill_calls(self, requests: Sequence[Request]) -> list[list[Request]]:
+        """``requests`` cut into consecutive admit calls of at most ``max_prefill_tokens``
+        (:meth:`prefill_size`), in order of first appearance of their prompts. Requests
+        that share a fresh prompt go in one call unless together they alone exceed the
+        budget; a single request over the budget runs alone (no chunked prefill)."""
+        budget = self.max_prefill_tokens
+        if not budget:
+            return [list(requests)]
+        groups: dict[Any, list[Request]] = {}
+        for r in requests:
+            groups.setdefault(_share_key(r), []).append(r)
+        calls, current = [], []
+        for group in groups.values():
+            if current and self.prefill_size(current + group) > budget:
+                calls.append(current)
+                current = []
+            current += group
+            while len(current) > 1 and self.prefill_size(current) > budget:  # one big group
+                n = len(current) - 1
+                while n > 1 and self.prefill_size(current[:n]) > budget:
+                    n -= 1
+                calls.append(current[:n])
+                current = current[n:]
+        return calls + [current]
+
     def admit(self, requests: Sequence[Request]) -> None:
-        """Prefills the requests into their slots (one call); they start generating. The
-        call works on the requests' slots and the cache window their streams fill."""
+        """Prefills the requests into their slots; they start generating. One jitted call,
+        or with ``max_prefill_tokens`` consecutive calls within it (:meth:`_prefill_calls`);
+        a request's tokens do not depend on which call it ran in. Each call works on its
+        requests' slots and the cache window their streams fill."""
         if not requests:
             return
         self._check(requests)
+        for part in self._prefill_calls(requests):
+            self._admit_call(part)
+
+    def _admit_call(self, requests: Sequence[Request]) -> None:
         unique: dict[Any, int] = {}  # fresh prompts are shared; a continuation is its own
         home, src = [], []
         for r in requests:
-            key = ("fresh", tuple(r.tokens)) if r.fresh else ("slot", r.slot)
+            key = _share_key(r)
             if key not in unique:
                 unique[key] = len(home)
                 home.append(r)
             src.append(unique[key])
-        filled = {r.slot: (0 if r.fresh else int(self.length[r.slot])) + len(r.tokens)
-                  for r in requests}
-        for r in requests:
-            if filled[r.slot] + r.limit - 1 > self.cache_len:
-                raise ValueError(f"slot {r.slot}: {filled[r.slot]} tokens plus {r.limit} new "
-                                 f"exceed the cache ({self.cache_len}); call ensure_cache first")
+        filled = self._filled(requests)
         rows, window = self._working_set([r.slot for r in requests], max(filled.values()))
         at = ({s: s for s in range(self.num_slots)} if rows is None
               else {int(s): j for j, s in enumerate(rows)})  # slot -> row of the call
@@ -509,7 +576,7 @@ class SlotEngine:
         # One bucket for both row counts (U <= K): fewer shapes to compile.
         shards = batch_shards(self.mesh)
         u = k = min(pad, row_bucket(len(requests), shards))
-        t = max(self.config.prompt_bucket_min, next_pow2(max(len(r.tokens) for r in home)))
+        t = self._prompt_bucket(home)
         packed = _pack([r.tokens for r in home], u, t, shards, self.config.prompt_bucket_min)
         pad_u, pad_k = u - len(home), k - len(requests)
         home_u = np.array([at[r.slot] for r in home] + [pad] * pad_u, np.int32)

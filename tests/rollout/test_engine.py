@@ -382,3 +382,74 @@ def test_row_bucket_leaves_at_most_a_third_of_the_rows_idle():
         got = engine_module.row_bucket(n)
         assert n <= got and 3 * (got - n) < got + 1, n
         assert engine_module.row_bucket(n, 4) % 4 == 0 and engine_module.row_bucket(n, 4) >= n
+
+
+@pytest.mark.slow
+def test_a_prefill_budget_splits_admits_without_changing_records(model, tokenizer,  # noqa: F811
+                                                                 monkeypatch):
+    """``max_prefill_tokens`` of two first-prompt rows: the first tick's six openings (and
+    later turns) are prefilled in several calls, each within the budget (rows x prompt
+    bucket of the jitted call, read off its mask), the twins' openings still shared, and
+    the records equal the unlimited one-slot-per-episode run's (greedy and sampled; with 3
+    slots, env results arriving shuffled)."""
+    turns = ChatTurns(tokenizer, None, enable_thinking=True)
+    longest = max(len(turns.first_prompt(s.env.reset(seed=s.seed)[0])) for s in _specs())
+    budget = 2 * max(16, 1 << (longest - 1).bit_length())  # two rows of the opening bucket
+    calls = []
+    admit = engine_module._admit
+
+    def spy(graphdef, params, state, home_u, fresh_u, ids_gn, packing, mask_ut, *args,
+            **kwargs):
+        calls.append(mask_ut.shape)
+        return admit(graphdef, params, state, home_u, fresh_u, ids_gn, packing, mask_ut,
+                     *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "_admit", spy)
+    for temperature in (0.0, 0.9):
+        base_stats: dict = {}
+        base = run_episodes(model, tokenizer, _specs(), _loop_config(temperature), seed=3,
+                            stats=base_stats)
+        assert base_stats["shared_prefills"] == 2
+        for slots in (0, 3):
+            stats: dict = {}
+            calls.clear()
+            config = dataclasses.replace(_loop_config(temperature, slots),
+                                         max_prefill_tokens=budget)
+            got = run_episodes(model, tokenizer, _specs(delay_seed=slots), config, seed=3,
+                               stats=stats)
+            for a, b in zip(base, got, strict=True):
+                assert (a.token_ids, a.actions, a.end_reason, a.turn_done_reasons) == (
+                    b.token_ids, b.actions, b.end_reason, b.turn_done_reasons)
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
+            assert stats["prefill_calls"] == len(calls) > base_stats["prefill_calls"]
+            assert all(rows * t <= budget for rows, t in calls), (budget, calls)
+            if slots == 0:  # all openings admitted at the first tick, as in the base run
+                assert stats["shared_prefills"] == 2
+                assert stats["prefill_tokens"] == base_stats["prefill_tokens"]
+
+
+def test_prefill_calls_keep_shared_prompts_together_and_run_an_oversized_request_alone(
+        model):  # noqa: F811
+    """The split of one admit (prompt bucket 16 and up, budget 64): a shared prompt's
+    requests join one call, calls keep the order of first appearance, a request over the
+    budget runs alone, and a shared group too large for the budget is cut to fit."""
+    engine = SlotEngine(model, 8, _sampler(0.0), stop_tokens=[0], max_prefill_tokens=64)
+
+    def fresh(slot, token, n):
+        return Request(slot, [token] * n, True, 2, slot)
+
+    a0, a1, a2 = (fresh(s, 5, 10) for s in (0, 1, 2))  # one prompt: 1 row of 16 each
+    b = Request(3, [9, 9, 9], False, 2, 3)  # a continuation: 16
+    c, d = fresh(4, 6, 40), fresh(5, 8, 100)  # buckets 64 (fits alone) and 128 (over)
+    e0, e1 = fresh(6, 7, 5), fresh(7, 7, 5)
+    assert [engine.prefill_size(x) for x in ([a0, a1, a2], [d], [a0, c])] == [48, 128, 128]
+    split = engine._prefill_calls([a0, b, a1, c, a2, d, e0, e1])
+    assert split == [[a0, a1, a2, b], [c], [d], [e0, e1]]
+    engine.max_prefill_tokens = 32  # the shared group alone (48) is over: cut to 2 + 1
+    assert engine._prefill_calls([a0, a1, a2, b]) == [[a0, a1], [a2, b]]
+    engine.max_prefill_tokens = 0
+    assert engine._prefill_calls([a0, b, d]) == [[a0, b, d]]
+    with pytest.raises(ValueError, match="max_prefill_tokens must be >= 0"):
+        SlotEngine(model, 2, _sampler(0.0), stop_tokens=[0], max_prefill_tokens=-1)
+    with pytest.raises(ValueError, match="max_prefill_tokens must be >= 0"):
+        AgentLoopConfig(max_prefill_tokens=-1)
