@@ -203,10 +203,12 @@ def batching_checks() -> dict:
     )
 
 
-def engine_two_turns(model: Qwen3, slots: int) -> tuple[list, list, list]:
+def engine_two_turns(model: Qwen3, slots: int, max_prefill_tokens: int = 0,
+                     stats: dict | None = None) -> tuple[list, list, list]:
     """Two turns per prompt through the slot engine with ``slots`` slots: the second turn
     extends the first's KV cache (its last token plus a few "observation" tokens). Returns
-    per prompt the stream, its loss mask and its log-probs (0 off the mask)."""
+    per prompt the stream, its loss mask and its log-probs (0 off the mask); ``stats``, if
+    given, gets the engine's counters."""
     from collections import deque
 
     from spade_jax.rollout.engine import Request, SlotEngine
@@ -217,7 +219,8 @@ def engine_two_turns(model: Qwen3, slots: int) -> tuple[list, list, list]:
     config = SamplerConfig(max_new_tokens=6, temperature=TEMPERATURE, top_p=0.9,
                            chunk_steps=2, new_tokens_bucket=8)
     # 128 cache slots: calls attend over a 64-slot window of them (the trainer: 32)
-    engine = SlotEngine(model, slots, config, stop_tokens=[], cache_len=128)
+    engine = SlotEngine(model, slots, config, stop_tokens=[], cache_len=128,
+                        max_prefill_tokens=max_prefill_tokens)
     streams = [list(p) for p in prompts]
     masks = [[0] * len(p) for p in prompts]
     logps = [[0.0] * len(p) for p in prompts]
@@ -246,20 +249,27 @@ def engine_two_turns(model: Qwen3, slots: int) -> tuple[list, list, list]:
             else:
                 del holder[done.slot]
         engine.admit(follow)
+    if stats is not None:
+        stats.update(engine.stats)
     return streams, masks, logps
 
 
 def engine_checks() -> dict:
-    """Batch-invariant slot engine: 1, 3 or 8 slots give bit-identical streams and
-    log-probs, and the trainer's forward over the whole stream re-scores the two turns
-    (the second decoded over the reused cache) bit for bit."""
+    """Batch-invariant slot engine: 1, 3 or 8 slots, and 8 slots with a prefill budget of
+    one 16-token row per admit call (split_admits: it made more calls), give bit-identical
+    streams and log-probs, and the trainer's forward over the whole stream re-scores the
+    two turns (the second decoded over the reused cache) bit for bit."""
     model = tiny_moe(invariant=True)
-    runs = {slots: engine_two_turns(model, slots) for slots in (1, 3, 8)}
+    stats: dict[str, dict] = {8: {}, "budget": {}}
+    runs = {slots: engine_two_turns(model, slots, stats=stats.get(slots)) for slots in (1, 3, 8)}
+    runs["budget"] = engine_two_turns(model, 8, max_prefill_tokens=16, stats=stats["budget"])
     streams, masks, logps = runs[8]
+    others = (1, 3, "budget")
     report = dict(
-        streams_equal=all(runs[s][0] == streams for s in (1, 3)),
+        streams_equal=all(runs[s][0] == streams for s in others),
         logprob_diff=sum(count_diff(np.concatenate(runs[s][2]), np.concatenate(logps))
-                         for s in (1, 3)))
+                         for s in others),
+        split_admits=stats["budget"]["prefill_calls"] > stats[8]["prefill_calls"])
     seqs = [TrainSequence(token_ids=t, loss_mask=np.asarray(m), logprobs=np.asarray(lp),
                           advantage=0.0, role=0) for t, m, lp in zip(streams, masks, logps,
                                                                      strict=True)]
