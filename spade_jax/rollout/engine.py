@@ -15,9 +15,10 @@ How it runs:
     the whole prompt; a continuing one: what came after its last cached token) into the
     slots named, in one jitted call over the admitted rows only (or, with
     ``max_prefill_tokens``, consecutive calls each within that budget of rows x prompt
-    bucket), and draws their first token. The added tokens are fed packed (``models.qwen3.Packing``): padding costs no
-    position-wise work, only attention sees them laid out as rows. Fresh requests with the same prompt are prefilled once and the result copied
-    into each of their slots (prefix sharing).
+    bucket), and draws their first token. The added tokens are fed packed
+    (``models.qwen3.Packing``): padding costs no position-wise work, only attention sees
+    them laid out as rows. Fresh requests with the same prompt are prefilled once and the
+    result copied into each of their slots (prefix sharing).
   * ``decode`` runs up to n one-token steps of every slot in a ``lax.while_loop``; rows that
     are done (waiting for their next request, or empty) are masked: they write nothing
     valid and do not advance.
@@ -510,8 +511,8 @@ class SlotEngine:
 
     def prefill_size(self, requests: Sequence[Request]) -> int:
         """What an admit call of ``requests`` costs against ``max_prefill_tokens``: its rows
-        (``row_bucket`` of the request count, a multiple of the batch shards; requests
-        sharing a prompt count one row each, as the call lays them out) times its prompt
+        (``row_bucket`` of the request count, a multiple of the batch shards; every
+        request is a row of the call, one sharing a prompt too) times its prompt
         bucket (the longest added tokens, a power of two >= ``prompt_bucket_min``). The
         attention and cache writes see the added tokens as these ``[rows, T]`` rows, and
         the packed position-wise work (MLP / MoE dispatch) feeds the real tokens among them
