@@ -163,10 +163,11 @@ def _swiglu_mlp(x_bD, w_gate_DF, w_up_DF, w_down_FD):
     return _swiglu(x_bD @ w_gate_DF, x_bD @ w_up_DF) @ w_down_FD
 
 
-def _for_expert_blocks(count_E, bs, max_count, run_expert, carry):
+def _for_expert_blocks(start_E, count_E, bs, max_count, run_expert, carry):
     """``carry = run_expert(e, for_blocks, carry)`` for every expert e with rows, in
-    increasing order; ``for_blocks(step, c)`` runs ``c = step(offset, c)`` for the offsets
-    0, bs, 2 bs, ... below ``count_E[e]``. ``max_count``: a static bound on ``count_E``.
+    increasing order; ``for_blocks(step, c)`` runs ``c = step(row, c)`` for the first rows
+    ``start_E[e] + j * bs`` of its blocks, j * bs below ``count_E[e]``. ``max_count``: a
+    static bound on ``count_E``.
 
     The loops have static trip counts (blocks past a group, and empty experts, are skipped
     with ``cond``): a ``while`` loop would be a little faster but cannot be reverse-mode
@@ -174,8 +175,8 @@ def _for_expert_blocks(count_E, bs, max_count, run_expert, carry):
     def run(e, c):
         def for_blocks(step, c):
             def block(j, c):
-                return jax.lax.cond(j * bs < count_E[e], functools.partial(step, j * bs),
-                                    lambda c: c, c)
+                return jax.lax.cond(j * bs < count_E[e],
+                                    functools.partial(step, start_E[e] + j * bs), lambda c: c, c)
             return jax.lax.fori_loop(0, -(-max_count // bs), block, c)
         return run_expert(e, for_blocks, c)
 
@@ -209,15 +210,15 @@ def _expert_blocks(x_rows_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E, count_E
     def run_expert(e, for_blocks, y_rows):
         w_gate_DF, w_up_DF, w_down_FD = w_gate_EDF[e], w_up_EDF[e], w_down_EFD[e]
 
-        def compute(offset, y_rows):
-            row = start_E[e] + offset
+        def compute(row, y_rows):
             x_bsD = jax.lax.dynamic_slice_in_dim(x_rows, row, bs)
             y_bsD = _swiglu_mlp(x_bsD, w_gate_DF, w_up_DF, w_down_FD)
             return jax.lax.dynamic_update_slice_in_dim(y_rows, y_bsD.astype(y_rows.dtype), row, 0)
 
         return for_blocks(compute, y_rows)
 
-    return _for_expert_blocks(count_E, bs, max_count, run_expert, jnp.zeros_like(x_rows))[:m]
+    return _for_expert_blocks(start_E, count_E, bs, max_count, run_expert,
+                              jnp.zeros_like(x_rows))[:m]
 
 
 def _expert_blocks_fwd(x_rows_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E, count_E, bs,
@@ -241,10 +242,9 @@ def _expert_blocks_bwd(bs, max_count, residuals, dy_rows_MD):
         dx_rows, dw_stacks = carry
         w_e = tuple(w[e] for w in weights)
 
-        def grad_block(offset, c):
+        def grad_block(row, c):
             dx_rows, dw_e = c
-            row = start_E[e] + offset
-            mine_bs1 = (offset + jnp.arange(bs) < count_E[e])[:, None]
+            mine_bs1 = (row + jnp.arange(bs) < start_E[e] + count_E[e])[:, None]
             dy_bsD = jnp.where(mine_bs1, jax.lax.dynamic_slice_in_dim(dy_rows, row, bs), 0)
             _, vjp = jax.vjp(_swiglu_mlp, jax.lax.dynamic_slice_in_dim(x_rows, row, bs), *w_e)
             dx_bsD, *dw_block = vjp(dy_bsD)
@@ -259,7 +259,7 @@ def _expert_blocks_bwd(bs, max_count, residuals, dy_rows_MD):
                               for stack, g in zip(dw_stacks, dw_e, strict=True))
 
     dx_rows, dw_stacks = _for_expert_blocks(
-        count_E, bs, max_count, run_expert,
+        start_E, count_E, bs, max_count, run_expert,
         (jnp.zeros_like(x_rows), tuple(jnp.zeros_like(w) for w in weights)))
     return (dx_rows[:m], *dw_stacks, None, None)
 
