@@ -170,8 +170,9 @@ def _for_expert_blocks(start_E, count_E, bs, max_count, run_expert, carry):
     static bound on ``count_E``.
 
     The loops have static trip counts (blocks past a group, and empty experts, are skipped
-    with ``cond``): a ``while`` loop would be a little faster but cannot be reverse-mode
-    differentiated, and ``jax.checkpoint`` / ``vmap`` callers need the fixed shape."""
+    with ``cond``), which reverse-mode AD needed before the block loop had its own backward
+    pass; a ``while`` loop was a little faster. Both the forward and the backward run here,
+    so the backward visits exactly the blocks the forward computed."""
     def run(e, c):
         def for_blocks(step, c):
             def block(j, c):
