@@ -142,13 +142,17 @@ def sampler_run(model, prompts, new_tokens: int, config: SamplerConfig):
     return run
 
 
-def hf_run(hf_model, prompts, new_tokens: int):
-    """A timed-call closure of ``transformers`` ``generate`` (warmed up once)."""
+def hf_run(hf_model, prompts, new_tokens: int, temperature: float = 0.0):
+    """A timed-call closure of ``transformers`` ``generate`` (warmed up once); sampling from
+    the whole temperature-scaled distribution when ``temperature > 0``, as the sampler."""
     import torch
 
     ids = torch.tensor(np.asarray(prompts, np.int64))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+                  min_new_tokens=new_tokens, do_sample=temperature > 0, pad_token_id=0,
+                  eos_token_id=None)
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
 
     def run() -> float:
         with torch.no_grad():
@@ -181,6 +185,10 @@ def main(argv=None) -> None:
                         choices=["auto", "blocked", "ragged", "dense"])
     parser.add_argument("--cache_dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (the default). On random weights greedy decoding "
+                             "repeats one token in every row, so every row routes to the "
+                             "same k experts; T > 0 gives rows their own tokens and routing")
     parser.add_argument("--skip_hf", action="store_true")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -198,12 +206,14 @@ def main(argv=None) -> None:
     roofline = matmul_roofline()
     per_row = flops_per_row(cfg, args.prompt_len, args.new_tokens)
     sampler_cfg = SamplerConfig(max_new_tokens=args.new_tokens, cache_dtype=args.cache_dtype,
-                                chunk_steps=0, compact_batch=False)
+                                chunk_steps=0, compact_batch=False,
+                                temperature=args.temperature)
     print(f"model bench_moe_17m: {cfg.param_count() / 1e6:.1f}M params, "
           f"{cfg.param_count(active=True) / 1e6:.1f}M active; "
           f"{per_row / args.new_tokens / 1e6:.1f} MFLOP per generated token (prefill included); "
           f"matmul roofline {roofline / 1e9:.1f} GFLOP/s; devices {jax.devices()[0].platform} "
           f"x{jax.device_count()}; moe_impl={args.moe_impl}, cache={args.cache_dtype}; "
+          f"temperature {args.temperature}; "
           f"load average {os.getloadavg()[0]:.1f} (2 cores)")
     print(f"{'B':>4} {'sampler tok/s':>14} {'HF tok/s':>10} {'ratio':>7} {'GFLOP/s':>9} "
           f"{'% roofline':>10}  (medians of {args.reps} interleaved repeats)")
@@ -212,7 +222,7 @@ def main(argv=None) -> None:
         prompts = rs.randint(0, cfg.vocab_size, (b, args.prompt_len)).tolist()
         runs = {"sampler": sampler_run(model, prompts, args.new_tokens, sampler_cfg)}
         if hf_model is not None:
-            runs["hf"] = hf_run(hf_model, prompts, args.new_tokens)
+            runs["hf"] = hf_run(hf_model, prompts, args.new_tokens, args.temperature)
         seconds = interleaved_medians(runs, args.reps)
         ours = b * args.new_tokens / statistics.median(seconds["sampler"])
         theirs = (b * args.new_tokens / statistics.median(seconds["hf"])

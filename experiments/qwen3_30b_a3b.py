@@ -81,8 +81,9 @@ def get_config() -> ExperimentConfig:
             designer_groups="skill", max_env_reward_scale=50.0, contract="reference",
             # The recipe: one document cut to 6000 words (the character cap only bounds
             # text without spaces); memory of 200, first in first out, 2 games to build on
-            # from the top 10 by regret with win rate in [0.15, 0.85] and 1 to avoid.
-            docs_per_prompt=1, max_doc_words=6000, max_doc_chars=60_000,
+            # from the top 10 by regret with win rate in [0.15, 0.85] and 1 to avoid, each
+            # shown as its program's first 2000 characters.
+            docs_per_prompt=1, max_doc_words=6000, max_doc_chars=60_000, max_program_chars=2000,
             memory_capacity=200, memory_examples=2, memory_selection="recipe", eval_every=20),
         corpus=CorpusSpec(domain="game"),
         checkpoint_every=10,

@@ -27,10 +27,10 @@ follow PaLM: 3 forwards for training (6 N_active per token plus attention), 1 fo
 N_active = parameters a token multiplies through (active parameters less the untied input
 embedding). XLA's own numbers are printed too.
 
-The decode step is compiled once per sampler weight layout (``--decode_layouts``, default
-``train,auto``: the trainer's FSDP parameters, and the copy the run reshards once per step
-onto a mesh without FSDP, ``sharding.decode_mesh``), with the per-step reshard cost beside
-it; an RL step estimate per layout (:mod:`~spade_jax.aot.rl_step`) follows from the same
+The prefill and the decode step are compiled once per sampler weight layout
+(``--decode_layouts``, default ``train,auto``: the trainer's FSDP parameters, and the copy
+the run reshards once per step onto a mesh without FSDP, ``sharding.decode_mesh``), with
+the per-step reshard cost beside the decode step; an RL step estimate per layout (:mod:`~spade_jax.aot.rl_step`) follows from the same
 cost model.
 
 Modules: :mod:`~spade_jax.aot.topology` (slices and their chips),
@@ -46,10 +46,12 @@ from spade_jax.aot.cost import Parallelism, analytic_cost, parallelism
 from spade_jax.aot.planner import AotConfig, Plan, ProgramCost, plan
 from spade_jax.aot.report import (
     DECODE_HEADER,
+    PREFILL_HEADER,
     RL_HEADER,
     TABLE_HEADER,
     decode_rows,
     format_plan,
+    prefill_rows,
     read_plan,
     recost,
     rl_rows,
@@ -60,9 +62,9 @@ from spade_jax.aot.rl_step import EpisodeShape, RlStepEstimate, estimate_rl_step
 from spade_jax.aot.topology import CHIPS, GIB, ChipSpec, Topology, parse_topology, topology_devices
 
 __all__ = [
-    "CHIPS", "DECODE_HEADER", "GIB", "RL_HEADER", "TABLE_HEADER", "AotConfig", "ChipSpec",
+    "CHIPS", "DECODE_HEADER", "GIB", "PREFILL_HEADER", "RL_HEADER", "TABLE_HEADER", "AotConfig", "ChipSpec",
     "EpisodeShape", "Parallelism", "Plan", "ProgramCost", "RlStepEstimate", "Topology",
     "analytic_cost", "decode_rows", "estimate_rl_step", "format_plan", "parallelism",
-    "parse_topology", "plan", "read_plan", "recost", "rl_rows", "table_row",
+    "parse_topology", "plan", "prefill_rows", "read_plan", "recost", "rl_rows", "table_row",
     "topology_devices", "write_plan",
 ]

@@ -15,10 +15,12 @@ import sys
 from spade_jax.aot.planner import AotConfig, plan
 from spade_jax.aot.report import (
     DECODE_HEADER,
+    PREFILL_HEADER,
     RL_HEADER,
     TABLE_HEADER,
     decode_rows,
     format_plan,
+    prefill_rows,
     read_plan,
     recost,
     rl_rows,
@@ -83,10 +85,14 @@ def main(argv: list[str]) -> int:
 
 
 def tables(plans: list) -> str:
-    """The markdown tables of ``plans``: programs, decode layouts, RL step estimates."""
+    """The markdown tables of ``plans``: programs, prefill and decode per layout, RL step
+    estimates."""
+    prefill = [row for p in plans for row in prefill_rows(p)]
     decode = [row for p in plans for row in decode_rows(p)]
     rl = [row for p in plans for row in rl_rows(p)]
     parts = ["\n".join([TABLE_HEADER, *(table_row(p) for p in plans)])]
+    if prefill:
+        parts.append("\n".join([PREFILL_HEADER, *prefill]))
     if decode:
         parts.append("\n".join([DECODE_HEADER, *decode]))
     if rl:
@@ -108,7 +114,7 @@ def define_flags() -> None:
     flags.DEFINE_float("hbm_fraction", 0.85, "Fit limit as a share of HBM.")
     flags.DEFINE_list("programs", ["train", "prefill", "decode"], "Programs to compile.")
     flags.DEFINE_list("decode_layouts", ["train", "auto"], "Sampler weight layouts to compile "
-                      "the decode step for (mesh.decode_layout values).")
+                      "the prefill and decode step for (mesh.decode_layout values).")
     shape = EpisodeShape()
     flags.DEFINE_integer("turns", shape.turns, "RL step estimate: policy turns per episode.")
     flags.DEFINE_integer("turn_tokens", shape.turn_tokens, "RL step estimate: tokens per turn.")

@@ -7,8 +7,8 @@ allocated. The programs come from the public lowering entries of the trainer
 
 Peak bytes of a program = argument + output - aliased (donated) + temp. While the sampler
 runs, the Adam moments stay resident on the chip (the sampler reads the master params), so
-they are added to the sampler programs' peaks; with a decode layout the sampler reads its
-own copy of the parameters, and the trainer's are resident too.
+they are added to the sampler programs' peaks; with a decode layout the sampler (prefill and
+decode) reads its own copy of the parameters, and the trainer's are resident too.
 """
 
 from __future__ import annotations
@@ -44,17 +44,19 @@ class AotConfig:
         sequence per data-parallel chip per microbatch).
       seq_len: train sequence length T (0 = the agent's ``max_episode_tokens``).
       sample_batch: sampler rows (0 = agent episodes of a regeneration round = envs_per_round
-        x (plays_per_game + hint_plays), at most the agent sampler's ``max_rows``, rounded up to the
-        batch shards).
+        x (plays_per_game + hint_plays), at most the agent sampler's ``max_rows``), rounded up
+        to the batch shards of the mesh each sampler program runs on.
       prompt_len: prefill length (0 = next power of two >= max_episode_tokens -
         max_turn_tokens, the last turn's prompt).
       new_tokens: decode buffer (0 = the agent sampler's ``max_new_tokens``).
       hbm_fraction: a program fits when its peak is at most this share of HBM.
       programs: which programs to compile, from "train", "prefill", "decode".
-      decode_layouts: the sampler weight layouts to compile the decode step for
-        (``MeshConfig.decode_layout`` values): "train" is the trainer's FSDP layout (the
-        program named "decode"), any other gives a program "decode:<layout>" on its decode
-        mesh, with the per-step cost of resharding the weights to it.
+      decode_layouts: the sampler weight layouts to compile the prefill and the decode
+        step for (``MeshConfig.decode_layout`` values): "train" is the trainer's FSDP layout
+        (the programs named "prefill" and "decode"), any other gives programs
+        "prefill:<layout>" and "decode:<layout>" on its decode mesh reading the sampler's
+        copy of the weights, the decode step with the per-step cost of resharding the
+        weights to it.
       episodes: the assumed shape of a step's episodes for the RL step estimate
         (:mod:`~spade_jax.aot.rl_step`).
     """
@@ -377,15 +379,13 @@ def _sampler_replay_note(s: _Setting) -> str:
 
 
 def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
-    """The agent sampler's prefill of the last turn's prompt (in the trainer's layout) and
-    one decode step per decode layout."""
-    from spade_jax.rollout import sampler as sampler_lib
+    """The agent sampler's prefill of the last turn's prompt and one decode step, per
+    decode layout."""
     from spade_jax.rollout.sampler import next_pow2, round_up
 
     agent, spade = s.experiment.agent, s.experiment.spade
     episodes = spade.envs_per_round * (spade.plays_per_game + spade.hint_plays)
-    b = round_up(config.sample_batch or min(episodes, agent.sampler.max_rows or episodes),
-                 s.par.batch)
+    b = config.sample_batch or min(episodes, agent.sampler.max_rows or episodes)
     p = config.prompt_len or next_pow2(agent.max_episode_tokens - agent.max_turn_tokens)
     n = round_up(config.new_tokens or agent.sampler.max_new_tokens,
                  agent.sampler.new_tokens_bucket)
@@ -396,20 +396,63 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     sampler = dataclasses.replace(agent.sampler, max_new_tokens=n, top_k=0,
                                   return_router=record)
     programs = []
-    if "prefill" in config.programs:
-        lowered = sampler_lib.lower_prefill(s.sample_graphdef, s.state.params, s.options,
-                                            sampler, rows=b, prompt_len=p, mesh=s.mesh,
-                                            rules=s.rules)
-        compiled, seconds = _timed_compile(lowered, "prefill")
-        programs.append(_program(
-            "prefill", f"B={b} P={p} S={p + n}", compiled, seconds, resident=s.moments_bytes,
-            tokens=b * p, **analytic_cost("prefill", s.arch, s.options, s.par, rows=b,
-                                          length=p, keys=p + n,
-                                          param_itemsize=s.param_itemsize)))
-    if "decode" in config.programs:
-        programs += [_decode_program(s, sampler, layout, rows=b, prompt_len=p)
-                     for layout in config.decode_layouts]
+    for layout in config.decode_layouts:
+        programs += _layout_programs(config, s, sampler, layout, rows=b, prompt_len=p)
     return programs
+
+
+def _layout_programs(config: AotConfig, s: _Setting, sampler: Any, layout: str, *, rows: int,
+                     prompt_len: int) -> list[ProgramCost]:
+    """The prefill and one decode step with the sampler's weights in ``layout`` (those of
+    ``config.programs``), from one lowering of the prefill (its output is the decode state);
+    ``rows`` rounded up to the batch shards of the layout's mesh."""
+    from spade_jax.rollout.sampler import round_up
+
+    mesh = _decode_mesh(s, layout)
+    rows = round_up(rows, parallelism(_shape(mesh), s.par.chips, s.rules).batch)
+    params = _decode_params(s, mesh)
+    prefill = _lower_layout_prefill(s, sampler, mesh, params, rows=rows, prompt_len=prompt_len)
+    programs = []
+    if "prefill" in config.programs:
+        programs.append(_prefill_program(s, prefill, layout, mesh, params, rows=rows,
+                                         prompt_len=prompt_len,
+                                         new_tokens=sampler.max_new_tokens))
+    if "decode" in config.programs:
+        programs.append(_decode_program(s, sampler, layout, prefill, mesh, params, rows=rows))
+    return programs
+
+
+def _lower_layout_prefill(s: _Setting, sampler: Any, mesh: Any, params: Any, *, rows: int,
+                          prompt_len: int) -> Any:
+    """The sampler's prefill lowered on ``mesh`` reading ``params`` (``_decode_params``)."""
+    from spade_jax.rollout import sampler as sampler_lib
+
+    return sampler_lib.lower_prefill(s.sample_graphdef, params, s.options, sampler, rows=rows,
+                                     prompt_len=prompt_len, mesh=mesh, rules=s.rules)
+
+
+def _sampler_resident(s: _Setting, mesh: Any) -> int:
+    """Bytes per chip that stay while the sampler runs on ``mesh``: the Adam moments, and
+    the trainer's parameters too when the sampler reads its own copy."""
+    return s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
+
+
+def _prefill_program(s: _Setting, lowered: Any, layout: str, mesh: Any, params: Any, *,
+                     rows: int, prompt_len: int, new_tokens: int) -> ProgramCost:
+    """The prefill of ``rows`` prompts of ``prompt_len`` tokens with the sampler's weights in
+    ``layout``: "prefill" on the trainer's layout, else "prefill:<layout>" on its decode
+    mesh (the per-step reshard is reported with the decode step)."""
+    name = "prefill" if layout == "train" else f"prefill:{layout}"
+    compiled, seconds = _timed_compile(lowered, name)
+    itemsize = _bytes_per_param(params)
+    keys = prompt_len + new_tokens
+    return _program(
+        name, f"B={rows} P={prompt_len} S={keys}", compiled, seconds,
+        resident=_sampler_resident(s, mesh), tokens=rows * prompt_len,
+        mesh_shape=None if mesh is s.mesh else _shape(mesh), param_itemsize=itemsize,
+        **analytic_cost("prefill", s.arch, s.options,
+                        parallelism(_shape(mesh), s.par.chips, s.rules), rows=rows,
+                        length=prompt_len, keys=keys, param_itemsize=itemsize))
 
 
 def _decode_mesh(s: _Setting, layout: str):
@@ -468,19 +511,15 @@ def _decode_state(info: Any, mesh, rules, rows: int) -> Any:
     return jax.tree.map(row_wise, info.replace(cache=None)).replace(cache=cache)
 
 
-def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
-                    prompt_len: int) -> ProgramCost:
-    """One decode step (one token per row) with the sampler's weights in ``layout``, on its
-    decode mesh; beside it the per-step cost of resharding the trained weights there."""
+def _decode_program(s: _Setting, sampler: Any, layout: str, prefill: Any, mesh: Any,
+                    params: Any, *, rows: int) -> ProgramCost:
+    """One decode step (one token per row) with the sampler's weights ``params`` in
+    ``layout`` on its decode ``mesh``, from the state the lowered ``prefill`` returns; beside
+    it the per-step cost of resharding the trained weights there."""
     import jax
 
     from spade_jax.rollout import sampler as sampler_lib
 
-    mesh = _decode_mesh(s, layout)
-    params = _decode_params(s, mesh)
-    prefill = sampler_lib.lower_prefill(s.sample_graphdef, params, s.options, sampler,
-                                        rows=rows, prompt_len=prompt_len, mesh=mesh,
-                                        rules=s.rules)
     state = _decode_state(prefill.out_info[0], mesh, s.rules, rows)
     lowered = sampler_lib.lower_decode_step(s.sample_graphdef, params, s.options, sampler,
                                             state, mesh=mesh, rules=s.rules)
@@ -493,13 +532,11 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, *, rows: int,
     moved = {} if mesh is s.mesh else dict(
         reshard_bytes=reshard_bytes(s.arch, s.par, par, itemsize),
         reshard_hlo_bytes=_compiled_reshard_bytes(s, mesh, name))
-    # While the sampler runs, the trainer's parameters stay too when it reads its own copy.
-    resident = s.moments_bytes + (0 if mesh is s.mesh else _bytes_per_chip(s.state.params))
     note = _sampler_replay_note(s) if sampler.return_router and s.arch.is_moe else ""
     return _program(
-        name, f"B={rows} S={keys} (1 token){note}", compiled, seconds, resident=resident,
-        tokens=rows, mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved,
-        param_itemsize=itemsize,
+        name, f"B={rows} S={keys} (1 token){note}", compiled, seconds,
+        resident=_sampler_resident(s, mesh), tokens=rows,
+        mesh_shape=None if mesh is s.mesh else _shape(mesh), **moved, param_itemsize=itemsize,
         **analytic_cost("decode", s.arch, s.options, par, rows=rows, length=1, keys=keys,
                         cache_itemsize=cache_itemsize, param_itemsize=itemsize))
 

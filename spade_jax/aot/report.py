@@ -44,11 +44,12 @@ def recost(result: Plan, overrides: tuple[str, ...] = ()) -> Plan:
             cost = analytic_cost("train", arch, spec.options(), par, rows=dims["B"],
                                  length=dims["T"], keys=dims["T"], microbatches=dims["M"],
                                  param_itemsize=master)
-        elif p.name == "prefill":
+        elif p.name.partition(":")[0] == "prefill":
             keys = dims.get("S") or dims["P"] + round_up(  # (older plans: no S label)
                 experiment.agent.sampler.max_new_tokens, experiment.agent.sampler.new_tokens_bucket)
             cost = analytic_cost("prefill", arch, spec.options(), par, rows=dims["B"],
-                                 length=dims["P"], keys=keys, param_itemsize=master)
+                                 length=dims["P"], keys=keys,
+                                 param_itemsize=p.param_itemsize or master)
         else:
             cost = analytic_cost("decode", arch, spec.options(), par, rows=dims["B"], length=1,
                                  keys=dims["S"], cache_itemsize=_itemsize(cache),
@@ -107,7 +108,10 @@ def format_plan(result: Plan) -> str:
         if p.collectives:
             lines.append("    HLO collectives (loop bodies once): " + ", ".join(
                 f"{kind} {n / GIB:.3f} GiB" for kind, n in p.collectives.items() if n))
-        if p.mesh_shape:
+        if p.mesh_shape and p.name.startswith("prefill"):
+            lines.append(f"    decode mesh {_mesh(p.mesh_shape)}, the sampler's copy of the "
+                         f"weights ({p.param_itemsize:.2f} B/param; the reshard: see decode)")
+        elif p.mesh_shape:
             lines.append(f"    decode mesh {_mesh(p.mesh_shape)}; resharding the weights to it "
                          f"once per step: {_reshard(result, p)}")
     for r in result.rl_steps:
@@ -142,7 +146,7 @@ def table_row(result: Plan) -> str:
     """One markdown row: experiment | topology | mesh | per-program HBM%, ms, MFU."""
     cells = [result.experiment, result.topology.name, _mesh(result.mesh_shape)]
     for p in result.programs:
-        if p.name not in ("train", "prefill", "decode"):  # decode layouts: decode_rows
+        if p.name not in ("train", "prefill", "decode"):  # other layouts: *_rows below
             continue
         hbm = 100 * p.peak_bytes / result.topology.chip.hbm_bytes
         cells.append(f"{p.name}: {hbm:.0f}% HBM, {result.seconds(p) * 1e3:,.1f} ms "
@@ -173,6 +177,32 @@ def decode_rows(result: Plan) -> list[str]:
             f"{(p.collectives or {}).get('all-gather', 0) / 2**20:,.1f} MiB | "
             f"{result.seconds(p) * 1e3:,.2f} ms ({result.bound(p)}) | "
             f"{result.tokens_per_second_per_chip(p):,.0f} | {reshard} |")
+    return rows
+
+
+PREFILL_HEADER = (
+    "| experiment | topology | layout | mesh | shape | peak per chip | resident | "
+    "weights | step (bound) | tokens/s/chip |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def prefill_rows(result: Plan) -> list[str]:
+    """One markdown row per prefill program: its layout, peak HBM per chip against the fit
+    limit (the resident trainer state included), the weights' bytes per parameter and the
+    roofline term that bounds it."""
+    hbm = result.topology.chip.hbm_bytes
+    rows = []
+    for p in result.programs:
+        if p.name.partition(":")[0] != "prefill":
+            continue
+        verdict = "fits" if result.fits(p) else "DOES NOT FIT"
+        rows.append(
+            f"| {result.experiment} | {result.topology.name} | "
+            f"{p.name.partition(':')[2] or 'train'} | "
+            f"{_mesh(p.mesh_shape or result.mesh_shape)} | {p.shape} | "
+            f"{100 * p.peak_bytes / hbm:.1f}% ({p.peak_bytes / GIB:.1f} GiB, {verdict}) | "
+            f"{p.resident_bytes / GIB:.1f} GiB | {p.param_itemsize:.2f} B/param | "
+            f"{result.seconds(p) * 1e3:,.1f} ms ({result.bound(p)}) | "
+            f"{result.tokens_per_second_per_chip(p):,.0f} |")
     return rows
 
 

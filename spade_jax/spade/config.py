@@ -80,6 +80,8 @@ class SpadeConfig:
       docs_per_prompt / max_doc_chars: corpus documents per designer prompt, characters kept.
       max_doc_words: words kept from each document before the character cut (0 = no word
         cut; recipe 6000).
+      max_program_chars: characters of a memory game's program shown in the designer
+        prompt (recipe 2000: its memory stores a 2000-character excerpt).
       memory_capacity: environments the memory keeps (recipe: 200).
       memory_examples: memory records shown per designer prompt (with memory_selection
         "recipe": games to build on, besides one game to avoid).
@@ -128,6 +130,7 @@ class SpadeConfig:
     docs_per_prompt: int = 1
     max_doc_chars: int = 1500
     max_doc_words: int = 0
+    max_program_chars: int = 4000
     memory_capacity: int = 512
     memory_selection: str = "regime"
     memory_examples: int = 2
@@ -142,7 +145,8 @@ class SpadeConfig:
     def __post_init__(self):
         for name in ("rounds", "envs_per_round", "regeneration_interval", "plays_per_game",
                      "designer_group_size", "max_design_attempts", "hint_attempts",
-                     "hint_max_tokens", "learnable_window", "memory_capacity"):
+                     "hint_max_tokens", "learnable_window", "memory_capacity",
+                     "max_program_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"spade.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("hint_plays", "designer_delay", "docs_per_prompt", "memory_examples",

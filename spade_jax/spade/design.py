@@ -132,12 +132,14 @@ class Designer:
             system = reference_designer_system_prompt(self.max_turns)
             user = reference_designer_user_prompt(skill, documents, good, bad,
                                                   max_doc_chars=cfg.max_doc_chars,
-                                                  max_doc_words=cfg.max_doc_words)
+                                                  max_doc_words=cfg.max_doc_words,
+                                                  max_program_chars=cfg.max_program_chars)
         else:
             system = DESIGNER_SYSTEM_PROMPTS[cfg.prompt_style]
             user = designer_user_prompt(skill, documents, examples,
                                         max_doc_chars=cfg.max_doc_chars,
-                                        max_doc_words=cfg.max_doc_words)
+                                        max_doc_words=cfg.max_doc_words,
+                                        max_program_chars=cfg.max_program_chars)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def _prompt_draws(self, skills: Sequence[str]) -> tuple[list[list[Document]],

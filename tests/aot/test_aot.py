@@ -223,9 +223,12 @@ def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     config = aot.AotConfig(experiment="tiny", topology="v4-8", sample_batch=2, prompt_len=16,
                            new_tokens=8, programs=("prefill", "decode"))
     result = aot.plan(config, devices=jax.devices()[:1])
-    prefill, decode, auto = result.programs
-    # One device: no FSDP axis for the decode layout to re-purpose, the same program.
+    prefill, decode, auto_prefill, auto = result.programs
+    # One device: no FSDP axis for the decode layout to re-purpose, the same programs.
     assert auto.name == "decode:auto" and auto.mesh_shape is None and auto.reshard_bytes == 0
+    assert auto_prefill.name == "prefill:auto" and auto_prefill.mesh_shape is None
+    assert (auto_prefill.argument_bytes, auto_prefill.temp_bytes, auto_prefill.resident_bytes) == (
+        prefill.argument_bytes, prefill.temp_bytes, prefill.resident_bytes)
     assert auto.ici_traffic == decode.ici_traffic == 0
     sampler = load_experiment("tiny").agent.sampler
     slots = 16 + -(-8 // sampler.new_tokens_bucket) * sampler.new_tokens_bucket

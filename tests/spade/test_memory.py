@@ -255,3 +255,35 @@ def test_designer_prompt_shows_recipe_picks_by_role_not_regime():
     user = chats[0][1]["content"]
     good_at, bad_at = user.index("sat at the agent's frontier"), user.index("taught little")
     assert good_at < user.index("class GkeepEnv") < bad_at < user.index("class GavoidEnv")
+
+
+@pytest.mark.parametrize("contract", ["reference", "paper"])
+def test_designer_prompt_cuts_memory_programs_to_max_program_chars(contract):
+    """The recipe shows a memory game as its program's first 2000 characters
+    (``spade.max_program_chars``, set by the recipe experiments): the prompt holds exactly
+    that prefix of a longer program and nothing after it, in both prompt families."""
+    from spade_jax.experiment import load_experiment
+    from spade_jax.spade.config import SpadeConfig
+    from spade_jax.spade.design import Designer, slot_skills
+
+    assert load_experiment("qwen3_30b_a3b").spade.max_program_chars == 2000
+    config = SpadeConfig(use_corpus=False, docs_per_prompt=0, memory_examples=1,
+                         memory_selection="recipe", contract=contract, max_program_chars=60)
+    skill = slot_skills(config, 0)[0]
+    memory = EnvironmentMemory(MemoryConfig(seed=1, selection="recipe"))
+    record = _scored("long", skill, regret=0.5, win_rate=0.5)
+    program = record.program_source + "".join(f"# line {i:03d}\n" for i in range(100))
+    memory.add(dataclasses.replace(record, program_source=program))
+    chats = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages, **_):
+            chats.append(messages)
+            return [0]
+
+    Designer(config, tokenizer=Tokenizer(), pool=None, generate=None, corpus_sampler=None,
+             memory=memory, seed=0, max_turns=4).prompts(0)
+    user = chats[0][1]["content"]
+    assert program[:60] in user and program[:61] not in user
+    with pytest.raises(ValueError, match="max_program_chars must be >= 1"):
+        SpadeConfig(max_program_chars=0)
