@@ -196,6 +196,8 @@ def _for_expert_blocks(start_E, count_E, bs, max_count, run_expert, carry):
 # expert's weight gradients in [D, F] carries written once per expert: 38 / 13 ms there,
 # and a value_and_grad of the whole model on [4, 64] tokens 0.19 s against 0.57 s (0.39 s
 # with lax.map; docs/rollout.md). The forward compiles to the same program as before.
+# A custom_vjp has no forward-mode rule: jax.jvp through this dispatch raises (nothing in
+# the project uses forward mode; the other dispatches support it).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _expert_blocks(x_rows_MD, w_gate_EDF, w_up_EDF, w_down_EFD, start_E, count_E, bs,
                    max_count):
