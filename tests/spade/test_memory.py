@@ -232,7 +232,7 @@ def test_designer_prompt_shows_recipe_picks_by_role_not_regime():
     """With the recipe selection, a game picked to build on is shown under "build on" even
     when the regret thresholds call it mastered, and the pick to avoid under "avoid"."""
     from spade_jax.spade.config import SpadeConfig
-    from spade_jax.spade.design import Designer, slot_skills
+    from spade_jax.spade.design import slot_skills
 
     config = SpadeConfig(use_corpus=False, docs_per_prompt=0, memory_examples=2,
                          memory_selection="recipe", contract="reference")
@@ -242,17 +242,7 @@ def test_designer_prompt_shows_recipe_picks_by_role_not_regime():
     memory.add(dataclasses.replace(build_on, regime=Regime.MASTERED))
     memory.add(dataclasses.replace(_scored("avoid", skill, regret=0.0, win_rate=1.0),
                                    regime=Regime.MASTERED))
-    chats = []
-
-    class Tokenizer:
-        def apply_chat_template(self, messages, **_):
-            chats.append(messages)
-            return [0]
-
-    designer = Designer(config, tokenizer=Tokenizer(), pool=None, generate=None,
-                        corpus_sampler=None, memory=memory, seed=0, max_turns=4)
-    designer.prompts(0)
-    user = chats[0][1]["content"]
+    user = _first_designer_user_prompt(config, memory)
     good_at, bad_at = user.index("sat at the agent's frontier"), user.index("taught little")
     assert good_at < user.index("class GkeepEnv") < bad_at < user.index("class GavoidEnv")
 
@@ -264,7 +254,7 @@ def test_designer_prompt_cuts_memory_programs_to_max_program_chars(contract):
     that prefix of a longer program and nothing after it, in both prompt families."""
     from spade_jax.experiment import load_experiment
     from spade_jax.spade.config import SpadeConfig
-    from spade_jax.spade.design import Designer, slot_skills
+    from spade_jax.spade.design import slot_skills
 
     assert load_experiment("qwen3_30b_a3b").spade.max_program_chars == 2000
     config = SpadeConfig(use_corpus=False, docs_per_prompt=0, memory_examples=1,
@@ -274,6 +264,16 @@ def test_designer_prompt_cuts_memory_programs_to_max_program_chars(contract):
     record = _scored("long", skill, regret=0.5, win_rate=0.5)
     program = record.program_source + "".join(f"# line {i:03d}\n" for i in range(100))
     memory.add(dataclasses.replace(record, program_source=program))
+    user = _first_designer_user_prompt(config, memory)
+    assert program[:60] in user and program[:61] not in user
+    with pytest.raises(ValueError, match="max_program_chars must be >= 1"):
+        SpadeConfig(max_program_chars=0)
+
+
+def _first_designer_user_prompt(config, memory) -> str:
+    """The user message of the designer's first slot prompt in round 0."""
+    from spade_jax.spade.design import Designer
+
     chats = []
 
     class Tokenizer:
@@ -283,7 +283,4 @@ def test_designer_prompt_cuts_memory_programs_to_max_program_chars(contract):
 
     Designer(config, tokenizer=Tokenizer(), pool=None, generate=None, corpus_sampler=None,
              memory=memory, seed=0, max_turns=4).prompts(0)
-    user = chats[0][1]["content"]
-    assert program[:60] in user and program[:61] not in user
-    with pytest.raises(ValueError, match="max_program_chars must be >= 1"):
-        SpadeConfig(max_program_chars=0)
+    return chats[0][1]["content"]
