@@ -70,6 +70,14 @@ class SamplerConfig:
         generated in consecutive batches with the same tokens (row i keeps its random
         stream; log-probs agree to float rounding, bit for bit with a batch-invariant
         model), bounding the KV cache and prefill activations of a large round.
+      max_prefill_tokens: prefill budget of one jitted call, counted as its padded rows x
+        prompt bucket (0 = unlimited). A batch over it is prefilled in consecutive groups
+        of :func:`prefill_chunk_rows` rows (the budget's rows rounded down to a multiple of
+        the mesh's batch shards), each written into one full-batch decode state: the peak
+        is that state plus one group's activations, and the decode batch (unlike with
+        ``max_rows``) stays whole. A budget under one row's prompt bucket per batch shard
+        still prefills one row per shard a call. Same tokens as one call; log-probs to
+        float rounding (bit for bit with a batch-invariant model).
     """
 
     max_new_tokens: int
@@ -84,6 +92,7 @@ class SamplerConfig:
     chunk_steps: int = 32
     compact_batch: bool = True
     max_rows: int = 0
+    max_prefill_tokens: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -107,6 +116,9 @@ class SamplerConfig:
             raise ValueError(f"chunk_steps must be >= 0, got {self.chunk_steps}")
         if self.max_rows < 0:
             raise ValueError(f"max_rows must be >= 0 (0 = all prompts at once), got {self.max_rows}")
+        if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 0:
+            raise ValueError(f"max_prefill_tokens must be an int >= 0 (0 = unlimited), "
+                             f"got {self.max_prefill_tokens!r}")
 
     @property
     def greedy(self) -> bool:
@@ -262,36 +274,25 @@ def _record(state: DecodeState, token_b, logprob_b) -> DecodeState:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer"))
-def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: _Scalars,
-             *, static: _Static, new_buffer: int):
-    model = nnx.merge(graphdef, params)
-    cfg = model.config
-    b, p = ids_bp.shape
-    cache = model.init_cache(b, static.cache_len, static.cache_dtype).constrain()
-    positions_bp = positions_from_mask(mask_bp)
-    answer_state = None if static.answer_detector is None else static.answer_detector.init(b)
-    # Only the last position's logits are sampled from: the LM head over every prompt
-    # position would be a [B, P, V] fp32 array (119 GiB per chip for 24 rows of 8k tokens
-    # with Qwen3's 152k vocabulary).
-    out = model(ids_bp, positions_bp, mask_bp, cache=cache,
-                router_hook=_hook_for(static, answer_state), return_logits=False,
-                mesh=static.mesh)
-    last_logits_bv = model.lm_head(out.hidden[:, -1:])[:, -1]
+def _routing_shape(cfg, static: _Static) -> tuple[tuple[int, ...], bool, bool, Any]:
+    """The MoE layers recorded, whether experts / router logits are recorded, their dtype."""
     moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-    n_moe, e, x = len(moe_layers), cfg.num_experts, cfg.num_experts_per_tok
-    router = static.return_router and n_moe > 0
+    router = static.return_router and bool(moe_layers)
     logits = router and static.router_logits
-    experts_dtype = _experts_dtype(static, cfg) if router else None
-    prompt_router = None
-    if router:
-        prompt_router = (moe_stack(out.router_logits, moe_layers) if logits else None,
-                         moe_stack(out.selected_experts, moe_layers).astype(experts_dtype))
+    return moe_layers, router, logits, _experts_dtype(static, cfg) if router else None
+
+
+def _initial_state(cache: KVCache, position_b, limit_b, row_id_b, stop_bm, *, cfg,
+                   static: _Static, new_buffer: int) -> DecodeState:
+    """The decode state of rows about to draw their first token (nothing generated yet)."""
+    b = row_id_b.shape[0]
+    moe_layers, router, logits, experts_dtype = _routing_shape(cfg, static)
+    n_moe, e, x = len(moe_layers), cfg.num_experts, cfg.num_experts_per_tok
     is_pad_row_b = row_id_b < 0
-    state = DecodeState(
-        cache=out.cache,
+    return DecodeState(
+        cache=cache,
         last_token_b=jnp.zeros((b,), jnp.int32),
-        position_b=positions_bp[:, -1] + 1,
+        position_b=position_b,
         tokens_bn=jnp.zeros((b, new_buffer), jnp.int32),
         logprobs_bn=jnp.zeros((b, new_buffer), jnp.float32),
         num_generated_b=jnp.zeros((b,), jnp.int32),
@@ -301,10 +302,133 @@ def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scal
         step=jnp.zeros((), jnp.int32),
         router_bnle=jnp.zeros((b, new_buffer, n_moe, e), jnp.float32) if logits else None,
         experts_bnlx=jnp.zeros((b, new_buffer, n_moe, x), experts_dtype) if router else None,
-        answer_state=answer_state,
+        answer_state=None if static.answer_detector is None else static.answer_detector.init(b),
     )
+
+
+def _prefill_state(model, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: _Scalars, *,
+                   static: _Static, new_buffer: int):
+    """The model over these prompt rows: their decode state after the first draw (a cache
+    of these rows only) and their prompt routing (None, or (logits or None, experts))."""
+    cfg = model.config
+    cache = model.init_cache(ids_bp.shape[0], static.cache_len, static.cache_dtype).constrain()
+    positions_bp = positions_from_mask(mask_bp)
+    state = _initial_state(cache, positions_bp[:, -1] + 1, limit_b, row_id_b, stop_bm, cfg=cfg,
+                           static=static, new_buffer=new_buffer)
+    # Only the last position's logits are sampled from: the LM head over every prompt
+    # position would be a [B, P, V] fp32 array (119 GiB per chip for 24 rows of 8k tokens
+    # with Qwen3's 152k vocabulary).
+    out = model(ids_bp, positions_bp, mask_bp, cache=cache,
+                router_hook=_hook_for(static, state.answer_state), return_logits=False,
+                mesh=static.mesh)
+    last_logits_bv = model.lm_head(out.hidden[:, -1:])[:, -1]
+    moe_layers, router, logits, experts_dtype = _routing_shape(cfg, static)
+    prompt_router = None
+    if router:
+        prompt_router = (moe_stack(out.router_logits, moe_layers) if logits else None,
+                         moe_stack(out.selected_experts, moe_layers).astype(experts_dtype))
+    state = state.replace(cache=out.cache)
     token_b, logprob_b = _draw(last_logits_bv, row_id_b, 0, scalars, static)
     return _detect(_record(state, token_b, logprob_b), token_b, static), prompt_router
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer"))
+def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: _Scalars,
+             *, static: _Static, new_buffer: int):
+    """Every row of the batch in one call: (decode state, prompt routing)."""
+    return _prefill_state(nnx.merge(graphdef, params), ids_bp, mask_bp, limit_b, row_id_b,
+                          stop_bm, scalars, static=static, new_buffer=new_buffer)
+
+
+# ---- the prefill in row groups (``SamplerConfig.max_prefill_tokens``) -------------------
+# The batch's rows are split into ``shards`` equal blocks, block s living on batch shard s.
+# Group g prefills, in every block, the rows ``lo_g .. lo_g + rows / shards - 1``, so each
+# shard computes and writes only rows it holds (a write at a dynamic offset along a
+# sharded axis would make XLA gather the whole cache).
+
+
+def _constrain_rows(state: DecodeState) -> DecodeState:
+    """Splits every per-row array of ``state`` over the batch axes (no-op without a mesh)."""
+
+    def rows(x):
+        return x if x.ndim == 0 else sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+    rest = jax.tree.map(rows, state.replace(cache=None))
+    cache = state.cache.replace(valid_bs=rows(state.cache.valid_bs)).constrain()
+    return rest.replace(cache=cache)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "stacked", "static", "new_buffer"))
+def _empty_state(limit_b, row_id_b, stop_bm, *, config, stacked: bool, static: _Static,
+                 new_buffer: int) -> DecodeState:
+    """The full batch's decode state with an empty cache: what the row groups write into."""
+    cache = KVCache.init(config, row_id_b.shape[0], static.cache_len, static.cache_dtype,
+                         stacked=stacked)
+    return _constrain_rows(_initial_state(
+        cache, jnp.zeros_like(row_id_b), limit_b, row_id_b, stop_bm, cfg=config, static=static,
+        new_buffer=new_buffer))
+
+
+def _put_rows(full, part, lo, shards: int, axis: int = 0):
+    """``part``'s rows written into ``full`` at rows ``lo ..`` of each of ``shards`` blocks
+    along ``axis`` (scalars: ``part``'s)."""
+    if full.ndim == 0:
+        return part
+
+    def blocks(x):
+        return x.reshape(x.shape[:axis] + (shards, x.shape[axis] // shards) + x.shape[axis + 1:])
+
+    starts = [0] * (full.ndim + 1)
+    starts[axis + 1] = lo
+    out = jax.lax.dynamic_update_slice(blocks(full), blocks(part).astype(full.dtype), starts)
+    return out.reshape(full.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer", "shards"),
+                   donate_argnames=("state",))
+def _prefill_rows(graphdef, params, state: DecodeState, ids_bp, mask_bp, limit_b, row_id_b,
+                  stop_bm, scalars: _Scalars, lo, *, static: _Static, new_buffer: int,
+                  shards: int):
+    """One row group (see above) prefilled and written into the donated full-batch
+    ``state`` at rows ``lo ..`` of every block: (the state, the group's prompt routing)."""
+    part, prompt_router = _prefill_state(nnx.merge(graphdef, params), ids_bp, mask_bp, limit_b,
+                                         row_id_b, stop_bm, scalars, static=static,
+                                         new_buffer=new_buffer)
+    kv_axis = 1 if state.cache.stacked else 0
+    cache = state.cache.replace(
+        k=jax.tree.map(lambda f, p: _put_rows(f, p, lo, shards, kv_axis), state.cache.k,
+                       part.cache.k),
+        v=jax.tree.map(lambda f, p: _put_rows(f, p, lo, shards, kv_axis), state.cache.v,
+                       part.cache.v),
+        valid_bs=_put_rows(state.cache.valid_bs, part.cache.valid_bs, lo, shards),
+        index=part.cache.index)
+    rest = jax.tree.map(lambda f, p: _put_rows(f, p, lo, shards), state.replace(cache=None),
+                        part.replace(cache=None))
+    return _constrain_rows(rest.replace(cache=cache)), prompt_router
+
+
+def prefill_chunk_rows(batch: int, prompt_len: int, budget: int, shards: int = 1) -> int:
+    """Rows of one prefill call of ``batch`` rows of ``prompt_len`` tokens within ``budget``
+    tokens (``SamplerConfig.max_prefill_tokens``; 0 = unlimited): ``batch`` when it fits,
+    else ``budget // prompt_len`` rounded down to a multiple of ``shards``, at least
+    ``shards`` (one row per batch shard), at most ``batch``."""
+    if not budget or batch * prompt_len <= budget:
+        return batch
+    return min(batch, max(shards, (budget // prompt_len) // shards * shards))
+
+
+def _row_groups(batch: int, rows: int, shards: int) -> list[tuple[int, np.ndarray]]:
+    """The row groups of a prefill in groups of ``rows`` (a multiple of ``shards``): per
+    group its offset within each block and the batch rows it covers, in block order. The
+    last group is moved back to end at the block's end when ``rows`` does not divide the
+    batch: it recomputes a few rows (the same values) rather than compile a smaller shape."""
+    block, per_block = batch // shards, rows // shards
+    groups = []
+    for lo in range(0, block, per_block):
+        lo = min(lo, block - per_block)
+        idx = (np.arange(shards)[:, None] * block + lo + np.arange(per_block)).reshape(-1)
+        groups.append((lo, idx))
+    return groups
 
 
 def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) -> DecodeState:
@@ -569,14 +693,12 @@ def sample(
     graphdef, params = nnx.split(model)
     stats = {"batch_bucket": batch, "prompt_bucket": prompt_len, "cache_len": static.cache_len,
              "cache_dtype": jnp.dtype(cache_dtype).name,
-             "decode_calls": 0, "compactions": 0, "row_steps": 0}
+             "prefill_calls": 0, "decode_calls": 0, "compactions": 0, "row_steps": 0}
     finished: dict[int, tuple] = {}
     with sharding.activate(mesh) if mesh is not None else contextlib.nullcontext():
-        if mesh is not None:
-            rows = sharding.named_sharding(("batch", None), mesh)
-            ids_bp, mask_bp, stop_bm = (jax.device_put(a, rows) for a in (ids_bp, mask_bp, stop_bm))
-        state, prompt_router = _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b,
-                                        stop_bm, scalars, static=static, new_buffer=new_buffer)
+        state, prompt_router = _prefill_batch(
+            model, graphdef, params, (ids_bp, mask_bp, limit_b, row_id_b, stop_bm), scalars,
+            config=config, static=static, new_buffer=new_buffer, mesh=mesh, stats=stats)
         step = 1
         while True:
             until = config.max_new_tokens if chunk == 0 else min(step + chunk, config.max_new_tokens)
@@ -602,6 +724,65 @@ def sample(
     return _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats)
 
 
+def _prefill_batch(model: nnx.Module, graphdef: nnx.GraphDef, params: Any,
+                   arrays: tuple[np.ndarray, ...], scalars: _Scalars, *, config: SamplerConfig,
+                   static: _Static, new_buffer: int, mesh: jax.sharding.Mesh | None,
+                   stats: dict) -> tuple[DecodeState, Any]:
+    """The batch's prompts ``(ids_bp, mask_bp, limit_b, row_id_b, stop_bm)`` (host arrays)
+    prefilled: in one call, or in row groups within ``config.max_prefill_tokens``. Returns
+    the full-batch decode state and the prompt routing on the host in batch-row order.
+    ``graphdef, params``: ``nnx.split(model)``."""
+    batch, prompt_len = arrays[0].shape
+    shards = batch_shards(mesh)
+    rows = prefill_chunk_rows(batch, prompt_len, config.max_prefill_tokens, shards)
+    if rows == batch:
+        state, router = _prefill(graphdef, params, *_place_prompts(arrays, mesh), scalars,
+                                 static=static, new_buffer=new_buffer)
+        stats["prefill_calls"] += 1
+        return state, _router_to_host([(np.arange(batch), router)], batch)
+    _, _, limit_b, row_id_b, stop_bm = arrays
+    state = _empty_state(limit_b, row_id_b, stop_bm, config=model.config,
+                         stacked=model.options.scan_layers, static=static,
+                         new_buffer=new_buffer)
+    routers = []
+    for lo, rows_k in _row_groups(batch, rows, shards):
+        state, router = _prefill_rows(
+            graphdef, params, state, *_place_prompts(tuple(a[rows_k] for a in arrays), mesh),
+            scalars, jnp.int32(lo), static=static, new_buffer=new_buffer, shards=shards)
+        routers.append((rows_k, router))
+        stats["prefill_calls"] += 1
+    return state, _router_to_host(routers, batch)
+
+
+def _place_prompts(arrays: tuple[np.ndarray, ...], mesh) -> tuple:
+    """The prompt arrays as the prefill takes them: ids, mask and stop ids split over the
+    mesh's batch axes (the per-row limit and prompt index stay host arrays)."""
+    ids_bp, mask_bp, limit_b, row_id_b, stop_bm = arrays
+    if mesh is not None:
+        rows = sharding.named_sharding(("batch", None), mesh)
+        ids_bp, mask_bp, stop_bm = (jax.device_put(a, rows) for a in (ids_bp, mask_bp, stop_bm))
+    return ids_bp, mask_bp, limit_b, row_id_b, stop_bm
+
+
+def _router_to_host(parts: list[tuple[np.ndarray, Any]], batch: int) -> tuple | None:
+    """Prompt routing of the prefill calls ``(batch rows, (logits or None, experts))``
+    assembled on the host into [batch, ...] arrays (a row prefilled twice: its last)."""
+    if parts[0][1] is None:
+        return None
+    if len(parts) == 1:
+        return tuple(None if x is None else to_host(x) for x in parts[0][1])
+    out = []
+    for k, first in enumerate(parts[0][1]):
+        full = None
+        for rows_k, router in ([] if first is None else parts):
+            part = to_host(router[k])
+            if full is None:
+                full = np.zeros((batch,) + part.shape[1:], part.dtype)
+            full[rows_k] = part
+        out.append(full)
+    return tuple(out)
+
+
 def _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokenizer,
                        router_hook, mesh, max_new_per_seq, answer_detector) -> GenerationResult:
     """:func:`sample` over consecutive batches of ``config.max_rows`` prompts, concatenated.
@@ -625,7 +806,7 @@ def _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokeni
             answer_detector=answer_detector, _row_offset=lo))
     logits, experts = parts[0].router_logits is not None, parts[0].selected_experts is not None
     stats = {"batches": [p.stats for p in parts]}
-    for key in ("decode_calls", "compactions", "row_steps"):
+    for key in ("prefill_calls", "decode_calls", "compactions", "row_steps"):
         stats[key] = sum(p.stats.get(key, 0) for p in parts)
     return GenerationResult(
         tokens=[t for p in parts for t in p.tokens],
@@ -686,7 +867,7 @@ def _assemble(prompts, finished, prompt_router, prompt_len, mcfg, stats) -> Gene
     rows = [finished[i] for i in range(len(prompts))]
     router_logits = selected = None
     if prompt_router is not None and moe_layers:
-        prompt_logits, prompt_experts = (None if x is None else to_host(x) for x in prompt_router)
+        prompt_logits, prompt_experts = prompt_router  # host arrays (_router_to_host)
         router_logits = None if prompt_logits is None else []
         selected = []
         for i, (p, row) in enumerate(zip(prompts, rows, strict=True)):

@@ -317,3 +317,95 @@ def test_max_rows_batches_give_the_same_samples(checkpoint):
     assert len(split.stats["batches"]) == 3
     with pytest.raises(ValueError, match="max_rows"):
         SamplerConfig(max_new_tokens=4, max_rows=-1)
+
+
+# --- the prefill in row groups (SamplerConfig.max_prefill_tokens) -------------------------
+
+def _spy_prefills(monkeypatch) -> list[tuple[str, int, int]]:
+    """Records (program, rows, prompt bucket) of every jitted prefill call ``sample`` makes."""
+    calls = []
+    for name in ("_prefill", "_prefill_rows"):
+        real = getattr(sampler_lib, name)
+        at = 2 if name == "_prefill" else 3  # the ids [rows, P] argument
+
+        def spy(*args, _real=real, _name=name, _at=at, **kwargs):
+            calls.append((_name, *args[_at].shape))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(sampler_lib, name, spy)
+    return calls
+
+
+def test_prefill_budget_row_groups_give_the_same_samples(checkpoint, monkeypatch):
+    """Six ragged prompts (an 8-row batch, 16-token bucket) prefilled 3 rows at a time
+    (budget 3 x 16; the last group moved back to rows 5-7) equal one prefill: sampled
+    tokens, stop reasons (a stop id, a stop string, per-row budgets, the limit), log-probs
+    to rounding, router logits and experts; with ``max_rows`` too. Each call stays within
+    the budget."""
+    model = checkpoint[2]
+    rs = np.random.RandomState(7)
+    prompts = [rs.randint(0, tiny_hf.VOCAB, n).tolist() for n in (3, 16, 9, 1, 12, 6)]
+    config = SamplerConfig(max_new_tokens=12, temperature=1.0, seed=3, return_router=True,
+                           chunk_steps=4)
+    free = sample(model, prompts, config, stop_tokens=[])
+    text = _CharTokenizer().decode(free.tokens[4])
+    kwargs = dict(stop_tokens=[[free.tokens[0][4]], [], [], [], [], []],
+                  stop_strings=[[], [], [], [], [text[6:8]], []], tokenizer=_CharTokenizer(),
+                  max_new_per_seq=[12, 12, 5, 12, 12, 2])
+    whole = sample(model, prompts, config, **kwargs)
+    assert {"eos", "stop_string", "max_tokens"} <= set(whole.done_reasons)
+    assert whole.stats["prefill_calls"] == 1
+    calls = _spy_prefills(monkeypatch)
+    budget = 3 * 16
+    for max_rows, want_calls in ((0, [3]), (4, [2, 1])):  # 4 rows: 2 groups; 2 rows: fits
+        calls.clear()
+        split = sample(model, prompts, dataclasses.replace(
+            config, max_prefill_tokens=budget, max_rows=max_rows), **kwargs)
+        assert split.tokens == whole.tokens and split.done_reasons == whole.done_reasons
+        np.testing.assert_allclose(np.concatenate([np.asarray(x) for x in split.logprobs]),
+                                   np.concatenate([np.asarray(x) for x in whole.logprobs]),
+                                   atol=1e-5)
+        for a, b in zip(split.selected_experts, whole.selected_experts, strict=True):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(split.router_logits, whole.router_logits, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        assert all(rows * p <= budget for _, rows, p in calls) and len(calls) == sum(want_calls)
+        stats = split.stats.get("batches", [split.stats])
+        assert [b["prefill_calls"] for b in stats] == want_calls
+        assert split.stats["prefill_calls"] == sum(want_calls)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        SamplerConfig(4, max_prefill_tokens=-1)
+
+
+def test_prefill_chunk_rows_round_to_the_batch_shards():
+    rows = sampler_lib.prefill_chunk_rows
+    assert rows(256, 32768, 0, 8) == 256  # no budget
+    assert rows(256, 32768, 8 * 32768, 8) == 8
+    assert rows(256, 32768, 12 * 32768, 8) == 8  # rounded down to the 8 shards
+    assert rows(256, 32768, 100, 8) == 8  # under one row: one row per shard
+    assert rows(16, 1024, 8 * 32768, 8) == 16  # fits: one call
+    groups = sampler_lib._row_groups(8, 6, 2)  # blocks of 4 rows, 3 per group per block
+    assert [lo for lo, _ in groups] == [0, 1]
+    np.testing.assert_array_equal(groups[1][1], [1, 2, 3, 5, 6, 7])
+
+
+def test_sharded_prefill_row_groups_equal_single_device(checkpoint, monkeypatch):
+    """On a data 2 x tensor 2 x expert 2 mesh (rows split 4 ways: data x expert), a budget
+    of 6 rows rounds down to 4 (one row per shard a call): 8 prompts take 2 calls and
+    generate the single-device greedy tokens."""
+    if jax.device_count() < 8:
+        pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    _, path, single, prompts = checkpoint
+    prompts = prompts + [p[::-1][:4] for p in prompts]
+    want = generate(single, prompts, 16)
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=1, tensor=2, expert=2))
+    model, _ = load_hf(path, mesh=mesh)
+    assert sampler_lib.batch_shards(mesh) == 4
+    calls = _spy_prefills(monkeypatch)
+    out = generate(model, prompts, 16, mesh=mesh,
+                   config=SamplerConfig(16, max_prefill_tokens=6 * 16))
+    assert out.tokens == want.tokens
+    np.testing.assert_allclose(np.concatenate([np.asarray(x) for x in out.logprobs]),
+                               np.concatenate([np.asarray(x) for x in want.logprobs]),
+                               atol=1e-5)
+    assert calls == [("_prefill_rows", 4, 16)] * 2 and out.stats["prefill_calls"] == 2
