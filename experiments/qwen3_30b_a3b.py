@@ -39,8 +39,10 @@ def get_config() -> ExperimentConfig:
                         attention_chunk=512),
         tokenizer=TokenizerSpec(path=""),  # set to the checkpoint dir (tokenizer.json)
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1, expert=8),
+        # Prefill in row groups of at most 8 x 32768 tokens, the engine's budget below
+        # (docs/scale_out.md, "Prefill on the decode layout": 256 whole 32k rows are refused).
         designer_sampler=SamplerConfig(max_new_tokens=16384, cache_dtype="bfloat16",
-                                       **RECIPE_SAMPLING),
+                                       max_prefill_tokens=8 * 32768, **RECIPE_SAMPLING),
         # No system prompt: the first user turn frames the game and asks for the answer in
         # \boxed{} (the last box of a reply is the action).
         agent=AgentLoopConfig(max_turns=25, max_turn_tokens=8192, max_episode_tokens=32768,
@@ -55,8 +57,12 @@ def get_config() -> ExperimentConfig:
                               max_prefill_tokens=8 * 32768,
                               # 256 rows per batch bounds the KV cache per chip (README
                               # AOT table: re-run `python -m spade_jax.aot` for 32k context).
+                              # Its max_prefill_tokens bounds `sample` calls with this
+                              # config and the AOT plan's prefill (the engine reads the one
+                              # above): the same 8 x 32768 (docs/scale_out.md).
                               sampler=SamplerConfig(max_new_tokens=8192, cache_dtype="bfloat16",
-                                                    max_rows=256, **RECIPE_SAMPLING)),
+                                                    max_rows=256, max_prefill_tokens=8 * 32768,
+                                                    **RECIPE_SAMPLING)),
         # The recipe's update (slime flags of cmd/games/train_spade_30b.sh): Adam lr 1e-6
         # constant, weight decay 0.1, betas 0.9/0.98, clip 1.0; PPO clip 0.2/0.28, KL 0,
         # TIS clamp 2; designer and agent samples in one per-sample mean.

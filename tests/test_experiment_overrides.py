@@ -167,6 +167,20 @@ def test_recipe_experiments_set_the_recipes_update():
             assert (cfg.clip_eps, cfg.clip_eps_high, cfg.kl_coef) == (0.2, 0.28, kl)
 
 
+def test_recipe_samplers_prefill_within_the_engines_budget():
+    """The big recipes bound `sample`'s prefill (designer, agent) by the engine's budget of
+    8 x 32768 tokens (docs/scale_out.md); tiny prefills in one call."""
+    for name in ("qwen3_30b_a3b", "qwen3_4b", "qwen3_8b"):
+        config = load_experiment(name)
+        budgets = (config.designer_sampler.max_prefill_tokens,
+                   config.agent.sampler.max_prefill_tokens, config.agent.max_prefill_tokens)
+        assert budgets == (8 * 32768,) * 3
+    tiny = load_experiment("tiny", ["designer_sampler.max_prefill_tokens=4096"])
+    assert load_experiment("tiny").designer_sampler.max_prefill_tokens == 0
+    assert tiny.designer_sampler.max_prefill_tokens == 4096
+    assert tiny.agent.sampler.max_prefill_tokens == 0
+
+
 @pytest.mark.parametrize("name, changes", [
     ("qwen3_4b", {"model.preset": "qwen3_4b_instruct_2507", "mesh.expert": 1,
                   "train.microbatches": 8}),
