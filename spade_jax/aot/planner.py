@@ -380,7 +380,9 @@ def _sampler_replay_note(s: _Setting) -> str:
 
 def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     """The agent sampler's prefill of the last turn's prompt and one decode step, per
-    decode layout."""
+    decode layout. The prefill is one call's: within the sampler's ``max_prefill_tokens``
+    (else the agent loop's engine budget, ``agent.max_prefill_tokens``) a row group of the
+    batch, written into the full batch's decode state (``sampler.lower_prefill``)."""
     from spade_jax.rollout.sampler import next_pow2, round_up
 
     agent, spade = s.experiment.agent, s.experiment.spade
@@ -393,8 +395,9 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     # telemetry) the run's samplers record the selected experts (return_router="experts"),
     # so the decode state here carries that [B, N, L, X] buffer too.
     record = "experts" if s.train.router_replay or s.experiment.record_routing else False
-    sampler = dataclasses.replace(agent.sampler, max_new_tokens=n, top_k=0,
-                                  return_router=record)
+    sampler = dataclasses.replace(
+        agent.sampler, max_new_tokens=n, top_k=0, return_router=record,
+        max_prefill_tokens=agent.sampler.max_prefill_tokens or agent.max_prefill_tokens)
     programs = []
     for layout in config.decode_layouts:
         programs += _layout_programs(config, s, sampler, layout, rows=b, prompt_len=p)
@@ -405,17 +408,21 @@ def _layout_programs(config: AotConfig, s: _Setting, sampler: Any, layout: str, 
                      prompt_len: int) -> list[ProgramCost]:
     """The prefill and one decode step with the sampler's weights in ``layout`` (those of
     ``config.programs``), from one lowering of the prefill (its output is the decode state);
-    ``rows`` rounded up to the batch shards of the layout's mesh."""
-    from spade_jax.rollout.sampler import round_up
+    ``rows`` rounded up to the batch shards of the layout's mesh. The prefill is one call
+    of ``sampler.prefill_chunk_rows`` rows within ``sampler.max_prefill_tokens``."""
+    from spade_jax.rollout.sampler import prefill_chunk_rows, round_up
 
     mesh = _decode_mesh(s, layout)
-    rows = round_up(rows, parallelism(_shape(mesh), s.par.chips, s.rules).batch)
+    shards = parallelism(_shape(mesh), s.par.chips, s.rules).batch
+    rows = round_up(rows, shards)
+    group = prefill_chunk_rows(rows, prompt_len, sampler.max_prefill_tokens, shards)
     params = _decode_params(s, mesh)
-    prefill = _lower_layout_prefill(s, sampler, mesh, params, rows=rows, prompt_len=prompt_len)
+    prefill = _lower_layout_prefill(s, sampler, mesh, params, rows=group, prompt_len=prompt_len,
+                                    batch=rows)
     programs = []
     if "prefill" in config.programs:
-        programs.append(_prefill_program(s, prefill, layout, mesh, params, rows=rows,
-                                         prompt_len=prompt_len,
+        programs.append(_prefill_program(s, prefill, layout, mesh, params, rows=group,
+                                         batch=rows, prompt_len=prompt_len,
                                          new_tokens=sampler.max_new_tokens))
     if "decode" in config.programs:
         programs.append(_decode_program(s, sampler, layout, prefill, mesh, params, rows=rows))
@@ -423,12 +430,14 @@ def _layout_programs(config: AotConfig, s: _Setting, sampler: Any, layout: str, 
 
 
 def _lower_layout_prefill(s: _Setting, sampler: Any, mesh: Any, params: Any, *, rows: int,
-                          prompt_len: int) -> Any:
-    """The sampler's prefill lowered on ``mesh`` reading ``params`` (``_decode_params``)."""
+                          prompt_len: int, batch: int | None = None) -> Any:
+    """The sampler's prefill lowered on ``mesh`` reading ``params`` (``_decode_params``):
+    ``rows`` prompts, a row group of a ``batch``-row decode state when ``batch`` > rows."""
     from spade_jax.rollout import sampler as sampler_lib
 
     return sampler_lib.lower_prefill(s.sample_graphdef, params, s.options, sampler, rows=rows,
-                                     prompt_len=prompt_len, mesh=mesh, rules=s.rules)
+                                     prompt_len=prompt_len, mesh=mesh, rules=s.rules,
+                                     batch=batch)
 
 
 def _sampler_resident(s: _Setting, mesh: Any) -> int:
@@ -438,16 +447,18 @@ def _sampler_resident(s: _Setting, mesh: Any) -> int:
 
 
 def _prefill_program(s: _Setting, lowered: Any, layout: str, mesh: Any, params: Any, *,
-                     rows: int, prompt_len: int, new_tokens: int) -> ProgramCost:
-    """The prefill of ``rows`` prompts of ``prompt_len`` tokens with the sampler's weights in
-    ``layout``: "prefill" on the trainer's layout, else "prefill:<layout>" on its decode
-    mesh (the per-step reshard is reported with the decode step)."""
+                     rows: int, batch: int, prompt_len: int, new_tokens: int) -> ProgramCost:
+    """The prefill of ``rows`` prompts of ``prompt_len`` tokens (of a ``batch``-row decode
+    state) with the sampler's weights in ``layout``: "prefill" on the trainer's layout, else
+    "prefill:<layout>" on its decode mesh (the per-step reshard is reported with the decode
+    step). Shape "B=rows P= S=", "B=rows of batch P= S=" for a row group."""
     name = "prefill" if layout == "train" else f"prefill:{layout}"
     compiled, seconds = _timed_compile(lowered, name)
     itemsize = _bytes_per_param(params)
     keys = prompt_len + new_tokens
+    of = f" of {batch}" if batch > rows else ""
     return _program(
-        name, f"B={rows} P={prompt_len} S={keys}", compiled, seconds,
+        name, f"B={rows}{of} P={prompt_len} S={keys}", compiled, seconds,
         resident=_sampler_resident(s, mesh), tokens=rows * prompt_len,
         mesh_shape=None if mesh is s.mesh else _shape(mesh), param_itemsize=itemsize,
         **analytic_cost("prefill", s.arch, s.options,
@@ -485,32 +496,6 @@ def _bytes_per_param(params: Any) -> float:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves) / total
 
 
-def _decode_state(info: Any, mesh, rules, rows: int) -> Any:
-    """The prefill's output ``DecodeState`` (shapes from ``lowered.out_info``) placed as the
-    sampler places it: the KV cache by its logical axes (``KVCache.constrain``), per-row
-    arrays split over the batch axes, scalars replicated."""
-    import jax
-
-    from spade_jax import sharding
-
-    def placed(x, axes):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                    sharding=sharding.named_sharding(axes, mesh, rules))
-
-    def row_wise(x):
-        per_row = x.ndim > 0 and x.shape[0] == rows
-        return placed(x, (("batch",) if per_row else (None,)) + (None,) * (x.ndim - 1)
-                      if x.ndim else ())
-
-    def kv(x):
-        return placed(x, (None,) * (x.ndim - 4) + ("batch", "cache_seq", "act_kv_heads", None))
-
-    cache = info.cache
-    cache = cache.replace(k=jax.tree.map(kv, cache.k), v=jax.tree.map(kv, cache.v),
-                          valid_bs=row_wise(cache.valid_bs), index=row_wise(cache.index))
-    return jax.tree.map(row_wise, info.replace(cache=None)).replace(cache=cache)
-
-
 def _decode_program(s: _Setting, sampler: Any, layout: str, prefill: Any, mesh: Any,
                     params: Any, *, rows: int) -> ProgramCost:
     """One decode step (one token per row) with the sampler's weights ``params`` in
@@ -520,7 +505,7 @@ def _decode_program(s: _Setting, sampler: Any, layout: str, prefill: Any, mesh: 
 
     from spade_jax.rollout import sampler as sampler_lib
 
-    state = _decode_state(prefill.out_info[0], mesh, s.rules, rows)
+    state = sampler_lib.place_decode_state(prefill.out_info[0], mesh, s.rules)
     lowered = sampler_lib.lower_decode_step(s.sample_graphdef, params, s.options, sampler,
                                             state, mesh=mesh, rules=s.rules)
     name = "decode" if layout == "train" else f"decode:{layout}"

@@ -472,14 +472,19 @@ def _abstract_scalars() -> _Scalars:
 def lower_prefill(
     graphdef: nnx.GraphDef, params: Any, model_options: Any, config: SamplerConfig, *,
     rows: int, prompt_len: int, mesh: jax.sharding.Mesh | None = None,
-    rules: sharding.Rules = sharding.DEFAULT_RULES,
+    rules: sharding.Rules = sharding.DEFAULT_RULES, batch: int | None = None,
 ) -> jax.stages.Lowered:
     """The sampler's jitted prefill, lowered for ``rows`` prompts of ``prompt_len`` tokens
     and a decode buffer of ``config.max_new_tokens`` (rounded up to ``new_tokens_bucket``),
     as :func:`sample` runs it. ``params`` may be abstract (``jax.ShapeDtypeStruct`` leaves
     carrying their shardings); the prompt arrays are abstract, rows split over ``mesh``'s
     batch axes. ``lowered.out_info[0]`` is the :class:`DecodeState` that
-    :func:`lower_decode_step` takes. Nothing is allocated."""
+    :func:`lower_decode_step` takes. Nothing is allocated.
+
+    ``batch`` > ``rows``: one row group of a batch of ``batch`` rows prefilled within
+    ``max_prefill_tokens`` (``rows`` from :func:`prefill_chunk_rows`): the program that
+    writes the group into the donated full-batch state, which is an argument and
+    ``out_info[0]``, as :func:`sample` runs it."""
     new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
     static = _static_for(config, model_options, prompt_len + new_buffer, mesh=mesh)
 
@@ -491,8 +496,52 @@ def lower_prefill(
     ids_bp, mask_bp = rows_of(rows, prompt_len), rows_of(rows, prompt_len)
     limit_b, row_id_b, stop_bm = rows_of(rows), rows_of(rows), rows_of(rows, 1)
     with sharding.activate(mesh, rules):
-        return _prefill.lower(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm,
-                              _abstract_scalars(), static=static, new_buffer=new_buffer)
+        if batch is None or batch == rows:
+            return _prefill.lower(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b,
+                                  stop_bm, _abstract_scalars(), static=static,
+                                  new_buffer=new_buffer)
+        if batch < rows:
+            raise ValueError(f"batch ({batch}) must be >= the prefill's rows ({rows})")
+
+        def empty(params):
+            model = nnx.merge(graphdef, params)
+            per_row = (jnp.zeros((batch,), jnp.int32),) * 2 + (jnp.zeros((batch, 1), jnp.int32),)
+            return _empty_state(*per_row, config=model.config, stacked=model_options.scan_layers,
+                                static=static, new_buffer=new_buffer)
+
+        state = place_decode_state(jax.eval_shape(empty, params), mesh, rules)
+        shards = 1 if mesh is None else sharding.data_ways(mesh, rules)
+        return _prefill_rows.lower(graphdef, params, state, ids_bp, mask_bp, limit_b, row_id_b,
+                                   stop_bm, _abstract_scalars(), jnp.int32(0), static=static,
+                                   new_buffer=new_buffer, shards=shards)
+
+
+def place_decode_state(info: DecodeState, mesh: jax.sharding.Mesh | None,
+                       rules: sharding.Rules = sharding.DEFAULT_RULES) -> DecodeState:
+    """An abstract :class:`DecodeState` (shapes, e.g. a lowered prefill's ``out_info``)
+    placed as the sampler places it: the KV cache by its logical axes
+    (``KVCache.constrain``), per-row arrays split over the batch axes, the rest replicated.
+    Without a mesh: unchanged."""
+    if mesh is None:
+        return info
+    rows = info.row_id_b.shape[0]
+
+    def placed(x, axes):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                    sharding=sharding.named_sharding(axes, mesh, rules))
+
+    def row_wise(x):
+        per_row = x.ndim > 0 and x.shape[0] == rows
+        return placed(x, (("batch",) if per_row else (None,)) + (None,) * (x.ndim - 1)
+                      if x.ndim else ())
+
+    def kv(x):
+        return placed(x, (None,) * (x.ndim - 4) + ("batch", "cache_seq", "act_kv_heads", None))
+
+    cache = info.cache
+    cache = cache.replace(k=jax.tree.map(kv, cache.k), v=jax.tree.map(kv, cache.v),
+                          valid_bs=row_wise(cache.valid_bs), index=row_wise(cache.index))
+    return jax.tree.map(row_wise, info.replace(cache=None)).replace(cache=cache)
 
 
 def lower_decode_step(
