@@ -8,8 +8,10 @@ How it runs:
   1. Prompts are left-padded to a *bucketed* length (a power of two >= ``prompt_bucket_min``)
      and the batch to a bucketed size, so a handful of shapes compile, not one per call.
   2. ``_prefill`` (jitted) writes the prompts into a preallocated KV cache and samples the
-     first token. ``_decode`` (jitted, state donated) runs a ``lax.while_loop`` of one-token
-     steps until every row is done or a chunk boundary is reached: no Python per token.
+     first token (over ``max_prefill_tokens``: ``_prefill_rows`` calls over row groups,
+     each writing into one full-batch state). ``_decode`` (jitted, state donated) runs a
+     ``lax.while_loop`` of one-token steps until every row is done or a chunk boundary is
+     reached: no Python per token.
   3. Between chunks the host (a) checks stop strings, which need the tokenizer, and
      (b) compacts the batch: when at most half of the rows are still running, the live rows
      are gathered into the next smaller batch bucket, so finished sequences stop costing
