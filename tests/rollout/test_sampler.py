@@ -296,6 +296,10 @@ def test_after_first_answer_steering_starts_at_the_detected_token(checkpoint, gr
     ref_lps, _ = _full_forward_logprobs(model, prompts, out.tokens, 0.0, steer_positions)
     for lps, ref_lp in zip(out.logprobs, ref_lps, strict=True):
         assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4
+    # Prefilled one row at a time, the detector's per-row state is written in with the rows.
+    rows = generate(model, prompts, NEW, router_hook=hook, config=SamplerConfig(
+        NEW, max_prefill_tokens=16), answer_detector=TokenPatternDetector(patterns=((trigger,),)))
+    assert rows.tokens == out.tokens and rows.stats["prefill_calls"] == 4
 
 
 def test_max_rows_batches_give_the_same_samples(checkpoint):
