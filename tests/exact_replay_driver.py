@@ -17,7 +17,8 @@ What is measured:
             with router replay (and without: the trainer's own routing), and the real train
             step's logged gap (two roles, two microbatches); the re-scoring with
             ``batch_invariant=False`` as the control;
-  batching  the sampler in batches of 2 prompts (``max_rows``) against all at once;
+  batching  the sampler in batches of 2 prompts (``max_rows``), and prefilled 3 rows a call
+            (``max_prefill_tokens``), against all at once;
   sharded   the forward of an HF-loaded MoE on three 8-device meshes against one device
             (the script adds ``--xla_force_host_platform_device_count=8``).
 """
@@ -137,11 +138,12 @@ def decode_checks(scan: bool) -> dict:
 # ---- sampler vs trainer -------------------------------------------------------------------
 
 
-def rollout(model: Qwen3, max_rows: int = 0):
+def rollout(model: Qwen3, max_rows: int = 0, max_prefill_tokens: int = 0):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
     config = SamplerConfig(max_new_tokens=12, temperature=TEMPERATURE, top_p=0.9, seed=1,
-                           return_router=True, max_rows=max_rows, new_tokens_bucket=16)
+                           return_router=True, max_rows=max_rows, new_tokens_bucket=16,
+                           max_prefill_tokens=max_prefill_tokens)
     return prompts, sample(model, prompts, config, stop_tokens=[])
 
 
@@ -196,10 +198,16 @@ def batching_checks() -> dict:
     model = tiny_moe(invariant=True)
     _, together = rollout(model)
     _, in_pairs = rollout(model, max_rows=2)
+    # 8 rows of a 16-token bucket prefilled 3 rows a call (SamplerConfig.max_prefill_tokens)
+    _, in_groups = rollout(model, max_prefill_tokens=3 * 16)
     return dict(
         tokens_equal=together.tokens == in_pairs.tokens,
         logprob_diff=sum(count_diff(a, b) for a, b in zip(together.logprobs, in_pairs.logprobs,
                                                           strict=True)),
+        prefill_groups=in_groups.stats["prefill_calls"],
+        groups_tokens_equal=together.tokens == in_groups.tokens,
+        groups_logprob_diff=sum(count_diff(a, b) for a, b in zip(
+            together.logprobs, in_groups.logprobs, strict=True)),
     )
 
 

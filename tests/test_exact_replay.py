@@ -71,7 +71,9 @@ def test_router_replay_reproduces_sampler_logprobs_exactly(exact_report):
 
 @pytest.mark.slow  # uses the exact-replay JAX subprocess
 def test_sampler_batching_does_not_change_logprobs(exact_report):
-    assert exact_report["batching"] == {"tokens_equal": True, "logprob_diff": 0}
+    assert exact_report["batching"] == {"tokens_equal": True, "logprob_diff": 0,
+                                        "prefill_groups": 3, "groups_tokens_equal": True,
+                                        "groups_logprob_diff": 0}
 
 
 @pytest.mark.slow
