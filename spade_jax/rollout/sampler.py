@@ -423,7 +423,8 @@ def _row_groups(batch: int, rows: int, shards: int) -> list[tuple[int, np.ndarra
     """The row groups of a prefill in groups of ``rows`` (a multiple of ``shards``): per
     group its offset within each block and the batch rows it covers, in block order. The
     last group is moved back to end at the block's end when ``rows`` does not divide the
-    batch: it recomputes a few rows (the same values) rather than compile a smaller shape."""
+    batch: it prefills a few rows again (the later result is kept, the same to float
+    rounding) rather than compile a smaller shape."""
     block, per_block = batch // shards, rows // shards
     groups = []
     for lo in range(0, block, per_block):
@@ -502,8 +503,10 @@ def lower_prefill(
             return _prefill.lower(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b,
                                   stop_bm, _abstract_scalars(), static=static,
                                   new_buffer=new_buffer)
-        if batch < rows:
-            raise ValueError(f"batch ({batch}) must be >= the prefill's rows ({rows})")
+        shards = 1 if mesh is None else sharding.data_ways(mesh, rules)
+        if batch < rows or rows % shards or batch % shards:
+            raise ValueError(f"a prefill row group needs batch ({batch}) >= rows ({rows}), "
+                             f"both multiples of the mesh's {shards} batch shards")
 
         def empty(params):
             model = nnx.merge(graphdef, params)
@@ -512,7 +515,6 @@ def lower_prefill(
                                 static=static, new_buffer=new_buffer)
 
         state = place_decode_state(jax.eval_shape(empty, params), mesh, rules)
-        shards = 1 if mesh is None else sharding.data_ways(mesh, rules)
         return _prefill_rows.lower(graphdef, params, state, ids_bp, mask_bp, limit_b, row_id_b,
                                    stop_bm, _abstract_scalars(), jnp.int32(0), static=static,
                                    new_buffer=new_buffer, shards=shards)

@@ -146,3 +146,6 @@ def test_planned_prefill_is_one_row_group_within_the_budget():
     state = lowered.out_info[0]  # the full batch's state, the group's rows written in
     assert state.row_id_b.shape == (8,) and state.cache.valid_bs.shape[0] == 8
     assert lowered.args_info[0][3].shape == (2, 16)  # the group's prompt ids
+    with pytest.raises(ValueError, match="multiples of the mesh's 2 batch shards"):
+        planner._lower_layout_prefill(s, sampler, mesh, planner._decode_params(s, mesh),
+                                      rows=3, prompt_len=16, batch=8)
