@@ -19,6 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from spade_jax.models import numerics
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
 
 log = logging.getLogger(__name__)
@@ -36,13 +37,41 @@ def supervised_pairs(tokenizer, pairs: Sequence[tuple[list[dict], str]]) -> list
     return seqs
 
 
-def _nll(params, graphdef, ids_bt, mask_bt, attn_bt):
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _loss_positions(loss_mask_bt: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each row's loss is: ``positions[b, k]`` is a position whose hidden state predicts
+    a masked token (``loss_mask[b, positions + 1] > 0``), ``weights[b, k]`` that token's mask;
+    right-padded to ``width`` with position 0, weight 0."""
+    positions = np.zeros((loss_mask_bt.shape[0], width), np.int32)
+    weights = np.zeros((loss_mask_bt.shape[0], width), np.float32)
+    for row, mask_t in enumerate(loss_mask_bt):
+        predicts = np.nonzero(mask_t[1:] > 0)[0]
+        positions[row, : len(predicts)] = predicts
+        weights[row, : len(predicts)] = mask_t[1:][predicts]
+    return positions, weights
+
+
+def _nll(params, graphdef, ids_bt, attn_bt, positions_bk, weights_bk):
+    """Masked next-token NLL, the LM head and log-softmax run only at ``positions_bk``: the
+    vocabulary projection over every position of the packed batch (most of it prompt and
+    padding, which the loss ignores) was the bulk of a warm-start step on CPU."""
     model = nnx.merge(graphdef, params)
-    logits = model(ids_bt[:, :-1], attention_mask_bt=attn_bt[:, :-1]).logits
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    target_logp = jnp.take_along_axis(logp, ids_bt[:, 1:, None], axis=-1)[..., 0]
-    mask = mask_bt[:, 1:]
-    return -jnp.sum(target_logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    hidden_btd = model(ids_bt, attention_mask_bt=attn_bt, return_logits=False).hidden
+    hidden_bkd = jnp.take_along_axis(hidden_btd, positions_bk[..., None], axis=1)
+    targets_bk = jnp.take_along_axis(ids_bt, positions_bk + 1, axis=1)
+    logp_bk, _ = numerics.token_logprobs(model.lm_head(hidden_bkd), targets_bk,
+                                         invariant=model.options.batch_invariant)
+    return -jnp.sum(logp_bk * weights_bk) / jnp.maximum(jnp.sum(weights_bk), 1.0)
+
+
+def _optimizer(steps: int, learning_rate: float) -> optax.GradientTransformation:
+    """Clipped AdamW, linear warm-up over the first tenth, then cosine decay."""
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(optax.warmup_cosine_decay_schedule(
+                           0.0, learning_rate, max(1, steps // 10), max(2, steps)), b2=0.98))
 
 
 def warm_start(
@@ -59,24 +88,28 @@ def warm_start(
     """Runs ``steps`` AdamW steps of masked NLL; returns new params and the loss curve."""
     if not sequences:
         raise ValueError("warm start needs at least one supervised sequence")
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                            optax.adamw(optax.warmup_cosine_decay_schedule(
-                                0.0, learning_rate, max(1, steps // 10), max(2, steps)), b2=0.98))
+    optimizer = _optimizer(steps, learning_rate)
     opt_state = optimizer.init(params)
 
     @jax.jit
-    def step(params, opt_state, ids, mask, attn):
-        loss, grads = jax.value_and_grad(_nll)(params, graphdef, ids, mask, attn)
+    def step(params, opt_state, ids, attn, positions, weights):
+        loss, grads = jax.value_and_grad(_nll)(params, graphdef, ids, attn, positions, weights)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     rng = np.random.default_rng(seed)
-    pack = PackConfig(pad_id=pad_id)
+    # One padded length and one loss width for every batch (one compile), each the longest
+    # sequence's rounded up: the default power-of-two buckets padded ~600-token sequences to
+    # 1024, and the model's cost grows faster than linearly in the length.
+    pack = PackConfig(buckets=(_round_up(max(len(s.token_ids) for s in sequences), 64),),
+                      pad_id=pad_id)
+    width = _round_up(max(1, *(int(np.count_nonzero(s.loss_mask)) for s in sequences)), 16)
     losses, start = [], time.time()
     for i in range(steps):
         batch = pack_sequences([sequences[j] for j in rng.choice(len(sequences), batch_size)], pack)
-        params, opt_state, loss = step(params, opt_state, batch.input_ids, batch.loss_mask,
-                                       batch.attention_mask)
+        positions, weights = _loss_positions(np.asarray(batch.loss_mask), width)
+        params, opt_state, loss = step(params, opt_state, batch.input_ids, batch.attention_mask,
+                                       positions, weights)
         losses.append(float(loss))
         if (i + 1) % max(1, steps // 10) == 0 or i + 1 == steps:
             rate = (i + 1) / (time.time() - start)
