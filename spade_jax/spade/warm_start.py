@@ -101,7 +101,7 @@ def warm_start(
     # One padded length and one loss width for every batch (one compile), each the longest
     # sequence's rounded up: the default power-of-two buckets padded ~600-token sequences to
     # 1024, and the model's cost grows faster than linearly in the length.
-    pack = PackConfig(buckets=(_round_up(max(len(s.token_ids) for s in sequences), 64),),
+    pack = PackConfig(buckets=(_round_up(max(len(s.token_ids) for s in sequences), 16),),
                       pad_id=pad_id)
     width = _round_up(max(1, *(int(np.count_nonzero(s.loss_mask)) for s in sequences)), 16)
     losses, start = [], time.time()

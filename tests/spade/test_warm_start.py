@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from spade_jax.models import ModelConfig, Qwen3
@@ -28,7 +29,7 @@ def _tiny_moe(seed: int = 0) -> Qwen3:
 
 
 def _sequences() -> list[TrainSequence]:
-    """Prompts then answers of uneven lengths (longest 139: old bucket 256, new 192)."""
+    """Prompts then answers of uneven lengths (longest 139: old bucket 256, new 144)."""
     rng = np.random.default_rng(5)
     seqs = []
     for prompt_len, answer_len in [(40, 30), (90, 49), (20, 60), (70, 25), (55, 55)]:
@@ -75,6 +76,7 @@ def test_loss_positions_point_at_the_tokens_before_each_masked_token():
     np.testing.assert_array_equal(weights, [[1, 1, 0, 0], [1, 1, 1, 0]])
 
 
+@pytest.mark.slow  # two compiles of a 2-layer MoE step, ~15 s
 def test_warm_start_matches_the_full_logits_reference_losses_and_params():
     graphdef, params = nnx.split(_tiny_moe())
     kwargs = dict(steps=6, batch_size=3, learning_rate=3e-3, seed=11)
@@ -83,5 +85,7 @@ def test_warm_start_matches_the_full_logits_reference_losses_and_params():
     ref_params, ref_losses = _reference_warm_start(graphdef, params, seqs, **kwargs)
     assert ref_losses[-1] < ref_losses[0] - 0.05  # it trains: the comparison is not vacuous
     np.testing.assert_allclose(new_losses, ref_losses, rtol=1e-5)
+    # Adam divides by sqrt(v): on a near-zero gradient it turns rounding into a visible
+    # change, so parameters get an absolute slack of 1e-5, 0.3% of one step (lr 3e-3).
     for new, ref in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(np.asarray(new), np.asarray(ref), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(new), np.asarray(ref), rtol=1e-5, atol=1e-5)
