@@ -49,17 +49,14 @@ def get_config() -> ExperimentConfig:
                               system_prompt=None, enable_thinking=False,
                               action_format="boxed",
                               first_turn_template=REFERENCE_AGENT_FIRST_TURN_TEMPLATE,
-                              # Prefill budget of one engine admit call: 8 rows x 32768
-                              # tokens. docs/scale_out.md ("prefill:auto" table): on the
-                              # decode layout the prefill temporaries grow ~18.8 GiB per
-                              # 32k-token row per chip, and beside the 256 slots' 40960-slot
-                              # cache about 8 such rows fit (~72%, arithmetic, not compiled).
-                              max_prefill_tokens=8 * 32768,
                               # 256 rows per batch bounds the KV cache per chip (README
                               # AOT table: re-run `python -m spade_jax.aot` for 32k context).
-                              # Its max_prefill_tokens bounds `sample` calls with this
-                              # config and the AOT plan's prefill (the engine reads the one
-                              # above): the same 8 x 32768 (docs/scale_out.md).
+                              # Prefill budget of one call, the engine's admits included
+                              # (`prefill_budget`): 8 rows x 32768 tokens. docs/scale_out.md
+                              # ("prefill:auto" table): on the decode layout the prefill
+                              # temporaries grow ~18.8 GiB per 32k-token row per chip, and
+                              # beside the 256 slots' 40960-slot cache about 8 such rows fit
+                              # (~72%, arithmetic, not compiled).
                               sampler=SamplerConfig(max_new_tokens=8192, cache_dtype="bfloat16",
                                                     max_rows=256, max_prefill_tokens=8 * 32768,
                                                     **RECIPE_SAMPLING)),

@@ -69,7 +69,8 @@ class AgentLoopConfig:
         padded rows x prompt-bucket tokens (``SlotEngine.prefill_size``), bounding the
         prefill's activations beside the resident KV cache; plays sharing an opening stay
         in one call where they fit, and one turn over the budget is prefilled alone.
-        Records do not depend on it.
+        Records do not depend on it. 0 falls back to ``sampler.max_prefill_tokens``, so one
+        budget set on the sampler bounds both the engine and `sample` (``prefill_budget``).
       action_format: how the default `ActionParser` reads a reply: "text" (the visible
         reply) or "boxed" (the content of the last ``\\boxed{...}``, sent re-wrapped as
         ``\\boxed{...}``, as the recipe's games expect).
@@ -108,6 +109,12 @@ class AgentLoopConfig:
             )
         if "{observation}" not in self.first_turn_template:
             raise ValueError("first_turn_template must contain the placeholder {observation}")
+
+    @property
+    def prefill_budget(self) -> int:
+        """Tokens one prefill call may take (0 = unlimited): ``max_prefill_tokens``, else
+        the sampler's. The engine's admits and the AOT plan's prefill both read this."""
+        return self.max_prefill_tokens or self.sampler.max_prefill_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +392,7 @@ def run_episodes(
                                                   max_new_tokens=config.max_turn_tokens),
                 stop_tokens=sorted(turns.eos_ids), router_hook=router_hook, mesh=mesh,
                 cache_len=longest + config.max_turn_tokens,
-                max_prefill_tokens=config.max_prefill_tokens)
+                max_prefill_tokens=config.prefill_budget)
             _Scheduler(eps, engine, pool, shard, turns, config, parser, tokenizer,
                        config.sampler.seed if seed is None else seed).run()
     for ep in eps:

@@ -114,12 +114,15 @@ def _worker(checkpoint: Path, out_dir: Path) -> None:
                        "reasons": result.done_reasons,
                        "experts": [e.tolist() for e in result.selected_experts]}
 
-    # Stop strings: the host cuts rows and puts done flags back on the global mesh.
+    # Stop strings: the host cuts rows and puts done flags back on the global mesh. The
+    # prefill runs in row groups (4 rows x 16 tokens a call), written into the global state.
     result = generate(model, prompts, 12, temperature=1.0, seed=12, mesh=mesh,
                       stop_tokens=[EOS], stop_strings=list("aeiou123"), tokenizer=tok,
-                      config=SamplerConfig(12, chunk_steps=3, compact_batch=True))
+                      config=SamplerConfig(12, chunk_steps=3, compact_batch=True,
+                                           max_prefill_tokens=4 * 16))
     out["stop_strings"] = {"tokens": result.tokens, "logprobs": result.logprobs,
-                           "reasons": result.done_reasons}
+                           "reasons": result.done_reasons,
+                           "prefill_calls": result.stats["prefill_calls"]}
 
     # 2. multi-turn episodes; each host must step only its share.
     log: list = []
@@ -210,6 +213,7 @@ def test_two_processes_sample_like_one(runs):
     assert h0["stop_strings"] == h1["stop_strings"]
     _assert_like(h0["stop_strings"], ref["stop_strings"])
     assert "stop_string" in ref["stop_strings"]["reasons"]
+    assert ref["stop_strings"]["prefill_calls"] == 2  # 8 rows in groups of 4
     for got, want in zip(h0["episodes"], ref["episodes"], strict=True):
         _assert_like(got, want)
     # The runs did something: tokens drawn, episodes of 2 and 3 turns, rewards scored.
