@@ -826,12 +826,9 @@ def _router_to_host(parts: list[tuple[np.ndarray, Any]], batch: int) -> tuple | 
         return tuple(None if x is None else to_host(x) for x in parts[0][1])
     out = []
     for k, first in enumerate(parts[0][1]):
-        full = None
+        full = None if first is None else np.zeros((batch,) + first.shape[1:], first.dtype)
         for rows_k, router in ([] if first is None else parts):
-            part = to_host(router[k])
-            if full is None:
-                full = np.zeros((batch,) + part.shape[1:], part.dtype)
-            full[rows_k] = part
+            full[rows_k] = to_host(router[k])
         out.append(full)
     return tuple(out)
 

@@ -21,6 +21,7 @@ from flax import nnx
 
 from spade_jax.models import numerics
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
+from spade_jax.rollout.sampler import round_up
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ def supervised_pairs(tokenizer, pairs: Sequence[tuple[list[dict], str]]) -> list
         seqs.append(TrainSequence(prompt + answer, [0] * len(prompt) + [1] * len(answer),
                                   [0.0] * (len(prompt) + len(answer)), 0.0))
     return seqs
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _loss_positions(loss_mask_bt: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,9 +98,9 @@ def warm_start(
     # One padded length and one loss width for every batch (one compile), each the longest
     # sequence's rounded up: the default power-of-two buckets padded ~600-token sequences to
     # 1024, and the model's cost grows faster than linearly in the length.
-    pack = PackConfig(buckets=(_round_up(max(len(s.token_ids) for s in sequences), 16),),
+    pack = PackConfig(buckets=(round_up(max(len(s.token_ids) for s in sequences), 16),),
                       pad_id=pad_id)
-    width = _round_up(max(1, *(int(np.count_nonzero(s.loss_mask)) for s in sequences)), 16)
+    width = round_up(max(1, *(int(np.count_nonzero(s.loss_mask)) for s in sequences)), 16)
     losses, start = [], time.time()
     for i in range(steps):
         batch = pack_sequences([sequences[j] for j in rng.choice(len(sequences), batch_size)], pack)
