@@ -267,6 +267,48 @@ def test_gspo_gradient_equals_sequence_level_objective():
     np.testing.assert_allclose(np.asarray(grad), expected, atol=2e-5)
 
 
+LOSSES_WITH_KL = {"grpo": 0.005, "dr_grpo": 0.005, "dapo": 0.005, "gspo": 0.005, "cispo": None}
+
+
+@pytest.mark.parametrize("masked", [(-100.0, 0.0, 0.0), (0.0, -100.0, -100.0)],
+                         ids=["rare_prompt_token", "stale_sampler_logp"])
+@pytest.mark.parametrize("name", sorted(LOSSES_WITH_KL))
+def test_masked_positions_cannot_overflow_the_loss_or_its_gradient(name, masked):
+    """Issue 37 item 2. Off the mask the batch stores 0 for the sampler's and reference's
+    log-probs, while the policy's own may be -100 (a rare prompt token at T 0.6): the
+    exponentials of the KL (e^(ref - logp)) and of the ratio must see a masked difference,
+    else e^100 = inf, inf * 0 = NaN, and the step is skipped. One masked position at
+    (logp, old_logp, ref_logp) = ``masked``: the loss and gradient are finite and equal
+    those with a harmless value there (masked positions do not count)."""
+    batch = random_batch(8)
+    b, t = 2, 4
+    batch["loss_mask"][b, t] = 0.0
+    extreme = {k: v.copy() for k, v in batch.items()}
+    for key, value in zip(("logp", "old_logp", "ref_logp"), masked, strict=True):
+        extreme[key][b, t] = value
+    rule = rl.policy_losses.get(name)
+    kl = LOSSES_WITH_KL[name]
+    cfg = rule.make_config() if kl is None else rule.make_config(kl_coef=kl)
+
+    def loss_and_grad(values):
+        def loss(lp):
+            return rule.fn(lp, jnp.asarray(values["old_logp"]), jnp.asarray(values["ref_logp"]),
+                           jnp.asarray(values["advantages"]), jnp.asarray(values["loss_mask"]),
+                           cfg)[0]
+
+        return jax.value_and_grad(loss)(jnp.asarray(values["logp"]))
+
+    loss, grad = loss_and_grad(extreme)
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
+    want_loss, want_grad = loss_and_grad(batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6, abs=1e-7)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-7)
+    assert float(grad[b, t]) == 0.0
+    if name == "grpo":  # the registered recipe loss against the NumPy re-derivation
+        assert float(loss) == pytest.approx(np_clipped_loss(extreme, 0.2, 0.2, kl, "seq_mean")[0],
+                                            rel=1e-5, abs=1e-6)
+
+
 def test_losses_reject_mismatched_shapes_and_missing_reference():
     batch = random_batch(0)
     with pytest.raises(ValueError, match="old_logp has shape"):

@@ -82,12 +82,12 @@ def dr_grpo_loss(
     terms.check_token_arrays(loss_mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp)
     logp = logp.astype(jnp.float32)
     advantages_bt = terms.token_advantages(advantages, loss_mask)
-    log_ratio = logp - old_logp.astype(jnp.float32)
+    log_ratio = terms.masked_log_ratio(logp, old_logp.astype(jnp.float32), loss_mask)
     clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     surrogate = terms.clipped_surrogate(log_ratio, advantages_bt, cfg.clip_eps, clip_high)
-    kl = reference_kl(logp, ref_logp, cfg.kl_coef)
+    kl = reference_kl(logp, ref_logp, cfg.kl_coef, loss_mask)
     token_loss = surrogate.pg_loss + cfg.kl_coef * kl
     norm_tokens = loss_mask.shape[1] if cfg.norm_tokens is None else cfg.norm_tokens
     loss = terms.seq_mean_token_sum_norm(token_loss, loss_mask, norm_tokens)
-    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp)
+    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp, loss_mask)
     return loss, token_metrics(loss, surrogate, kl, approx_kl, loss_mask)

@@ -8,6 +8,7 @@ Loss, per token t of sequence i, with r_it = pi_theta / pi_old::
 
     pg_loss_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
     kl_it      = k3(pi_theta || pi_ref) = e^d - d - 1,  d = ref_logp - logp
+                 (d and log r_it set to 0 off the loss mask before the exponential)
     loss       = mean_i [ (1/|y_i|) sum_t (pg_loss_it + beta * kl_it) ]
 """
 
@@ -99,13 +100,15 @@ class GRPOLossConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 
 
-def reference_kl(logp: Array, ref_logp: Array | None, kl_coef: float) -> Array:
-    """k3 KL per token, or zeros when the KL term is off."""
+def reference_kl(logp: Array, ref_logp: Array | None, kl_coef: float,
+                 loss_mask: Array | None = None) -> Array:
+    """k3 KL per token (0 off ``loss_mask``, where the reference's log-prob is not kept and
+    the difference is masked before the exponential), or zeros when the KL term is off."""
     if kl_coef > 0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logp, got None")
     if ref_logp is None:
         return jnp.zeros_like(logp)
-    return terms.k3_kl(logp, ref_logp.astype(jnp.float32))
+    return terms.k3_kl(logp, ref_logp.astype(jnp.float32), loss_mask)
 
 
 @policy_losses.register("grpo", config=GRPOLossConfig)
@@ -121,14 +124,14 @@ def grpo_loss(
     terms.check_token_arrays(loss_mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp)
     logp = logp.astype(jnp.float32)
     advantages_bt = terms.token_advantages(advantages, loss_mask)
-    log_ratio = logp - old_logp.astype(jnp.float32)
+    log_ratio = terms.masked_log_ratio(logp, old_logp.astype(jnp.float32), loss_mask)
     clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     surrogate = terms.clipped_surrogate(log_ratio, advantages_bt, cfg.clip_eps, clip_high)
-    kl = reference_kl(logp, ref_logp, cfg.kl_coef)
+    kl = reference_kl(logp, ref_logp, cfg.kl_coef, loss_mask)
     token_loss = surrogate.pg_loss + cfg.kl_coef * kl
     loss = terms.seq_mean_token_mean(token_loss, loss_mask)
     # KL(pi_old || pi_theta) from samples of pi_old: (r - 1) - log r, as in CleanRL.
-    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp)
+    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp, loss_mask)
     return loss, token_metrics(loss, surrogate, kl, approx_kl, loss_mask)
 
 
