@@ -189,6 +189,47 @@ def test_advantage_estimators_reject_bad_group_size():
     np.testing.assert_array_equal(np.asarray(alone), [0.0, 0.0])
 
 
+@pytest.mark.parametrize("value", [0.3, 0.7, 0.9])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_equal_returns_gets_exactly_zero_advantage(name, value):
+    """Issue 37 item 3: eight equal non-dyadic returns carry no signal, so every advantage
+    is exactly 0.0 (float32 rounding of the mean, divided by a ~0 std, gave up to 0.056 at
+    eps 1e-6); GRPO at the recipe's eps 1e-8 too. The other group is untouched."""
+    rule = rl.advantage_estimators.get(name)
+    cfg = rule.make_config(eps=1e-8) if name == "grpo" else rule.make_config()
+    mixed = np.array([0.0, 1.0, value, 0.0, 1.0, 0.5, value, 1.0])
+    rewards = np.r_[np.full(8, value), mixed].astype(np.float32)
+    adv, _ = rule.fn(jnp.asarray(rewards), 8, cfg)
+    adv = np.asarray(adv)
+    assert adv[:8].tolist() == [0.0] * 8
+    mixed = mixed.astype(np.float32).astype(np.float64)
+    centred = mixed - mixed.mean()
+    want = {"grpo": centred / (mixed.std() + 1e-8), "dr_grpo": centred,
+            "rloo": centred * 8 / 7}[name]
+    np.testing.assert_allclose(adv[8:], want, rtol=1e-5, atol=1e-6)
+
+
+def test_equal_totals_give_zero_advantages_through_the_update_rule():
+    """The same through ``apply_rule`` as the loop calls it: the agent's GRPO at the
+    recipe's eps over one game's plays, and the designer's per-skill centring times the
+    recipe's reward scale (32): every trained sequence gets advantage 0.0."""
+    from spade_jax.rl.update_rule import Group, RoleConfig, apply_rule
+    from spade_jax.rollout.records import EpisodeRecord
+
+    def episode(i: int) -> EpisodeRecord:
+        rec = EpisodeRecord(env_id="g", seed=i)
+        rec.append([1, 2], policy=False)
+        rec.append([3 + i], policy=True, logprobs=[-1.0])
+        return rec
+
+    for role, rule, scale in (("agent", RoleConfig(advantage=dict(eps=1e-8)), 1.0),
+                              ("designer", RoleConfig(advantage_estimator="dr_grpo"), 32.0)):
+        for value in (0.3, 0.7, 0.9):
+            out = apply_rule(rule, [Group([episode(i) for i in range(8)], [value] * 8)],
+                             role_name=role, advantage_scale=scale)
+            assert [s.advantage for s in out.sequences] == [0.0] * 8, (role, value)
+
+
 # ----------------------------------------------------------------------------------------
 # policy losses
 # ----------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from spade_jax.rl import terms
 from spade_jax.rl.registry import Metrics, advantage_estimators, policy_losses
-from spade_jax.rl.rules.grpo import grouped, reference_kl, token_metrics
+from spade_jax.rl.rules.grpo import grouped, reference_kl, token_metrics, zero_constant_groups
 
 Array = jax.Array
 
@@ -34,10 +34,11 @@ class MeanCenteredAdvantageConfig:
 def mean_centered_advantages(
     rewards: Array, group_size: int, cfg: MeanCenteredAdvantageConfig
 ) -> tuple[Array, Metrics]:
-    """``A_i = r_i - mean_group``; returns ``[B]``."""
+    """``A_i = r_i - mean_group`` (exactly 0 in constant groups); returns ``[B]``."""
     del cfg
     rewards_gn = grouped(rewards, group_size)
-    advantages_gn = rewards_gn - jnp.mean(rewards_gn, axis=1, keepdims=True)
+    advantages_gn = zero_constant_groups(
+        rewards_gn - jnp.mean(rewards_gn, axis=1, keepdims=True), rewards_gn)
     return advantages_gn.reshape(-1), {"reward_mean": jnp.mean(rewards_gn)}
 
 

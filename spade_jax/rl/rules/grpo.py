@@ -2,7 +2,7 @@
 
 Advantages, per group of N samples of one prompt::
 
-    A_i = (r_i - mean_j r_j) / (std_j r_j + eps)
+    A_i = (r_i - mean_j r_j) / (std_j r_j + eps),   exactly 0 if every r_j is equal
 
 Loss, per token t of sequence i, with r_it = pi_theta / pi_old::
 
@@ -30,7 +30,8 @@ class GroupNormAdvantageConfig:
     """Settings of the GRPO group-normalised advantage.
 
     Attributes:
-      eps: added to the group std so zero-variance groups give 0, not NaN.
+      eps: added to the group std (no division by zero); groups whose rewards are all
+        equal get exactly 0 whatever eps is (:func:`zero_constant_groups`).
       std_ddof: 0 for the population std, 1 for the unbiased (sample) std.
     """
 
@@ -55,17 +56,31 @@ def grouped(rewards: Array, group_size: int) -> Array:
     return rewards.astype(jnp.float32).reshape(-1, group_size)
 
 
+def zero_constant_groups(advantages_gn: Array, rewards_gn: Array) -> Array:
+    """``advantages_gn`` with the groups whose rewards are all equal set to exactly 0.
+
+    Such a group carries no signal, but float32 rounding leaves ``r - mean`` at ~1e-8
+    (how much depends on the backend's reduction order), and the std division blows that
+    up: eight returns of 0.7 gave advantages of 0.056 at eps 1e-6 and up to ~0.75 at the
+    recipe's 1e-8 with a sequential sum. Estimators that centre on a group mean (GRPO,
+    Dr.GRPO, RLOO) pass their result through this."""
+    constant_g1 = jnp.max(rewards_gn, axis=1, keepdims=True) == jnp.min(
+        rewards_gn, axis=1, keepdims=True)
+    return jnp.where(constant_g1, 0.0, advantages_gn)
+
+
 @advantage_estimators.register("grpo", config=GroupNormAdvantageConfig)
 def group_norm_advantages(
     rewards: Array, group_size: int, cfg: GroupNormAdvantageConfig
 ) -> tuple[Array, Metrics]:
-    """``A_i = (r_i - mean_group) / (std_group + eps)``; returns ``[B]``."""
+    """``A_i = (r_i - mean_group) / (std_group + eps)`` (0 in constant groups); returns ``[B]``."""
     rewards_gn = grouped(rewards, group_size)
     if cfg.std_ddof >= group_size:
         raise ValueError(f"std_ddof={cfg.std_ddof} needs group_size > {cfg.std_ddof}")
     group_mean_g1 = jnp.mean(rewards_gn, axis=1, keepdims=True)
     group_std_g1 = jnp.std(rewards_gn, axis=1, keepdims=True, ddof=cfg.std_ddof)
-    advantages_gn = (rewards_gn - group_mean_g1) / (group_std_g1 + cfg.eps)
+    advantages_gn = zero_constant_groups(
+        (rewards_gn - group_mean_g1) / (group_std_g1 + cfg.eps), rewards_gn)
     metrics = {
         "reward_mean": jnp.mean(rewards_gn),
         "group_std": jnp.mean(group_std_g1),
