@@ -32,9 +32,11 @@ the regular ``save_every_steps`` grid.
 ``directory`` may be local or remote (``gs://...``): Orbax writes through ``etils.epath``
 and TensorStore, the manifest through ``etils.epath``.
 
-Preemption: TPU VMs get SIGTERM shortly before they are taken away. :class:`PreemptionGuard`
-turns SIGTERM into a flag that :meth:`CheckpointManager.should_save` honours at the next
-step boundary; the loop then saves, waits and exits::
+Preemption: TPU VMs get SIGTERM shortly before they are taken away.
+:class:`~spade_jax.preemption.PreemptionGuard` (re-exported here) turns SIGTERM into a flag
+that :meth:`CheckpointManager.should_save` honours at the next step boundary; the loop then
+saves, waits and exits (``spade_jax.preemption`` also stops a step in progress at its next
+safe point, for steps longer than the notice)::
 
     guard = PreemptionGuard.install()
     ckpt = CheckpointManager(CheckpointConfig(directory=run_dir / "checkpoints"),
@@ -56,11 +58,9 @@ import functools
 import hashlib
 import json
 import logging
-import signal
 import threading
 import time
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any, NamedTuple
 
 import jax
@@ -70,6 +70,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from spade_jax import storage
+from spade_jax.preemption import PreemptionGuard
 
 log = logging.getLogger(__name__)
 
@@ -218,43 +219,6 @@ def check_names(saved: Any, expected: Any, what: str, limit: int = 8) -> None:
 # ----------------------------------------------------------------------------------------
 # Preemption
 # ----------------------------------------------------------------------------------------
-
-
-class PreemptionGuard:
-    """Turns SIGTERM into a save request at the next step boundary.
-
-    On several hosts each host may see the signal at a different step, so
-    :meth:`requested` agrees across processes (any host signalled -> all stop).
-    """
-
-    def __init__(self) -> None:
-        self._signalled = threading.Event()
-
-    @classmethod
-    def install(cls, signals: tuple[int, ...] = (signal.SIGTERM,)) -> PreemptionGuard:
-        """Creates a guard and makes it the handler of ``signals`` (main thread only)."""
-        guard = cls()
-        for signum in signals:
-            signal.signal(signum, guard._handle)
-        return guard
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        del frame
-        log.warning("received signal %d: saving a checkpoint at the next step boundary", signum)
-        self._signalled.set()
-
-    def request(self) -> None:
-        """Asks for a save-and-stop as if the signal had arrived (tests, manual stops)."""
-        self._signalled.set()
-
-    def requested(self) -> bool:
-        local = self._signalled.is_set()
-        if jax.process_count() == 1:
-            return local
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.asarray(local, dtype=np.int32))
-        return bool(np.max(flags))
 
 
 # ----------------------------------------------------------------------------------------

@@ -27,21 +27,38 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import glob
 import json
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
-# Environment variables that mean "this process is one of several" (set by the TPU VM
-# runtime, by `launch/tpu.py`, or by hand for a CPU/GPU cluster).
+# Environment variables that mean "this process is one of several": an explicit cluster
+# (CPU/GPU processes, the tests), GKE's TPU worker list, a Megascale (multislice) job.
 _COORDINATOR_VARS = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
-_TPU_WORKER_VARS = ("TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+_GKE_WORKER_VARS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
+# The explicit switch `launch/tpu.py run` always sets: "1" = this is a TPU VM slice, call
+# jax.distributed.initialize() and let JAX read the workers from the metadata server; "0" =
+# never initialise. Unset = decide from the environment and, on a TPU host, the metadata.
+OPT_IN_VAR = "SPADE_JAX_DISTRIBUTED"
+# Seconds without a heartbeat after which JAX's coordination service declares a host dead
+# and ends the job on every host (jax.distributed.initialize's heartbeat_timeout_seconds).
+HEARTBEAT_VAR = "SPADE_JAX_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# Google's PCI vendor id and the device ids of TPU chips v4 / v5p / v5e / v6e (the ids
+# jax's own hardware probe knows); a host without one is not a TPU VM.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = frozenset({"0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
+_METADATA_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,37 +100,145 @@ class DistributedConfig:
             raise ValueError(f"{_COORDINATOR_VARS[0]} is set, so {e.args[0]} must be too") from e
 
 
-def is_multihost(env: Mapping[str, str] | None = None) -> bool:
-    """True when the environment says this process is one of several hosts: an explicit
-    coordinator, or a TPU VM whose worker list names more than one host."""
+@dataclasses.dataclass(frozen=True)
+class InitDecision:
+    """Whether this process calls ``jax.distributed.initialize()``, and why.
+
+    Attributes:
+      source: what decided: "off" (SPADE_JAX_DISTRIBUTED=0), "explicit" (JAX_COORDINATOR_*),
+        "gke" (TPU_PROCESS_ADDRESSES / TPU_WORKER_HOSTNAMES), "multislice"
+        (MEGASCALE_COORDINATOR_ADDRESS), "launcher" (SPADE_JAX_DISTRIBUTED=1), "tpu_vm"
+        (the metadata server's worker list), "single" (none of these).
+      initialize: call ``jax.distributed.initialize()``.
+      reason: one line for the log.
+    """
+
+    source: str
+    initialize: bool
+    reason: str
+
+
+def tpu_chip_count(pci_devices: str = "/sys/bus/pci/devices") -> int:
+    """TPU chips attached to this host through PCI (0 on anything but a TPU VM)."""
+    count = 0
+    for vendor in glob.glob(os.path.join(pci_devices, "*", "vendor")):
+        try:
+            if Path(vendor).read_text().strip() != _GOOGLE_PCI_VENDOR:
+                continue
+            device = (Path(vendor).parent / "device").read_text().strip()
+        except OSError:
+            continue
+        count += device in _TPU_PCI_DEVICES
+    return count
+
+
+def tpu_metadata(key: str, env: Mapping[str, str] | None = None) -> str | None:
+    """``instance/attributes/<key>`` from the GCE metadata server (the TPU VM's worker list
+    and worker number live there), or None when it cannot be read. ``GCE_METADATA_IP``
+    overrides the server's address, as it does for jax."""
     env = os.environ if env is None else env
+    host = env.get("GCE_METADATA_IP") or "metadata.google.internal"
+    request = urllib.request.Request(
+        f"http://{host}/computeMetadata/v1/instance/attributes/{key}",
+        headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=_METADATA_TIMEOUT_S) as response:
+            return response.read().decode("utf-8").strip()
+    except (OSError, ValueError) as e:  # URLError / HTTPError / timeouts are OSErrors
+        log.warning("could not read TPU metadata %r from %s: %s", key, host, e)
+        return None
+
+
+def decide(env: Mapping[str, str] | None = None, *, tpu_chips: int | None = None,
+           metadata: Callable[[str], str | None] | None = None) -> InitDecision:
+    """Decides whether this process is one of several hosts (see :class:`InitDecision`).
+
+    In order: ``SPADE_JAX_DISTRIBUTED=0`` turns it off; an explicit coordinator
+    (``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID``) decides by
+    its process count; GKE's worker list by its length; a Megascale coordinator always
+    initialises; ``SPADE_JAX_DISTRIBUTED=1`` (set by ``launch/tpu.py run``) always does;
+    otherwise, on a host with TPU chips, the metadata server's ``worker-network-endpoints``
+    (the plain TPU VM case, where no environment variable names the other workers) decides
+    by its length. ``tpu_chips`` / ``metadata`` replace the PCI probe and the metadata
+    server (tests).
+    """
+    env = os.environ if env is None else env
+    switch = env.get(OPT_IN_VAR, "").strip().lower()
+    if switch and switch not in _YES + _NO:
+        raise ValueError(f"{OPT_IN_VAR} must be 1 or 0 (or unset), got {env[OPT_IN_VAR]!r}")
+    if switch in _NO:
+        return InitDecision("off", False, f"{OPT_IN_VAR}={env[OPT_IN_VAR]}")
     if any(env.get(k) for k in _COORDINATOR_VARS):
-        return int(env.get("JAX_NUM_PROCESSES", "2")) > 1
-    workers = env.get("TPU_WORKER_HOSTNAMES", "")
-    hosts = [h for h in workers.split(",") if h.strip()]
-    return len(hosts) > 1 or bool(env.get("MEGASCALE_COORDINATOR_ADDRESS"))
+        processes = int(env.get("JAX_NUM_PROCESSES", "2"))
+        return InitDecision("explicit", processes > 1,
+                            f"JAX_COORDINATOR_ADDRESS with {processes} processes")
+    gke = next((env[k] for k in _GKE_WORKER_VARS if env.get(k)), None)
+    if gke is not None:
+        hosts = [h for h in gke.split(",") if h.strip()]
+        return InitDecision("gke", len(hosts) > 1, f"GKE worker list of {len(hosts)} hosts")
+    if env.get("MEGASCALE_COORDINATOR_ADDRESS"):
+        return InitDecision("multislice", True, "MEGASCALE_COORDINATOR_ADDRESS is set")
+    if switch in _YES:
+        return InitDecision("launcher", True, f"{OPT_IN_VAR}={env[OPT_IN_VAR]}")
+    chips = tpu_chip_count() if tpu_chips is None else tpu_chips
+    if chips == 0:
+        return InitDecision("single", False, "no coordinator and no TPU chips on this host")
+    fetch = metadata if metadata is not None else (lambda key: tpu_metadata(key, env))
+    workers = fetch("worker-network-endpoints")
+    if workers is None:
+        return InitDecision("single", False, f"{chips} TPU chips but no worker list in the "
+                            f"metadata; set {OPT_IN_VAR}=1 on every host of a multi-host slice")
+    hosts = [w for w in workers.split(",") if w.strip()]
+    return InitDecision("tpu_vm", len(hosts) > 1,
+                        f"TPU VM whose metadata lists {len(hosts)} workers")
+
+
+def is_multihost(env: Mapping[str, str] | None = None) -> bool:
+    """True when this process is one of several hosts (:func:`decide`)."""
+    return decide(env).initialize
+
+
+def heartbeat_timeout_s(env: Mapping[str, str] | None = None) -> int:
+    """``SPADE_JAX_HEARTBEAT_TIMEOUT_S`` (default 100, JAX's): how long a host may be silent
+    before the coordination service declares it dead and every host's job ends."""
+    env = os.environ if env is None else env
+    raw = env.get(HEARTBEAT_VAR, "")
+    try:
+        value = int(raw) if raw else DEFAULT_HEARTBEAT_TIMEOUT_S
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{HEARTBEAT_VAR} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 _initialized = False
 
 
 def maybe_initialize(env: Mapping[str, str] | None = None) -> bool:
-    """Calls ``jax.distributed.initialize()`` when the environment indicates a multi-host
-    job (see :func:`is_multihost`); a no-op on one host and on a second call.
+    """Calls ``jax.distributed.initialize()`` when :func:`decide` says this process is one
+    of several hosts; a no-op on one host and on a second call.
 
     Must run before any JAX computation. Returns whether this call initialised.
     """
     global _initialized
-    if _initialized or not is_multihost(env):
+    if _initialized:
+        return False
+    decision = decide(env)
+    log.info("jax.distributed: %s (%s)", "initialising" if decision.initialize else "one host",
+             decision.reason)
+    if not decision.initialize:
         return False
     import jax
 
     config = DistributedConfig.from_env(env)
+    timeout = heartbeat_timeout_s(env)
     if config.coordinator_address is None:
-        jax.distributed.initialize()  # TPU VM: jax reads the worker list from the runtime
+        # TPU VM / GKE / multislice: jax reads the workers from the runtime or the metadata.
+        jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
     else:
         jax.distributed.initialize(config.coordinator_address, config.num_processes,
-                                   config.process_id)
+                                   config.process_id, heartbeat_timeout_seconds=timeout)
     _initialized = True
     log.info("jax.distributed: process %d of %d, %d local / %d global devices",
              jax.process_index(), jax.process_count(), jax.local_device_count(),

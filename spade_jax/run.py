@@ -11,6 +11,7 @@ workdir)`` directly. Checkpoints hold the TrainState's arrays by name
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,11 +30,11 @@ from spade_jax import distributed, sharding, storage
 from spade_jax.checkpoint import (
     CheckpointConfig,
     CheckpointManager,
-    PreemptionGuard,
     named_arrays,
     state_from_named,
 )
 from spade_jax.envs import EnvPool
+from spade_jax.envs.preflight import require_isolation
 from spade_jax.experiment import (
     ExperimentConfig,
     ModelSpec,
@@ -45,6 +46,7 @@ from spade_jax.experiment import (
 from spade_jax.metrics import MetricsWriter, Progress
 from spade_jax.models import ModelOptions, Qwen3, abstract_model, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
+from spade_jax.preemption import Preempted, PreemptionGuard
 from spade_jax.rl.batch import PackConfig, pack_sequences
 from spade_jax.rl.replay_stats import ReplayTelemetry
 from spade_jax.rl.train_step import (
@@ -322,8 +324,17 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
+    # SIGTERM (a preemption notice) from here on is a save request, not an exit.
+    guard = PreemptionGuard.install()
     pool = build_pool(config)
     log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
+    if config.spade.baseline == "none":  # the baselines run no designer-written programs
+        try:
+            require_isolation(pool.isolation_report(),
+                              allow_weak=config.sandbox.allow_weak_isolation)
+        except Exception:
+            pool.close()
+            raise
     tokenizer = build_tokenizer(config.tokenizer, workdir)
     mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
     model = build_model(config.model, tokenizer, config.seed, mesh)
@@ -356,6 +367,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
                  if records_routing(config) and mcfg.is_moe else None)
 
     def update_fn(seqs):
+        guard.commit()  # from here the step changes the weights: a stop waits for its end
         batch = pack_sequences(seqs, pack)
         if reference is not None:
             batch = reference.annotate(batch)
@@ -373,20 +385,23 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
                          keep=config.keep_checkpoints,
                          best_metric=config.best_checkpoint_metric or None,
                          best_mode=config.best_checkpoint_mode),
-        guard=PreemptionGuard.install(), config_hash=config_hash(config))
+        guard=guard, config_hash=config_hash(config))
     start_round = 0
     restored = ckpt.restore_latest(_abstract(named_arrays(holder["state"])))
     if restored is not None:
         holder["state"] = state_from_named(restored.state, holder["state"])
         loop.load_state_dict(restored.run_state["loop"])
         start_round = restored.run_state["round"] + 1
-        log.info("resumed from round %d", restored.run_state["round"])
+        log.info("resumed from round %d", restored.run_state["round"])  # -1: the warm start
     elif config.warm_start.steps:
         holder["state"] = _warm_start(config, tokenizer, graphdef, holder["state"], loop)
 
     try:
+        # Nothing to save before the first round of a fresh run without a warm start.
+        saved = restored is not None or not config.warm_start.steps
         _train_rounds(config, loop, ckpt, holder, start_round, workdir,
-                      evaluate=lambda r: _held_out_eval(config, policy(), tokenizer, r))
+                      evaluate=lambda r: _held_out_eval(config, policy(), tokenizer, r),
+                      saved=saved)
     finally:
         pool.close()
     if distributed.is_primary():  # metrics.jsonl exists on process 0 only
@@ -397,19 +412,37 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
 
 def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointManager,
                   holder: dict[str, Any], start_round: int, workdir: Any,
-                  evaluate: Callable[[int], dict[str, float]]) -> None:
+                  evaluate: Callable[[int], dict[str, float]], saved: bool) -> None:
     """The rounds from ``start_round``: one loop round each, held-out evaluation every
     ``eval_every``, metrics, and checkpoints (every ``checkpoint_every``, the last, a new
-    best)."""
+    best, and on preemption). ``saved``: the state before ``start_round`` needs no save (it
+    is in a checkpoint, or is a fresh run's initial state).
+
+    A preemption requested inside a round, before its update, drops the round
+    (``spade_jax.preemption``): the state after the previous round is saved (its loop
+    state was kept as JSON when the round began) and the run stops; the resume redoes the
+    round from the same seeds."""
     writer = MetricsWriter(workdir)
     progress = Progress(config.spade.rounds, start_step=start_round, every_seconds=0.0,
                         print_fn=lambda _: None)
     try:
         for round_index in range(start_round, config.spade.rounds):
+            resume_point = None if saved else json.dumps(
+                {"round": round_index - 1, "loop": loop.state_dict()})
+            log.info("round %d started", round_index)
             t0 = time.perf_counter()
-            metrics = loop.run_round(round_index)
+            try:
+                with _interruptible(ckpt):
+                    metrics = loop.run_round(round_index)
+            except Preempted:
+                _save_dropped_round(ckpt, round_index, holder, resume_point)
+                break
             if config.spade.eval_every and (round_index + 1) % config.spade.eval_every == 0:
-                metrics.update(evaluate(round_index))
+                try:
+                    with _interruptible(ckpt):
+                        metrics.update(evaluate(round_index))
+                except Preempted:  # the round is complete: saved below, without its eval
+                    log.warning("preempted: held-out evaluation of round %d skipped", round_index)
             metrics["time/round"] = time.perf_counter() - t0
             writer.write(round_index, metrics)
             line = progress.update(round_index + 1, {k: metrics[k] for k in
@@ -420,7 +453,8 @@ def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointMan
             # The held-out score when evaluated this round, else None; process 0's on every
             # host, since whether to save (a collective) depends on it.
             score = distributed.agree_json(ckpt.score(metrics))
-            if ckpt.should_save(round_index + 1) or last or ckpt.is_new_best(score):
+            saved = ckpt.should_save(round_index + 1) or last or ckpt.is_new_best(score)
+            if saved:
                 ckpt.save(round_index + 1, named_arrays(holder["state"]),
                           {"round": round_index, "loop": loop.state_dict()}, score=score)
             if ckpt.preempted:
@@ -429,6 +463,24 @@ def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointMan
     finally:
         ckpt.wait()
         writer.close()
+
+
+def _interruptible(ckpt: CheckpointManager):
+    return ckpt.guard.interruptible() if ckpt.guard is not None else contextlib.nullcontext()
+
+
+def _save_dropped_round(ckpt: CheckpointManager, round_index: int, holder: dict[str, Any],
+                        resume_point: str | None) -> None:
+    """A preemption dropped ``round_index`` before its update: saves the state after the
+    previous round as checkpoint ``round_index`` (unless it is saved already)."""
+    ckpt.preempted = True
+    if resume_point is None:
+        log.warning("preempted during round %d: the round is dropped; nothing new to save "
+                    "since the last checkpoint (or the start), exiting", round_index)
+        return
+    ckpt.save(round_index, named_arrays(holder["state"]), json.loads(resume_point))
+    log.warning("preempted during round %d: the round is dropped; saved the state after "
+                "round %d as checkpoint %d, exiting", round_index, round_index - 1, round_index)
 
 
 def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:

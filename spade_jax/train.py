@@ -27,8 +27,13 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("experiment", "tiny", "Experiment name (experiments/<name>.py) or path.")
 flags.DEFINE_string("workdir", None, "Run directory (local or gs://): checkpoints, metrics, report.")
 flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).")
-flags.DEFINE_string("hf_checkpoint", None, "Shortcut for --set model.hf_checkpoint=DIR.")
+flags.DEFINE_string("hf_checkpoint", None, "Shortcut for --set model.hf_checkpoint=DIR: a local "
+                    "directory present on every host, or gs://BUCKET/path (read by every host).")
 flags.DEFINE_bool("dry_run", False, "Print the resolved config and exit.")
+flags.DEFINE_bool("allow_weak_sandbox", False,
+                  "Run designer programs even when the sandbox lacks isolation layers (no "
+                  "root, no bubblewrap, no seccomp); shortcut for --set "
+                  "sandbox.allow_weak_isolation=True. Without it such a run refuses to start.")
 
 log = logging.getLogger("spade_jax.train")
 
@@ -42,6 +47,8 @@ def main(argv: list[str]) -> int:
     overrides = list(FLAGS.set)
     if FLAGS.hf_checkpoint:
         overrides.append(f"model.hf_checkpoint={FLAGS.hf_checkpoint!r}")
+    if FLAGS.allow_weak_sandbox:
+        overrides.append("sandbox.allow_weak_isolation=True")
     try:
         config = load_experiment(FLAGS.experiment, overrides)
     except (FileNotFoundError, OverrideError, AttributeError, TypeError) as e:
@@ -72,12 +79,17 @@ def main(argv: list[str]) -> int:
         print(f"error: cannot create --workdir {FLAGS.workdir}: {e.strerror}", file=sys.stderr)
         return 2
     log_file = _setup_logging(workdir)
+    from spade_jax.envs.preflight import SandboxUnavailable
     from spade_jax.run import run_experiment
 
     start = time.time()
     try:
         with distributed.fail_fast():  # one host failing stops the job, not a 5-min hang
-            run_experiment(config, workdir)
+            try:
+                run_experiment(config, workdir)
+            except SandboxUnavailable as e:  # every host checks its own: all stop here
+                log.error("error: %s", e)  # stderr and train.log
+                return 2
         log.info("done in %.1f min; report: %s", (time.time() - start) / 60,
                  workdir / "report.md")
     finally:

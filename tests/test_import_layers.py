@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "spade_jax"
 LAYERS: tuple[frozenset[str], ...] = (
     # foundations: no model, no RL
     frozenset({"seeding", "sharding", "distributed", "storage", "metrics", "plot",
-               "overrides", "checkpoint"}),
+               "overrides", "checkpoint", "preemption"}),
     frozenset({"models", "tokenizers"}),
     frozenset({"rollout", "envs"}),
     frozenset({"rl", "evaluation", "steering"}),

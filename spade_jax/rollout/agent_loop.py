@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from spade_jax import distributed
+from spade_jax import distributed, preemption
 from spade_jax.rollout.engine import Finished, Request, SlotEngine
 from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.rollout.sampler import SamplerConfig
@@ -433,6 +433,7 @@ class _Scheduler:
 
     def run(self) -> None:
         while self.ready or self.engine.generating or self.stepping:
+            preemption.check_safe_point()  # a stop requested mid-step: drop the step here
             self.ticks += 1
             self._admit()
             if self.engine.generating:

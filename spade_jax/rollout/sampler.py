@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from spade_jax import sharding
+from spade_jax import preemption, sharding
 from spade_jax.models import KVCache, positions_from_mask
 from spade_jax.rollout import sampling
 from spade_jax.rollout.routing import routing_dtype
@@ -765,6 +765,7 @@ def sample(
             done_b = to_host(state.done_b)
             if done_b.all() or step >= config.max_new_tokens:
                 break
+            preemption.check_safe_point()  # a stop requested mid-step: drop the step here
             live = int((~done_b).sum())
             smaller = batch_bucket(live, shards)
             if config.compact_batch and smaller <= done_b.shape[0] // 2:

@@ -127,23 +127,6 @@ def test_cli_fails_loudly_when_it_does_not_fit():
 # ---- distributed ---------------------------------------------------------------------------
 
 
-def test_multihost_detection_from_the_environment():
-    assert not distributed.is_multihost({})
-    assert not distributed.is_multihost({"TPU_WORKER_HOSTNAMES": "10.0.0.2"})
-    assert distributed.is_multihost({"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3"})
-    explicit = {"JAX_COORDINATOR_ADDRESS": "h0:1234", "JAX_NUM_PROCESSES": "4",
-                "JAX_PROCESS_ID": "2"}
-    assert distributed.is_multihost(explicit)
-    assert distributed.DistributedConfig.from_env(explicit) == distributed.DistributedConfig(
-        "h0:1234", 4, 2)
-    assert not distributed.maybe_initialize({})  # one host: a no-op
-    with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
-        distributed.DistributedConfig.from_env({"JAX_COORDINATOR_ADDRESS": "h:1",
-                                                "JAX_NUM_PROCESSES": "2"})
-    with pytest.raises(ValueError, match="process_id"):
-        distributed.DistributedConfig("h:1", 2, 2)
-
-
 def test_host_seeds_are_distinct_and_reproducible():
     seeds = [distributed.host_seed(7, p) for p in range(64)]
     assert seeds[0] == 7 and len(set(seeds)) == 64

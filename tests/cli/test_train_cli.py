@@ -126,15 +126,22 @@ def _last_rows(workdir) -> dict[int, dict]:
     return rows
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One uninterrupted KILL_RUN, the reference of the kill and preemption tests."""
+    workdir = tmp_path_factory.mktemp("straight") / "run"
+    r = _train(workdir, *KILL_RUN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return workdir
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # three CLI runs (~6 min on 2 busy cores)
-def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
+def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(straight, tmp_path):
     """The CLI killed with SIGKILL once step 2's checkpoint is committed (mid-window:
     rounds 2-3 are one window), then resumed, logs the same metrics (losses, returns,
     regret, memory counts) and ends with bit-identical weights."""
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    r = _train(straight, *KILL_RUN)
-    assert r.returncode == 0, r.stderr[-3000:]
+    killed = tmp_path / "killed"
     # The same tokenizer for the second run (a fresh one is trained on the checkout's text,
     # which may change between the runs).
     run = [*KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'"]
@@ -147,6 +154,49 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(tmp_path):
     for step in range(5):
         assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
     _assert_same_final_checkpoint(straight, killed, 5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # two CLI runs after the shared reference (~5 min on 2 busy cores)
+def test_sigterm_mid_window_drops_the_round_saves_and_resumes_from_there(straight, tmp_path):
+    """SIGTERM (a spot VM's preemption notice) while round 3 plays (mid-window: rounds 2-3
+    are one window), with no periodic checkpoint to fall back on: the run stops at the next
+    safe point inside round 3, before its update (round 3 is in no metric and no
+    checkpoint), saves the state after round 2 as checkpoint 3, and exits 0; the resumed
+    run redoes round 3 and ends where the uninterrupted run ended, bit for bit."""
+    import signal
+    import time
+
+    preempted = tmp_path / "preempted"
+    run = [*KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'",
+           "--set", "checkpoint_every=100"]
+    proc = subprocess.Popen(_command(preempted, *run), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, log = time.monotonic() + 1200, preempted / "train.log"
+        while not (log.exists() and "round 3 started" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "round 3 never started"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert ("preempted during round 3: the round is dropped; saved the state after round 2 "
+            "as checkpoint 3") in text
+    assert [row["step"] for row in _rounds(preempted)] == [0, 1, 2]  # round 3 never updated
+    from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
+
+    with CheckpointManager(CheckpointConfig(preempted / "checkpoints")) as manager:
+        assert manager.all_steps() == [3]
+    r = _train(preempted, *run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from round 2" in log.read_text()
+    want, got = _last_rows(straight), _last_rows(preempted)
+    assert sorted(got) == list(range(5))
+    for step in range(5):
+        assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
+    _assert_same_final_checkpoint(straight, preempted, 5)
 
 
 # Router replay across a kill (issue 22): the designer role on (no fixed pool), no warm
