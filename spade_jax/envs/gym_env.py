@@ -53,6 +53,12 @@ class EnvProgramError(RuntimeError):
         super().__init__(str(error))
         self.error = error
 
+    @property
+    def end_reason(self) -> str:
+        """How the agent loop records the episode: "env_limit" when the program broke a
+        run-time limit (and is blocklisted), else "env_error"."""
+        return self.error.end_reason
+
 
 class SandboxedTextEnv(gymnasium.Env):
     """One environment program in its own sandbox worker, as a gymnasium text env."""

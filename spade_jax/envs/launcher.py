@@ -252,6 +252,42 @@ class Zygote:
         except ZygoteError:
             self.close()
             raise
+        self._proc_root = self._find_proc_root()
+
+    def _find_proc_root(self) -> str:
+        """Where the trainer reads the sandbox's /proc: its own /proc without namespaces,
+        else the zygote's /proc through /proc/<zygote's host pid>/root (the zygote is a
+        descendant of the bwrap process whose innermost pid is `pid_inside`)."""
+        if not self.use_namespaces:
+            return "/proc"
+        todo = [self._process.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+                children = []
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        children += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            if len(nspid) > 1 and int(nspid[-1]) == self.pid_inside:
+                return f"/proc/{pid}/root/proc"
+            todo += children
+        return ""  # not found: CPU time is then asked of the zygote
+
+    def stat_fd(self, pid: int) -> int | None:
+        """A read-only fd on /proc/<pid>/stat of a worker (pid inside the zygote's
+        namespace), for the trainer to read its CPU time without a round trip; the fd
+        stays bound to that process (a reused pid cannot answer for it). None if the
+        sandbox's /proc cannot be reached from here."""
+        if not self._proc_root:
+            return None
+        try:
+            return os.open(f"{self._proc_root}/{int(pid)}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
 
     def _request(self, message: dict, fds: tuple[int, ...] = ()) -> dict:
         self._counter += 1
@@ -294,13 +330,17 @@ class Zygote:
             reply = self._request({"op": "usage", "pids": [int(p) for p in pids]})
         return {int(p): u for p, u in reply["usage"].items()}
 
-    def death_reason(self, pid: int) -> str | None:
-        """Why the zygote itself killed worker `pid` (the pool memory budget), or None."""
+    def death_reason(self, pid: int) -> tuple[str, str] | None:
+        """Why the zygote itself killed worker `pid` (a memory budget): (reason code,
+        detail), or None."""
         try:
             with self._lock:
-                return self._request({"op": "why", "pid": int(pid)}).get("reason")
+                answer = self._request({"op": "why", "pid": int(pid)})
         except ZygoteError:
             return None
+        if answer.get("code") is None:
+            return None
+        return str(answer["code"]), str(answer.get("reason", ""))
 
     def kill(self, pid: int) -> None:
         """SIGKILLs a worker's process group (fire and forget)."""

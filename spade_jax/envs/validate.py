@@ -287,7 +287,7 @@ def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
     """Every check after the static gate, in order; raises _Failed at the first failure."""
     pool, config, reference = run.pool, run.config, run.reference
     run.handles = pool.open_many([source, source], contract=run.contract,
-                                 max_turns=run.max_turns)
+                                 max_turns=run.max_turns, trial=True)
     for handle in run.handles:
         if not handle.ok:
             raise _Failed(handle.error, "load")
@@ -385,7 +385,8 @@ def _episode(
 def _reset_without_seed(run: _Run, handle: EnvHandle) -> None:
     # The pool always passes a concrete seed; the contract also promises seed=None works.
     deadline = min(run.pool.config.call_deadline_s, run.remaining("reset_seed_none"))
-    reply = supervisor.exchange([(handle.worker, {"op": "reset", "seed": None}, deadline)])[0]
+    reply = supervisor.exchange([(handle.worker, {"op": "reset", "seed": None}, deadline)],
+                                run.pool.config.call_cpu_budget_s)[0]
     result = supervisor.check_reset(reply, run.pool.config)
     if not result.ok:
         raise run.call_failed(result.error, "reset_seed_none")
