@@ -429,3 +429,30 @@ def test_pool_budget_counts_shared_anonymous_memory():
         assert "200 MiB" in error.detail
         assert honest.step("a").ok
         honest.close()
+
+
+# ----------------------------------------------------------------------------- cut episodes
+
+PENALTY_FIRST = _paper(
+    "self.t = 0\nreturn 'go', {}",
+    "self.t += 1\nr = [-1.0, 0.0, 0.5, 1.0][self.t - 1]\nreturn 'x', r, self.t >= 4, False, {}",
+)
+
+
+def test_a_cut_paper_episode_returns_within_0_1(pool):
+    """The agent loop may cut an episode after any step (its turn or token budget): the
+    rewards reported so far must sum into [0, 1] then too, not only at the natural end.
+    The program's running return here is -1, -1, -0.5, then 0.5 at the end."""
+    handle = pool.open(PENALTY_FIRST)
+    handle.reset(0)
+    reported, raw = [], []
+    for _ in range(4):
+        result = handle.step("a")
+        assert result.ok, result.error
+        reported.append(result.reward)
+        raw.append(result.info.get("raw_reward", result.reward))
+        assert 0.0 <= sum(reported) <= 1.0, reported  # a cut here returns this
+    assert raw == [-1.0, 0.0, 0.5, 1.0]
+    assert sum(reported) == pytest.approx(sum(raw)) == pytest.approx(0.5)  # natural end
+    assert result.terminated
+    handle.close()
