@@ -217,8 +217,8 @@ def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokeniz
                   mesh: Any) -> tuple[Callable, Callable]:
     """The loop's two sampling callables over the current policy: ``generate(prompts, *,
     seed, purpose)`` with the whole sampler config of the purpose (buckets, chunking,
-    compaction, ``max_rows``) and the loop's per-call seed, and ``run_episodes(specs, *,
-    seed)``."""
+    compaction, ``max_rows``), the loop's per-call seed and the tokenizer's end-of-turn ids
+    as stop tokens (as the agent's turns), and ``run_episodes(specs, *, seed)``."""
     samplers = _loop_samplers(config)
     record = records_routing(config)  # router replay / its telemetry: samplers record
     agent = dataclasses.replace(config.agent, sampler=dataclasses.replace(
@@ -226,9 +226,12 @@ def loop_sampling(config: ExperimentConfig, policy: Callable[[], Qwen3], tokeniz
 
     def generate_fn(prompts, *, seed, purpose):
         model = policy()
+        # One stop rule for both roles: the tokenizer's end-of-turn ids, as the agent loop
+        # uses, not the model config's eos_token_id (a base checkpoint's <|endoftext|>,
+        # past which a reply would run on after <|im_end|>).
         out = sample(model, prompts, dataclasses.replace(samplers[purpose], seed=seed,
                      return_router="experts" if record and purpose == "design" else False),
-                     mesh=mesh)
+                     stop_tokens=sorted(tokenizer.eos_ids), mesh=mesh)
         routes = [None] * len(prompts)
         if out.selected_experts is not None:
             routes = [compact_routing(r, model.config.num_experts)

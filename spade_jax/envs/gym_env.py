@@ -5,9 +5,13 @@ A program may emit any text; characters outside the charset are replaced by "?" 
 observation is always inside the space, and the unaltered text is kept in
 info["raw_observation"] whenever that happened. A sandbox failure in reset() or step()
 (a crash, a timeout, a wrong type, a reward outside the contract's bounds, ...) raises
-`EnvProgramError` carrying the `SandboxError`: the episode ends as an env error (the agent
-loop records "env_error"), so no partial or out-of-range return reaches the trainer as if
-the episode had ended normally.
+`EnvProgramError` carrying the `SandboxError`, so the failing call reports no observation
+and no reward (an out-of-range reward never reaches a return). The agent loop ends the
+episode with end_reason "env_error" ("env_limit" when the program broke a run-time limit
+and the pool blocklisted it: `EnvProgramError.end_reason`); its record keeps the rewards
+of the steps before the failure, and the SPADE loop trains it, like any episode with a
+policy token, on that partial return (under the paper contract within [0, 1]; under the
+reference contract 0: only a terminating step pays).
 
 Under the reference (recipe) contract the env reports the recipe's score: every step's
 reward is 0 except a terminating step's, which is the game's reward clipped to [-1, 1]

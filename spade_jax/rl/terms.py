@@ -59,10 +59,23 @@ def clipped_surrogate(
     return ClippedSurrogate(ratio, pg_loss1, pg_loss2, pg_loss, clipped)
 
 
-def k3_kl(logp: Array, ref_logp: Array) -> Array:
+def masked_log_ratio(logp: Array, other_logp: Array, loss_mask: Array | None) -> Array:
+    """``logp - other_logp`` on the mask, 0 off it: what goes into an exponential.
+
+    Off the mask the two log-probs need not be close (the batch stores 0 for the sampler's
+    and the reference's there, while a prompt token's logp may be -100), and ``e^100``
+    overflows; masking the product afterwards gives ``inf * 0 = NaN``, and a ``where`` after
+    the exponential still sends NaN into the gradient. Masked first, the exponent is 0 there
+    and the gradient exactly 0. ``loss_mask`` None: no masking."""
+    delta = logp - other_logp
+    return delta if loss_mask is None else jnp.where(loss_mask > 0, delta, 0.0)
+
+
+def k3_kl(logp: Array, ref_logp: Array, loss_mask: Array | None = None) -> Array:
     """Schulman's k3 estimator of KL(pi_theta || pi_ref) per token: ``e^d - d - 1``,
-    ``d = ref_logp - logp``; non-negative and unbiased under samples from pi_theta."""
-    delta = ref_logp - logp
+    ``d = ref_logp - logp``; non-negative and unbiased under samples from pi_theta.
+    With ``loss_mask``, ``d = 0`` (so the term is 0) off the mask (:func:`masked_log_ratio`)."""
+    delta = masked_log_ratio(ref_logp, logp, loss_mask)
     return jnp.exp(delta) - delta - 1.0
 
 

@@ -547,6 +547,8 @@ class ReferencePolicy:
                    else contextlib.nullcontext())
         with context:
             ref_logp = self.jitted(self.params, batch)
+        # 0 off the mask, like old_logp; the rules mask ref_logp - logp before the
+        # exponential (terms.k3_kl), so a prompt token at logp -100 cannot overflow.
         return batch.replace(ref_logp=ref_logp * jnp.asarray(batch.loss_mask, jnp.float32))
 
 

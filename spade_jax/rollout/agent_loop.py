@@ -53,7 +53,10 @@ class AgentLoopConfig:
     Attributes:
       max_turns: policy turns per episode at most (then end_reason "max_turns").
       max_turn_tokens: new tokens per policy turn at most.
-      max_episode_tokens: length of an episode's token stream at most (then "max_tokens").
+      max_episode_tokens: length of an episode's token stream at most (then "max_tokens"):
+        a turn is cut at the budget, and an observation that would leave no room for a
+        policy token ends the episode before it is appended, so a record with a policy
+        token never exceeds it (a budget equal to the largest pack bucket packs).
       system_prompt: optional system turn before the first observation.
       enable_thinking: passed to the chat template's generation prompt.
       sampler: temperature / top-p / top-k / buckets; its max_new_tokens is replaced by the
@@ -559,4 +562,11 @@ def _absorb_step(ep: _Episode, outcome: Outcome, turns: ChatTurns,
         ep.active, rec.end_reason, rec.truncated = False, "max_turns", True
         return
     closed = bool(rec.token_ids) and rec.token_ids[-1] in turns.eos_ids
-    rec.append(turns.after_policy(observation, closed), policy=False)
+    piece = turns.after_policy(observation, closed)
+    # An observation that leaves no room for a policy token ends the episode before it is
+    # appended: the record stays within the budget (which may equal the largest pack
+    # bucket), and router replay keeps one routing row per fed token (it was never fed).
+    if len(rec.token_ids) + len(piece) >= config.max_episode_tokens:
+        ep.active, rec.end_reason, rec.truncated = False, "max_tokens", True
+        return
+    rec.append(piece, policy=False)

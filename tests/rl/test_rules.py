@@ -189,6 +189,47 @@ def test_advantage_estimators_reject_bad_group_size():
     np.testing.assert_array_equal(np.asarray(alone), [0.0, 0.0])
 
 
+@pytest.mark.parametrize("value", [0.3, 0.7, 0.9])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_of_equal_returns_gets_exactly_zero_advantage(name, value):
+    """Issue 37 item 3: eight equal non-dyadic returns carry no signal, so every advantage
+    is exactly 0.0 (float32 rounding of the mean, divided by a ~0 std, gave up to 0.056 at
+    eps 1e-6); GRPO at the recipe's eps 1e-8 too. The other group is untouched."""
+    rule = rl.advantage_estimators.get(name)
+    cfg = rule.make_config(eps=1e-8) if name == "grpo" else rule.make_config()
+    mixed = np.array([0.0, 1.0, value, 0.0, 1.0, 0.5, value, 1.0])
+    rewards = np.r_[np.full(8, value), mixed].astype(np.float32)
+    adv, _ = rule.fn(jnp.asarray(rewards), 8, cfg)
+    adv = np.asarray(adv)
+    assert adv[:8].tolist() == [0.0] * 8
+    mixed = mixed.astype(np.float32).astype(np.float64)
+    centred = mixed - mixed.mean()
+    want = {"grpo": centred / (mixed.std() + 1e-8), "dr_grpo": centred,
+            "rloo": centred * 8 / 7}[name]
+    np.testing.assert_allclose(adv[8:], want, rtol=1e-5, atol=1e-6)
+
+
+def test_equal_totals_give_zero_advantages_through_the_update_rule():
+    """The same through ``apply_rule`` as the loop calls it: the agent's GRPO at the
+    recipe's eps over one game's plays, and the designer's per-skill centring times the
+    recipe's reward scale (32): every trained sequence gets advantage 0.0."""
+    from spade_jax.rl.update_rule import Group, RoleConfig, apply_rule
+    from spade_jax.rollout.records import EpisodeRecord
+
+    def episode(i: int) -> EpisodeRecord:
+        rec = EpisodeRecord(env_id="g", seed=i)
+        rec.append([1, 2], policy=False)
+        rec.append([3 + i], policy=True, logprobs=[-1.0])
+        return rec
+
+    for role, rule, scale in (("agent", RoleConfig(advantage=dict(eps=1e-8)), 1.0),
+                              ("designer", RoleConfig(advantage_estimator="dr_grpo"), 32.0)):
+        for value in (0.3, 0.7, 0.9):
+            out = apply_rule(rule, [Group([episode(i) for i in range(8)], [value] * 8)],
+                             role_name=role, advantage_scale=scale)
+            assert [s.advantage for s in out.sequences] == [0.0] * 8, (role, value)
+
+
 # ----------------------------------------------------------------------------------------
 # policy losses
 # ----------------------------------------------------------------------------------------
@@ -265,6 +306,48 @@ def test_gspo_gradient_equals_sequence_level_objective():
                                 batch["logp"])
     assert np.abs(expected).max() > 1e-3
     np.testing.assert_allclose(np.asarray(grad), expected, atol=2e-5)
+
+
+LOSSES_WITH_KL = {"grpo": 0.005, "dr_grpo": 0.005, "dapo": 0.005, "gspo": 0.005, "cispo": None}
+
+
+@pytest.mark.parametrize("masked", [(-100.0, 0.0, 0.0), (0.0, -100.0, -100.0)],
+                         ids=["rare_prompt_token", "stale_sampler_logp"])
+@pytest.mark.parametrize("name", sorted(LOSSES_WITH_KL))
+def test_masked_positions_cannot_overflow_the_loss_or_its_gradient(name, masked):
+    """Issue 37 item 2. Off the mask the batch stores 0 for the sampler's and reference's
+    log-probs, while the policy's own may be -100 (a rare prompt token at T 0.6): the
+    exponentials of the KL (e^(ref - logp)) and of the ratio must see a masked difference,
+    else e^100 = inf, inf * 0 = NaN, and the step is skipped. One masked position at
+    (logp, old_logp, ref_logp) = ``masked``: the loss and gradient are finite and equal
+    those with a harmless value there (masked positions do not count)."""
+    batch = random_batch(8)
+    b, t = 2, 4
+    batch["loss_mask"][b, t] = 0.0
+    extreme = {k: v.copy() for k, v in batch.items()}
+    for key, value in zip(("logp", "old_logp", "ref_logp"), masked, strict=True):
+        extreme[key][b, t] = value
+    rule = rl.policy_losses.get(name)
+    kl = LOSSES_WITH_KL[name]
+    cfg = rule.make_config() if kl is None else rule.make_config(kl_coef=kl)
+
+    def loss_and_grad(values):
+        def loss(lp):
+            return rule.fn(lp, jnp.asarray(values["old_logp"]), jnp.asarray(values["ref_logp"]),
+                           jnp.asarray(values["advantages"]), jnp.asarray(values["loss_mask"]),
+                           cfg)[0]
+
+        return jax.value_and_grad(loss)(jnp.asarray(values["logp"]))
+
+    loss, grad = loss_and_grad(extreme)
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(grad)).all()
+    want_loss, want_grad = loss_and_grad(batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6, abs=1e-7)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-6, atol=1e-7)
+    assert float(grad[b, t]) == 0.0
+    if name == "grpo":  # the registered recipe loss against the NumPy re-derivation
+        assert float(loss) == pytest.approx(np_clipped_loss(extreme, 0.2, 0.2, kl, "seq_mean")[0],
+                                            rel=1e-5, abs=1e-6)
 
 
 def test_losses_reject_mismatched_shapes_and_missing_reference():

@@ -347,6 +347,34 @@ def test_reference_policy_is_the_frozen_initial_policy():
     assert float(metrics["agent/kl"]) > 0  # the policy moved away from the reference
 
 
+@pytest.mark.slow  # ~40 s loaded: compiles a step and a reference pass
+def test_kl_step_with_a_rare_prompt_token_is_not_skipped():
+    """Issue 37 item 2 through the real step: the 8B recipe's KL (0.005 to the initial
+    policy, ``ReferencePolicy.annotate``: 0 off the mask) on a policy whose logits are
+    sharp (LM head x 1000), so prompt tokens sit at log-probs far below -88.7: the KL term
+    must not overflow there, and the update is applied (not skipped as non-finite)."""
+    config = TrainConfig(optimizer=OptimizerConfig(learning_rate=1e-3),
+                         agent=RoleConfig(loss=dict(kl_coef=0.005)))
+    model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(4))
+    model.lm_head_dv[...] = model.lm_head_dv[...] * 1000.0
+    batch = random_batch(6)
+    logp = np.take_along_axis(log_softmax_np(np.asarray(model(batch.input_ids).logits,
+                                                        np.float64))[:, :-1],
+                              batch.input_ids[:, 1:, None], -1)[..., 0]
+    prompt = (np.asarray(batch.attention_mask)[:, 1:] > 0) & (batch.loss_mask[:, 1:] == 0)
+    assert logp[prompt].min() < -100  # the rare token in context
+    graphdef, state = init_train_state(model, config)
+    annotated = ReferencePolicy(graphdef, config, state.params).annotate(batch)
+    before = jax.tree.map(np.array, state.params)
+    state, metrics = make_train_step(graphdef, config)(state, annotated)
+    assert int(metrics["skipped"]) == 0 and int(state.step) == 1
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+    assert float(metrics["agent/kl"]) == pytest.approx(0.0, abs=1e-6)  # the step-0 policy
+    moved = [np.abs(np.asarray(a) - b).max() for a, b in
+             zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True)]
+    assert max(moved) > 0
+
+
 @pytest.mark.slow  # uses the compiled step (~40 s loaded)
 def test_nonfinite_batch_is_skipped_then_training_continues(compiled):
     model, _, step = compiled

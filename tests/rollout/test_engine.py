@@ -55,9 +55,12 @@ def _reference_episode(model, tokenizer, spec: EpisodeSpec, index: int, config, 
         if terminated or truncated or turn + 1 == config.max_turns:
             break
         closed = stream[-1] in turns.eos_ids
-        stream += turns.after_policy(obs, closed)
-        if len(stream) >= config.max_episode_tokens:
+        piece = turns.after_policy(obs, closed)
+        # Issue 37: an observation that leaves no room for a policy token ends the episode
+        # before it is appended (it used to be appended first, overshooting the budget).
+        if len(stream) + len(piece) >= config.max_episode_tokens:
             break
+        stream += piece
     return stream, logprobs, actions
 
 
@@ -142,7 +145,7 @@ def test_episode_token_budget_ends_rows_mid_turn(model, tokenizer):  # noqa: F81
     assert {r.end_reason for r in records} >= {"max_tokens"}
     for i, (rec, spec) in enumerate(zip(records, _specs(), strict=True)):
         stream, _, _ = _reference_episode(model, tokenizer, spec, i, config, 5)
-        assert rec.token_ids == stream
+        assert rec.token_ids == stream and len(stream) <= config.max_episode_tokens
 
 
 # Picked from the fixture model's own continuations of these prompts (checked below: each

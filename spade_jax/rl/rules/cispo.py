@@ -42,7 +42,7 @@ def cispo_loss(
     terms.check_token_arrays(loss_mask, logp=logp, old_logp=old_logp)
     logp = logp.astype(jnp.float32)
     advantages_bt = terms.token_advantages(advantages, loss_mask)
-    ratio = jnp.exp(logp - old_logp.astype(jnp.float32))
+    ratio = jnp.exp(terms.masked_log_ratio(logp, old_logp.astype(jnp.float32), loss_mask))
     clipped_ratio = jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg_loss = -jax.lax.stop_gradient(clipped_ratio) * advantages_bt * logp
     loss = terms.masked_token_mean(pg_loss, loss_mask)

@@ -69,14 +69,14 @@ def dapo_loss(
     terms.check_token_arrays(loss_mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp)
     logp = logp.astype(jnp.float32)
     advantages_bt = terms.token_advantages(advantages, loss_mask)
-    log_ratio = logp - old_logp.astype(jnp.float32)
+    log_ratio = terms.masked_log_ratio(logp, old_logp.astype(jnp.float32), loss_mask)
     surrogate = terms.clipped_surrogate(
         log_ratio, advantages_bt, cfg.clip_eps_low, cfg.clip_eps_high
     )
-    kl = reference_kl(logp, ref_logp, cfg.kl_coef)
+    kl = reference_kl(logp, ref_logp, cfg.kl_coef, loss_mask)
     token_loss = surrogate.pg_loss + cfg.kl_coef * kl
     loss = terms.masked_token_mean(token_loss, loss_mask)
-    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp)
+    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp, loss_mask)
     return loss, token_metrics(loss, surrogate, kl, approx_kl, loss_mask)
 
 

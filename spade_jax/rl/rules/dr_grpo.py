@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from spade_jax.rl import terms
 from spade_jax.rl.registry import Metrics, advantage_estimators, policy_losses
-from spade_jax.rl.rules.grpo import grouped, reference_kl, token_metrics
+from spade_jax.rl.rules.grpo import grouped, reference_kl, token_metrics, zero_constant_groups
 
 Array = jax.Array
 
@@ -34,10 +34,11 @@ class MeanCenteredAdvantageConfig:
 def mean_centered_advantages(
     rewards: Array, group_size: int, cfg: MeanCenteredAdvantageConfig
 ) -> tuple[Array, Metrics]:
-    """``A_i = r_i - mean_group``; returns ``[B]``."""
+    """``A_i = r_i - mean_group`` (exactly 0 in constant groups); returns ``[B]``."""
     del cfg
     rewards_gn = grouped(rewards, group_size)
-    advantages_gn = rewards_gn - jnp.mean(rewards_gn, axis=1, keepdims=True)
+    advantages_gn = zero_constant_groups(
+        rewards_gn - jnp.mean(rewards_gn, axis=1, keepdims=True), rewards_gn)
     return advantages_gn.reshape(-1), {"reward_mean": jnp.mean(rewards_gn)}
 
 
@@ -82,12 +83,12 @@ def dr_grpo_loss(
     terms.check_token_arrays(loss_mask, logp=logp, old_logp=old_logp, ref_logp=ref_logp)
     logp = logp.astype(jnp.float32)
     advantages_bt = terms.token_advantages(advantages, loss_mask)
-    log_ratio = logp - old_logp.astype(jnp.float32)
+    log_ratio = terms.masked_log_ratio(logp, old_logp.astype(jnp.float32), loss_mask)
     clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     surrogate = terms.clipped_surrogate(log_ratio, advantages_bt, cfg.clip_eps, clip_high)
-    kl = reference_kl(logp, ref_logp, cfg.kl_coef)
+    kl = reference_kl(logp, ref_logp, cfg.kl_coef, loss_mask)
     token_loss = surrogate.pg_loss + cfg.kl_coef * kl
     norm_tokens = loss_mask.shape[1] if cfg.norm_tokens is None else cfg.norm_tokens
     loss = terms.seq_mean_token_sum_norm(token_loss, loss_mask, norm_tokens)
-    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp)
+    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp, loss_mask)
     return loss, token_metrics(loss, surrogate, kl, approx_kl, loss_mask)

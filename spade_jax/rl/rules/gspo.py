@@ -74,8 +74,8 @@ def gspo_loss(
     surrogate = terms.clipped_surrogate(
         log_ratio, advantages_bt, cfg.clip_eps_low, cfg.clip_eps_high
     )
-    kl = reference_kl(logp, ref_logp, cfg.kl_coef)
+    kl = reference_kl(logp, ref_logp, cfg.kl_coef, loss_mask)
     token_loss = surrogate.pg_loss + cfg.kl_coef * kl
     loss = terms.seq_mean_token_mean(token_loss, loss_mask)
-    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp)
+    approx_kl = terms.k3_kl(old_logp.astype(jnp.float32), logp, loss_mask)
     return loss, token_metrics(loss, surrogate, kl, approx_kl, loss_mask)
