@@ -32,6 +32,7 @@ class Phase(enum.IntEnum):
     ARM_ORDER = 10  # order in which environment copies are opened
     CREDIT = 11  # update-rule draws (forked continuations, judge replies, turn choices)
     REFILL = 12  # a group filter's replacement plays (DAPO dynamic sampling's refill)
+    REPLAY_AUDIT = 13  # which finished sandbox episodes are replayed to check determinism
 
 
 def _entropy(parts: tuple[int, ...]) -> list[int]:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from spade_jax.envs.contract import DEFAULT_ALLOWED_IMPORTS, REFERENCE_IMPORTS
+from spade_jax.envs.contract import (
+    CALL_CPU_BUDGET_S,
+    DEFAULT_ALLOWED_IMPORTS,
+    REFERENCE_IMPORTS,
+    WORKER_MEMORY_MB,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,12 +24,22 @@ class SandboxConfig:
     # Wall-clock deadline of one reset()/step() call; past it the worker's process group is
     # SIGKILLed and the call returns reason "timeout".
     call_deadline_s: float = 5.0
+    # CPU seconds one reset()/step() call may use (the contracts' "1 second of CPU time"),
+    # read from /proc by the trainer while the call runs and when it replies: over it the
+    # worker is killed and the call returns "slow_call". CPU time, unlike wall-clock time,
+    # does not grow with the host's load. None: no budget (only the deadline).
+    call_cpu_budget_s: float | None = CALL_CPU_BUDGET_S
     # Deadline for loading a program (module-level code + Environment()).
     load_deadline_s: float = 10.0
     # RLIMIT_AS of a worker (address space, MiB).
     memory_limit_mb: int = 1024
-    # Budget of the memory all workers of the pool allocate together (MiB of anonymous
-    # RSS above what they inherit from the zygote), checked by the zygote every 0.1 s from
+    # Memory one worker may hold (MiB of anonymous and shared pages, memfd and
+    # MAP_SHARED|MAP_ANONYMOUS included, above what it inherits from the zygote), checked
+    # by the zygote every 0.1 s from /proc: over it the worker is killed and its call
+    # fails with "memory_limit". The contracts' "512 MiB". None: only RLIMIT_AS.
+    worker_memory_mb: int | None = WORKER_MEMORY_MB
+    # Budget of the memory all workers of the pool hold together (MiB of anonymous and
+    # shared pages above what they inherit from the zygote), checked by the zygote every 0.1 s from
     # /proc: over it, the largest worker is killed and its call fails with
     # "pool_memory_limit". None = 3/4 of the host's physical memory.
     pool_memory_mb: int | None = None
@@ -41,6 +56,14 @@ class SandboxConfig:
     max_message_bytes: int = 1 << 20
     # The supervisor truncates an episode that runs this many steps (gymnasium TimeLimit).
     max_episode_steps: int = 1_000
+    # Share of finished episodes replayed in a fresh worker (same seed, same actions) to
+    # check that the transcript is reproduced: a program that plays deterministically for
+    # the validator and not for the agent is caught at run time ("nondeterministic_replay").
+    # Which episodes: a seeded draw per (pool seed, program, episode seed). 0 turns it off.
+    replay_audit_rate: float = 0.125
+    # A program that breaks a run-time limit (results.RUNTIME_LIMIT_CODES) in a played
+    # episode is blocklisted by the pool: refused for further episodes (`EnvPool.blocked`).
+    blocklist_on_limits: bool = True
     # Workers forked ahead of demand, so open() does not wait for a fork + seccomp load.
     spare_workers: int = 2
     # Layers. Turning one off makes the runtime refuse untrusted code unless
@@ -97,6 +120,17 @@ class SandboxConfig:
                 + (" with reference_imports preloaded (set reference_imports=frozenset() "
                    "to run paper-contract programs in less)" if self.reference_imports else "")
             )
+        if self.call_cpu_budget_s is not None and not self.call_cpu_budget_s > 0:
+            raise ValueError(f"SandboxConfig.call_cpu_budget_s must be None or > 0, got "
+                             f"{self.call_cpu_budget_s!r}")
+        if self.worker_memory_mb is not None and not (
+            type(self.worker_memory_mb) is int and self.worker_memory_mb >= 16
+        ):
+            raise ValueError("SandboxConfig.worker_memory_mb must be None or an int >= 16, "
+                             f"got {self.worker_memory_mb!r}")
+        if not 0.0 <= self.replay_audit_rate <= 1.0:
+            raise ValueError("SandboxConfig.replay_audit_rate must lie in [0, 1], got "
+                             f"{self.replay_audit_rate!r}")
         if self.pool_memory_mb is not None and not (
             type(self.pool_memory_mb) is int and self.pool_memory_mb >= self.memory_limit_mb // 4
         ):
@@ -149,6 +183,7 @@ class SandboxConfig:
             "max_message_bytes": self.max_message_bytes,
             "use_seccomp": self.use_seccomp,
             "pool_memory_bytes": self.pool_memory_bytes(),
+            "worker_memory_bytes": (self.worker_memory_mb or 0) << 20,
             "drop_privileges": self.drop_privileges,
             "uid": self.sandbox_uid,
             "gid": self.sandbox_gid,

@@ -41,6 +41,11 @@ DEFAULT_ALLOWED_IMPORTS: frozenset[str] = frozenset(
     }
 )
 
+# What one reset()/step() call may use, as the contract texts state it and the sandbox
+# enforces it (`SandboxConfig.call_cpu_budget_s`, `SandboxConfig.worker_memory_mb`).
+CALL_CPU_BUDGET_S = 1.0
+WORKER_MEMORY_MB = 512
+
 _CONTRACT_TEMPLATE = """\
 An environment program is Python source that defines `class Environment`:
 
@@ -69,8 +74,9 @@ Rules (a program that breaks one is rejected before any agent sees it):
 - Only these imports are available:
 {allowed}.
   No files, network, processes, threads, clock or environment variables; no eval/exec/open/__import__; no dunder tricks.
-- Each call must finish well within a second and use little memory; observations are at
-  most {max_observation_chars} characters.
+- Each call may use at most {cpu} of CPU time and the program at most {memory} MiB
+  of memory; observations are at most {max_observation_chars} characters. A program
+  that breaks a limit while it is played, or replays differently, is stopped and dropped.
 - The hint is given to the agent, never to the program: the program must not try to tell
   whether the agent had a hint.
 """
@@ -86,15 +92,22 @@ def _allowed_block(allowed_imports: frozenset[str]) -> str:
     )
 
 
+def _seconds(value: float) -> str:
+    return f"{value:g} second" + ("" if value == 1 else "s")
+
+
 def render_contract(
     allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS,
     max_observation_chars: int = 16384,
     step_cap: int = 64,
+    call_cpu_budget_s: float = CALL_CPU_BUDGET_S,
+    memory_mb: int = WORKER_MEMORY_MB,
 ) -> str:
-    """The contract text with a concrete allow-list and caps filled in."""
+    """The contract text with a concrete allow-list, caps and limits filled in."""
     allowed = _allowed_block(allowed_imports)
     return _CONTRACT_TEMPLATE.format(
-        allowed=allowed, max_observation_chars=max_observation_chars, step_cap=step_cap
+        allowed=allowed, max_observation_chars=max_observation_chars, step_cap=step_cap,
+        cpu=_seconds(call_cpu_budget_s), memory=memory_mb,
     )
 
 
@@ -242,8 +255,10 @@ Rules (a game that breaks one is rejected before any agent plays it):
   info is a dict of plain values.
 - No files, network, processes, threads, clock or environment variables; no
   eval/exec/open/__import__; no dunder tricks; no module internals (names starting with
-  `_`); from numpy no file input/output. Each call must finish well within a second and
-  use little memory; observations are at most {max_observation_chars} characters.
+  `_`); from numpy no file input/output. Each call may use at most {cpu} of CPU
+  time and the game at most {memory} MiB of memory; observations are at most
+  {max_observation_chars} characters. A game that breaks a limit while it is played,
+  or replays differently, is stopped and dropped.
 """
 
 
@@ -251,6 +266,8 @@ def render_reference_contract(
     max_turns: int = REFERENCE_MAX_TURNS,
     allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS,
     max_observation_chars: int = 16384,
+    call_cpu_budget_s: float = CALL_CPU_BUDGET_S,
+    memory_mb: int = WORKER_MEMORY_MB,
 ) -> str:
     """The reference (recipe) contract's text for a given turn budget, in this project's
     words: what the designer is told and what `validate_program(contract="reference")`
@@ -259,7 +276,8 @@ def render_reference_contract(
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
     allowed = _allowed_block(allowed_imports)
     return _REFERENCE_TEMPLATE.format(
-        max_turns=max_turns, allowed=allowed, max_observation_chars=max_observation_chars
+        max_turns=max_turns, allowed=allowed, max_observation_chars=max_observation_chars,
+        cpu=_seconds(call_cpu_budget_s), memory=memory_mb,
     )
 
 

@@ -7,9 +7,11 @@ info["raw_observation"] whenever that happened. A sandbox failure in reset() or 
 (a crash, a timeout, a wrong type, a reward outside the contract's bounds, ...) raises
 `EnvProgramError` carrying the `SandboxError`, so the failing call reports no observation
 and no reward (an out-of-range reward never reaches a return). The agent loop ends the
-episode with end_reason "env_error"; its record keeps the rewards of the steps before the
-failure, and the SPADE loop trains it, like any episode with a policy token, on that
-partial return (under the reference contract, 0: only a terminating step pays).
+episode with end_reason "env_error" ("env_limit" when the program broke a run-time limit
+and the pool blocklisted it: `EnvProgramError.end_reason`); its record keeps the rewards
+of the steps before the failure, and the SPADE loop trains it, like any episode with a
+policy token, on that partial return (under the paper contract within [0, 1]; under the
+reference contract 0: only a terminating step pays).
 
 Under the reference (recipe) contract the env reports the recipe's score: every step's
 reward is 0 except a terminating step's, which is the game's reward clipped to [-1, 1]
@@ -54,6 +56,12 @@ class EnvProgramError(RuntimeError):
     def __init__(self, error: SandboxError) -> None:
         super().__init__(str(error))
         self.error = error
+
+    @property
+    def end_reason(self) -> str:
+        """How the agent loop records the episode: "env_limit" when the program broke a
+        run-time limit (and is blocklisted), else "env_error"."""
+        return self.error.end_reason
 
 
 class SandboxedTextEnv(gymnasium.Env):

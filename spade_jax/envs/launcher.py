@@ -104,42 +104,96 @@ def package_paths(modules: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(p for p in paths if os.path.exists(p)))
 
 
+class _View:
+    """bwrap arguments that build a filesystem from nothing, one mount at a time. Every
+    folder that leads to a mount point is made first, with mode 0755 (bubblewrap would
+    create missing parents with mode 0700, which an unprivileged worker cannot walk
+    through: modules that were not imported at warm-up would then be unreadable)."""
+
+    def __init__(self) -> None:
+        self.args: list[str] = []
+        self.mounted: list[str] = []  # folders whose contents the mounts provide
+        self.made: set[str] = {"/"}
+
+    def _parents(self, path: str) -> None:
+        parts = path.strip("/").split("/")[:-1]
+        for depth in range(1, len(parts) + 1):
+            parent = "/" + "/".join(parts[:depth])
+            inside = any(parent == m or parent.startswith(m + os.sep) for m in self.mounted)
+            if parent not in self.made and not inside:
+                self.args += ["--perms", "0755", "--dir", parent]
+                self.made.add(parent)
+
+    def mount(self, kind: str, source: str | None, path: str) -> None:
+        self._parents(path)
+        self.args += [kind, *([source] if source else []), path]
+        self.mounted.append(path)
+
+
+def _site_dirs(prefix: str) -> list[str]:
+    """The site-packages folders inside the interpreter's installation (`prefix`): the
+    running environment's and the base interpreter's (a venv's base has its own)."""
+    import glob
+    import site
+
+    found = {os.path.realpath(p) for key in ("purelib", "platlib")
+             if (p := sysconfig.get_paths().get(key))}  # fmt: skip
+    found.update(os.path.realpath(p) for p in site.getsitepackages([sys.base_prefix]))
+    for name in ("site-packages", "dist-packages"):
+        found.update(os.path.realpath(p) for p in glob.glob(f"{prefix}/lib*/python3*/{name}"))
+    return sorted(p for p in found if p.startswith(prefix + os.sep) and os.path.isdir(p))
+
+
+# Device nodes a worker gets: no /dev/pts or /dev/ptmx (a pty is a channel between workers
+# that shows its owner's uid), no /dev/tty, no /dev/shm.
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# /proc files that name other processes of the namespace: the newest pid.
+_PROC_MASKED = ("/proc/loadavg", "/proc/sys/kernel/ns_last_pid")
+
+
 def _filesystem_args(modules: tuple[str, ...]) -> list[str]:
     """bwrap arguments that build the sandbox's view of the filesystem: an empty read-only
-    root with the Python installation (site-packages emptied, then only the distributions
-    of `modules` put back), this package's sandbox modules, the system's shared libraries,
-    /dev and an own /proc. Not /etc, /home, /root, /tmp, /work or anything else."""
-    args: list[str] = []
+    root with the Python installation (every site-packages inside it emptied, then only
+    the distributions of `modules` put back), this package's sandbox modules, the system's
+    shared libraries, five device nodes and an own /proc. Not /etc, /home, /root's other
+    files, /tmp, /work or anything else; no pty."""
+    view = _View()
     prefix = os.path.realpath(sys.base_prefix)
-    args += ["--ro-bind", prefix, prefix]
+    view.mount("--ro-bind", prefix, prefix)
     executable = os.path.realpath(sys.executable)
     if not executable.startswith(prefix + os.sep):
-        args += ["--ro-bind", executable, executable]
+        view.mount("--ro-bind", executable, executable)
     if not os.path.abspath(sys.executable).startswith(prefix + os.sep):  # a venv's python
-        args += ["--ro-bind", sys.executable, os.path.abspath(sys.executable)]
+        view.mount("--ro-bind", sys.executable, os.path.abspath(sys.executable))
         venv_config = os.path.join(sys.prefix, "pyvenv.cfg")
         if os.path.exists(venv_config):
-            args += ["--ro-bind", venv_config, venv_config]
-    sites = {os.path.realpath(p) for key in ("purelib", "platlib")
-             if (p := sysconfig.get_paths().get(key))}  # fmt: skip
-    masked = [site for site in sorted(sites)
-              if site.startswith(prefix + os.sep) and os.path.isdir(site)]  # fmt: skip
+            view.mount("--ro-bind", venv_config, venv_config)
+    masked = _site_dirs(prefix)
     for site in masked:
-        args += ["--tmpfs", site]
+        view.args += ["--perms", "0755"]
+        view.mount("--tmpfs", None, site)
     for path in package_paths(modules):
-        args += ["--ro-bind", path, path]
+        view.mount("--ro-bind", path, path)
     envs = os.path.join(_PACKAGE_ROOT, "envs")
-    args += ["--ro-bind", envs, envs]
+    view.mount("--ro-bind", envs, envs)
     for path in (*_SYSTEM_LIBS, *_SYSTEM_FILES):
         if os.path.exists(path):
-            args += ["--ro-bind", path, path]
+            view.mount("--ro-bind", path, path)
     for path in _TOP_LINKS:
         if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
+            view.args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path) and path not in ("/bin", "/sbin"):
-            args += ["--ro-bind", path, path]
-    args += ["--dev", "/dev", "--proc", "/proc"]
-    args += [item for site in masked for item in ("--remount-ro", site)]
+            view.mount("--ro-bind", path, path)
+    view.args += ["--perms", "0755"]
+    view.mount("--tmpfs", None, "/dev")
+    for device in _DEVICES:
+        if os.path.exists(device):
+            view.mount("--dev-bind", device, device)
+    view.mount("--proc", None, "/proc")
+    for path in _PROC_MASKED:
+        if os.path.exists(path):
+            view.args += ["--ro-bind", "/dev/null", path]
+    args = view.args + [item for site in (*masked, "/dev") for item in ("--remount-ro", site)]
     return args + ["--remount-ro", "/"]
 
 
@@ -198,6 +252,42 @@ class Zygote:
         except ZygoteError:
             self.close()
             raise
+        self._proc_root = self._find_proc_root()
+
+    def _find_proc_root(self) -> str:
+        """Where the trainer reads the sandbox's /proc: its own /proc without namespaces,
+        else the zygote's /proc through /proc/<zygote's host pid>/root (the zygote is a
+        descendant of the bwrap process whose innermost pid is `pid_inside`)."""
+        if not self.use_namespaces:
+            return "/proc"
+        todo = [self._process.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+                children = []
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        children += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            if len(nspid) > 1 and int(nspid[-1]) == self.pid_inside:
+                return f"/proc/{pid}/root/proc"
+            todo += children
+        return ""  # not found: CPU time is then asked of the zygote
+
+    def stat_fd(self, pid: int) -> int | None:
+        """A read-only fd on /proc/<pid>/stat of a worker (pid inside the zygote's
+        namespace), for the trainer to read its CPU time without a round trip; the fd
+        stays bound to that process (a reused pid cannot answer for it). None if the
+        sandbox's /proc cannot be reached from here."""
+        if not self._proc_root:
+            return None
+        try:
+            return os.open(f"{self._proc_root}/{int(pid)}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
 
     def _request(self, message: dict, fds: tuple[int, ...] = ()) -> dict:
         self._counter += 1
@@ -240,13 +330,17 @@ class Zygote:
             reply = self._request({"op": "usage", "pids": [int(p) for p in pids]})
         return {int(p): u for p, u in reply["usage"].items()}
 
-    def death_reason(self, pid: int) -> str | None:
-        """Why the zygote itself killed worker `pid` (the pool memory budget), or None."""
+    def death_reason(self, pid: int) -> tuple[str, str] | None:
+        """Why the zygote itself killed worker `pid` (a memory budget): (reason code,
+        detail), or None."""
         try:
             with self._lock:
-                return self._request({"op": "why", "pid": int(pid)}).get("reason")
+                answer = self._request({"op": "why", "pid": int(pid)})
         except ZygoteError:
             return None
+        if answer.get("code") is None:
+            return None
+        return str(answer["code"]), str(answer.get("reason", ""))
 
     def kill(self, pid: int) -> None:
         """SIGKILLs a worker's process group (fire and forget)."""

@@ -36,6 +36,7 @@ from spade_jax.envs.contract import (
     REFERENCE_REWARD_BOUND,
     resolve_contract,
 )
+from spade_jax.envs.isolation import IsolationReport, measure_layers
 from spade_jax.envs.launcher import Zygote, ZygoteError, find_bwrap
 from spade_jax.envs.results import (
     ResetResult,
@@ -44,6 +45,7 @@ from spade_jax.envs.results import (
     failed_reset,
     failed_step,
 )
+from spade_jax.envs.runtime_limits import Blocklist, breaks_limit, program_id, replay_audit
 from spade_jax.envs.static_gate import check_source
 
 log = logging.getLogger(__name__)
@@ -95,97 +97,21 @@ def reference_step_reward(raw_reward: float, terminated: bool) -> float:
     return max(-1.0, min(1.0, raw_reward)) if terminated else 0.0
 
 
-# ----------------------------------------------------------------------------- isolation
+def paper_step_reward(raw_return_before: float, raw_reward: float) -> float:
+    """What a step reports under the paper contract, so that the rewards reported so far
+    always sum to the running return clipped to [0, 1]: an episode cut anywhere (by the
+    agent's turn or token budget, or an error) returns a value in [0, 1], and one that
+    ends normally (its return checked in [0, 1]) returns exactly its return. A penalty is
+    reported when reward earned earlier pays for it; the raw reward stays in
+    info["raw_reward"]. Inside [0, 1] the program's own reward is reported unchanged."""
+    after = raw_return_before + raw_reward
+    if 0.0 <= raw_return_before <= 1.0 and 0.0 <= after <= 1.0:
+        return raw_reward
 
+    def clip(value: float) -> float:
+        return max(0.0, min(1.0, value))
 
-@dataclasses.dataclass(frozen=True)
-class IsolationLayer:
-    name: str
-    active: bool
-    detail: str
-    # A missing required layer makes the pool refuse untrusted code; the static gate is a
-    # filter in front of the boundary, not part of it, so it is not required.
-    required: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class IsolationReport:
-    """Which sandbox layers are in force, measured by a probe worker at pool start."""
-
-    layers: tuple[IsolationLayer, ...]
-
-    @property
-    def missing(self) -> list[str]:
-        return [layer.name for layer in self.layers if layer.required and not layer.active]
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing
-
-    def as_dict(self) -> dict[str, dict[str, Any]]:
-        return {
-            x.name: {"active": x.active, "required": x.required, "detail": x.detail}
-            for x in self.layers
-        }
-
-
-def _measure_layers(config: SandboxConfig, hello: dict, namespaced: bool) -> IsolationReport:
-    iso = hello.get("isolation", {})
-    attacks = hello.get("attacks", {})
-    limits = config.worker_limits()
-    rl = iso.get("rlimits", {})
-    rlimits_ok = (
-        rl.get("RLIMIT_AS") == limits["memory_limit_bytes"]
-        and rl.get("RLIMIT_FSIZE") == 0
-        and rl.get("RLIMIT_CORE") == 0
-        and rl.get("RLIMIT_NOFILE") == config.max_open_files
-        and rl.get("RLIMIT_CPU") == config.cpu_limit_s + 1
-    )
-    own_ns = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("pid", "net", "ipc", "mnt")}
-    theirs = iso.get("namespaces", {})
-    separate = [ns for ns in own_ns if theirs.get(ns) not in (None, own_ns[ns])]
-    ns_ok = namespaced and len(separate) == 4 and iso.get("root_read_only") is True
-    seccomp_ok = iso.get("seccomp_mode") == 2 and all(
-        attacks.get(k) == 1
-        for k in ("fork", "socket", "write_file", "signal_owner", "flock")  # 1 = EPERM
-    )
-    uid = iso.get("uid")
-    no_caps = iso.get("cap_eff") is not None and int(str(iso.get("cap_eff")), 16) == 0
-    hides = namespaced and config.drop_privileges and os.geteuid() == 0
-    layers = (
-        IsolationLayer(
-            "static_gate", config.static_gate, "parse, caps, import allow-list", required=False
-        ),
-        IsolationLayer("process", True, "separate worker process per handle, forked by zygote"),
-        IsolationLayer("supervisor", True, "deadline kill, size caps, type/finite checks here"),
-        IsolationLayer("rlimits", rlimits_ok, f"worker reports {rl}"),
-        IsolationLayer("no_new_privs", iso.get("no_new_privs") is True, "PR_SET_NO_NEW_PRIVS"),
-        IsolationLayer(
-            "unprivileged_uid",
-            uid not in (None, 0, os.getuid()) and no_caps,
-            f"worker uid {uid} (one per worker: {config.per_worker_uid}), trainer uid "
-            f"{os.getuid()}, effective capabilities {iso.get('cap_eff')}",
-        ),
-        IsolationLayer(
-            "hidden_processes",
-            iso.get("visible_pids") == 1,
-            f"{iso.get('visible_pids')} pids visible in the worker's /proc (hidepid)",
-            required=hides,
-        ),
-        IsolationLayer(
-            "seccomp",
-            seccomp_ok,
-            f"mode {iso.get('seccomp_mode')}, {iso.get('seccomp_rules')} rules, "
-            f"probe errnos {attacks}, errors {iso.get('errors')}",
-        ),
-        IsolationLayer(
-            "namespaces",
-            ns_ok,
-            f"separate {separate}, read-only root {iso.get('root_read_only')}, "
-            f"{iso.get('visible_pids')} pids visible",
-        ),
-    )
-    return IsolationReport(layers)
+    return clip(after) - clip(raw_return_before)
 
 
 # ----------------------------------------------------------------------------- snapshots
@@ -224,9 +150,14 @@ class EnvHandle:
         error: SandboxError | None,
         contract: str = "paper",
         max_turns: int = REFERENCE_MAX_TURNS,
+        trial: bool = False,
     ) -> None:
         self.pool = pool
         self.source = source
+        self.program_id = program_id(source)
+        # A validation's handle: a broken limit fails the call but neither blocklists the
+        # program nor is an episode of it replay-audited.
+        self.trial = trial
         # "paper" or "reference" (resolved; never "auto"), and the reference turn budget.
         self.contract = contract
         self.max_turns = max_turns
@@ -234,7 +165,8 @@ class EnvHandle:
         self.error = error  # set if the program failed to load or was refused
         self.seed: int | None = None
         self.actions: list[str] = []
-        self.episode_return = 0.0
+        self.episode_return = 0.0  # the sum of the rewards reported so far
+        self.raw_return = 0.0  # the sum of the program's own rewards (paper bounds)
         self.done = True
         self.last_observation = ""
         self._digest = hashlib.blake2b(digest_size=16)
@@ -289,11 +221,14 @@ class EnvHandle:
             self.error = SandboxError("closed")
 
     def _fail(self, error: SandboxError) -> None:
-        """A call failed: the episode is over; a dead worker makes the handle unusable."""
+        """A call failed: the episode is over; a dead worker makes the handle unusable; a
+        broken run-time limit blocklists the program (played handles only)."""
         self.done = True
         if self.worker is not None and self.worker.dead is not None:
             self.error = self.worker.dead
             self.worker = None
+        if not self.trial and self.pool.config.blocklist_on_limits and breaks_limit(error):
+            self.pool.block(self.source, error)
 
     def __enter__(self) -> EnvHandle:
         return self
@@ -326,6 +261,9 @@ class EnvPool:
             None if seed is None else seeding.derive_seed(seed, seeding.Phase.ARM_ORDER)
         )
         self._lock = threading.RLock()
+        self._blocklist = Blocklist()
+        # Which finished episodes the replay audit picks: a draw per (this, program, seed).
+        self._audit_seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
         self._spares: collections.deque[supervisor.WorkerProcess] = collections.deque()
         self._namespaced = self.config.use_namespaces and find_bwrap(self.config) is not None
         self._zygote, self._isolation = self._start_and_probe()
@@ -376,10 +314,38 @@ class EnvPool:
         worker.close()
         if isinstance(hello, SandboxError):
             raise ZygoteError(f"the isolation probe worker failed: {hello}")
-        return _measure_layers(self.config, hello, self._namespaced)
+        return measure_layers(self.config, hello, self._namespaced)
 
     def isolation_report(self) -> IsolationReport:
         return self._isolation
+
+    # -- blocklist -----------------------------------------------------------------------
+
+    def block(self, source: str, why: SandboxError) -> None:
+        """Refuses `source` for further episodes: opening it, and resetting a handle of it,
+        fail with "blocklisted" (naming `why`); episodes already running may finish. The
+        pool calls this itself when a played episode breaks a run-time limit
+        (`results.RUNTIME_LIMIT_CODES`); a training loop calls it for rules of its own
+        (e.g. the recipe's: a play over 300 s)."""
+        if not isinstance(why, SandboxError):
+            raise TypeError(f"why must be a SandboxError, got {type(why).__name__}")
+        if self._blocklist.get(program_id(source)) is None:
+            log.warning("blocklisting program %s: %s", program_id(source), why)
+        self._blocklist.add(program_id(source), why)
+
+    def blocked(self, source: str) -> SandboxError | None:
+        """Why `source` is blocklisted (the first limit it broke), or None."""
+        return self._blocklist.get(program_id(source))
+
+    def blocklist(self) -> dict[str, SandboxError]:
+        """Every blocklisted program: `program_id(source)` -> why (a copy)."""
+        return self._blocklist.items()
+
+    def _refused(self, handle_or_source: EnvHandle | str) -> SandboxError | None:
+        source = getattr(handle_or_source, "source", handle_or_source)
+        key = getattr(handle_or_source, "program_id", None) or program_id(source)
+        why = self._blocklist.get(key)
+        return None if why is None else SandboxError("blocklisted", str(why))
 
     def close(self) -> None:
         with self._lock:
@@ -427,10 +393,11 @@ class EnvPool:
     # -- programs ----------------------------------------------------------------------
 
     def open(
-        self, source: str, *, contract: str = AUTO_CONTRACT, max_turns: int = REFERENCE_MAX_TURNS
+        self, source: str, *, contract: str = AUTO_CONTRACT, max_turns: int = REFERENCE_MAX_TURNS,
+        trial: bool = False,
     ) -> EnvHandle:
         """Loads `source` into a fresh worker. Failures are in `handle.error`."""
-        return self.open_many([source], contract=contract, max_turns=max_turns)[0]
+        return self.open_many([source], contract=contract, max_turns=max_turns, trial=trial)[0]
 
     def open_many(
         self,
@@ -439,6 +406,7 @@ class EnvPool:
         contract: str = AUTO_CONTRACT,
         max_turns: int = REFERENCE_MAX_TURNS,
         order_seed: int | None = None,
+        trial: bool = False,
     ) -> list[EnvHandle]:
         """Loads several programs (or copies of one) concurrently, one worker each.
 
@@ -452,6 +420,8 @@ class EnvPool:
             top-level `class Environment`); see `spade_jax.envs.contract`.
           max_turns: the reference contract's turn budget: the game is built as
             `cls(max_turns=max_turns)` and its episode truncated after that many steps.
+          trial: validation's runs: a run-time limit these handles break fails the call
+            but does not blocklist the program, and their episodes are not replay-audited.
         """
         for source in sources:
             if not isinstance(source, str):
@@ -473,6 +443,8 @@ class EnvPool:
                     error = SandboxError(
                         "weak_isolation", f"missing layers: {', '.join(self._isolation.missing)}"
                     )
+                elif (refused := self._refused(source)) is not None:
+                    error = refused
                 elif self.config.static_gate:
                     error = check_source(source, self.config, kind).error
                 worker = None
@@ -485,7 +457,7 @@ class EnvPool:
                         load = {"op": "load", "source": source, "contract": kind,
                                 "max_turns": max_turns}  # fmt: skip
                         calls.append((index, worker, load))
-                handles[index] = EnvHandle(self, source, worker, error, kind, max_turns)
+                handles[index] = EnvHandle(self, source, worker, error, kind, max_turns, trial)
             self._refill()
         replies = supervisor.exchange(
             [(w, load, self.config.load_deadline_s) for _, w, load in calls]
@@ -518,17 +490,23 @@ class EnvPool:
             if handle.worker is None or handle.error is not None:
                 results[index] = failed_reset(handle.error or SandboxError("closed"))
                 continue
+            if (refused := self._refused(handle)) is not None:
+                handle.done = True
+                results[index] = failed_reset(refused)
+                continue
             seed = self._rng.randrange(2**31) if seed is None else seed
             live.append((index, handle, seed))
         replies = supervisor.exchange(
             [
                 (h.worker, {"op": "reset", "seed": s}, self._call_deadline(deadline_s))
                 for _, h, s in live
-            ]
+            ],
+            self.config.call_cpu_budget_s,
         )
         for (index, handle, seed), reply in zip(live, replies, strict=True):
             result = supervisor.check_reset(reply, self.config)
             handle.seed, handle.actions, handle.episode_return = seed, [], 0.0
+            handle.raw_return = 0.0
             handle._digest = hashlib.blake2b(repr(seed).encode(), digest_size=16)
             if result.ok:
                 handle.done = False
@@ -559,11 +537,38 @@ class EnvPool:
             [
                 (h.worker, {"op": "step", "action": a}, self._call_deadline(deadline_s))
                 for _, h, a in live
-            ]
+            ],
+            self.config.call_cpu_budget_s,
         )
         for (index, handle, action), reply in zip(live, replies, strict=True):
             results[index] = self._account(handle, action, calls[index][1], reply)
+        self._audit_finished(
+            [(i, h) for i, h, _ in live if h.done and results[i].ok and self._audited(h)], results
+        )
         return results  # type: ignore[return-value]
+
+    def _audited(self, handle: EnvHandle) -> bool:
+        """Whether this finished episode is replayed: a seeded draw at
+        `replay_audit_rate` per (pool seed, program, episode seed); never a trial's."""
+        rate = self.config.replay_audit_rate
+        if handle.trial or rate <= 0 or handle.seed is None:
+            return False
+        draw = seeding.derive_seed(self._audit_seed, seeding.Phase.REPLAY_AUDIT,
+                                   int(handle.program_id[:8], 16), handle.seed)
+        return rate >= 1 or draw < rate * 2**31
+
+    def _audit_finished(self, ended: list[tuple[int, EnvHandle]], results: list) -> None:
+        """Replay-audits episodes that just ended; a transcript the replay does not
+        reproduce turns the last step into a "nondeterministic_replay" failure (reward 0)
+        and blocklists the program."""
+        if not ended:
+            return
+        verdicts = replay_audit(self, [handle for _, handle in ended])
+        for (index, handle), error in zip(ended, verdicts, strict=True):
+            if error is not None:
+                handle.episode_return -= results[index].reward
+                results[index] = dataclasses.replace(results[index], reward=0.0, error=error)
+                handle._fail(error)
 
     def _account(self, handle: EnvHandle, action: str, raw_action: str, reply: Any) -> StepResult:
         """Checks one step reply and updates the handle's episode bookkeeping."""
@@ -572,7 +577,7 @@ class EnvPool:
             handle._fail(result.error)
             return result
         reference = handle.contract == "reference"
-        error = _reward_bound_error(result.reward, handle.episode_return, reference)
+        error = _reward_bound_error(result.reward, handle.raw_return, reference)
         if error is not None:  # the episode ends here, as an env error, with nothing paid
             handle.done = True
             return dataclasses.replace(result, reward=0.0, terminated=True, error=error)
@@ -590,6 +595,11 @@ class EnvPool:
             reward, info = reference_step_reward(result.reward, result.terminated), dict(
                 info, raw_reward=result.reward
             )
+        else:
+            reward = paper_step_reward(handle.raw_return, result.reward)
+            if reward != result.reward:
+                info = dict(info, raw_reward=result.reward)
+        handle.raw_return += result.reward
         handle.episode_return += reward
         handle.last_observation = result.observation
         if len(action) != len(raw_action):
@@ -597,7 +607,7 @@ class EnvPool:
         error = None
         if result.terminated or truncated:
             handle.done = True
-            total = handle.episode_return
+            total = handle.raw_return
             if not reference and not -RETURN_TOLERANCE <= total <= 1 + RETURN_TOLERANCE:
                 error = SandboxError("return_out_of_range", f"episode return {total!r}")
         return dataclasses.replace(

@@ -24,8 +24,11 @@ REASON_CODES: dict[str, str] = {
     "weak_isolation": "a sandbox layer is missing and weak isolation was not allowed",
     "load_failed": "module-level code or Environment() raised",
     "timeout": "a call ran past its wall-clock deadline; the worker was killed",
+    "slow_call": "a call used more CPU time than the per-call budget (the contract's one "
+    "second); the worker was killed",
     "crash": "the worker process died during a call",
-    "memory_limit": "the program hit the address-space limit",
+    "memory_limit": "the program hit the address-space limit, or its worker held more "
+    "memory (anonymous and shared) than its budget and was killed",
     "pool_memory_limit": "the pool's workers together went over the pool memory budget and "
     "this worker, the largest, was killed",
     "program_error": "reset() or step() raised an exception",
@@ -45,7 +48,17 @@ REASON_CODES: dict[str, str] = {
     "validation_timeout": "validation ran past its overall wall-clock budget",
     "episode_over": "step() called after the episode ended (or before reset)",
     "closed": "the handle was closed",
+    "blocklisted": "the program broke a run-time limit earlier (or the loop refused it) and "
+    "is refused for further episodes",
 }
+
+# Run-time limits: a program that breaks one while it is played (a call over the CPU budget
+# or the deadline, a worker over its memory budget, a transcript that a replay does not
+# reproduce) is stopped, its episode ends with end reason "env_limit", and the pool
+# blocklists it (`EnvPool.blocked`).
+RUNTIME_LIMIT_CODES: frozenset[str] = frozenset(
+    {"timeout", "slow_call", "memory_limit", "nondeterministic_replay"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +74,14 @@ class SandboxError:
 
     def __str__(self) -> str:
         return f"{self.code}: {self.detail}" if self.detail else self.code
+
+    @property
+    def end_reason(self) -> str:
+        """How an episode that ended on this error is recorded (`EpisodeRecord.end_reason`):
+        "env_limit" for a run-time limit or a blocklisted program, else "env_error"."""
+        if self.code in RUNTIME_LIMIT_CODES or self.code == "blocklisted":
+            return "env_limit"
+        return "env_error"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,15 +4,30 @@ Default-allow with an explicit deny list returning EPERM: a default-deny list wo
 track every syscall a CPython build happens to use, while the deny list names the
 capabilities a program must never have. Denied: creating processes or threads, exec,
 signals (kill() and the async-I/O owner paths of fcntl/ioctl that make the kernel send
-one), advisory locks and leases (a channel between workers), sockets and socket messaging, ptrace and cross-process memory access, every way to
-create, write, truncate, rename or delete a file, SysV/POSIX IPC (which would let two
-workers share state), namespace and mount changes, io_uring/bpf/perf/userfaultfd, and
-changing scheduling or limits of other processes. Syscalls of a foreign architecture (e.g.
-32-bit `int 0x80`) kill the process: libseccomp's default bad-arch action.
+one), advisory locks and leases (a channel between workers), sockets and socket messaging,
+ptrace and cross-process memory access, every way to create, write, truncate, rename or
+delete a file, SysV/POSIX IPC and memfd (which would let two workers share state or hide
+memory), namespace and mount changes, io_uring/bpf/perf/userfaultfd, changing scheduling
+or limits of other processes, and every call that answers a question about another
+process or user (getpgid, getsid, getpriority incl. PRIO_USER, sched_get*, the CPU clock of
+a pid, ...): a worker can name no other process and no other uid. Syscalls of a foreign
+architecture (e.g. 32-bit `int 0x80`) kill the process: libseccomp's default bad-arch
+action.
+
+Argument widths: a rule compares a 64-bit register, but the kernel reads `int` arguments
+(fcntl's command, ioctl's request, a pid, a clock id) as their low 32 bits, so
+`fcntl(fd, (1 << 32) | F_SETLK)` is a lock to the kernel and no match for a rule that
+compares the whole register with F_SETLK. Every rule with an argument condition is written
+in one of three forms that cannot be walked past that way (`Condition.kind`): the low 32
+bits equal a value, a flag bit set (the mask drops the high bits), or "not zero" over the
+whole register (which refuses every high-bit variant of the one allowed value, 0).
+`ARG_RULES` lists them; `tests/envs/test_seccomp_widths.py` sends the high-bit variant of
+each and expects EPERM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
@@ -51,30 +66,109 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "kexec_file_load", "reboot", "acct", "quotactl", "swapon", "swapoff", "syslog",
     "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname",
     "setdomainname", "ioperm", "iopl", "personality", "vhangup",
-    # other processes' scheduling (all workers share one uid)
+    # other processes' scheduling
     "setpriority", "sched_setscheduler", "sched_setparam", "sched_setattr", "ioprio_set",
     "migrate_pages", "move_pages", "mbind", "set_mempolicy",
+    # oracles on other processes and users: getpriority(PRIO_USER, uid) and ioprio_get
+    # answer "is some process running as this uid", capget reads any pid's capabilities,
+    # setpgid probes process groups. A game needs none of them.
+    "getpriority", "ioprio_get", "capget", "capset", "setpgid",
+    # process attributes: every option a worker needs (no_new_privs, not dumpable, the
+    # parent-death signal) is set before the filter loads; PR_SET_DUMPABLE would re-open
+    # the worker to inspection, PR_SET_PTRACER to tracing.
+    "prctl",
 )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    """One argument test of a rule, in a form whose high 32 bits cannot fool it.
+
+    kind "low32": the low 32 bits (what the kernel reads for an `int` argument) equal
+      `value`. kind "bits": every bit of `value` is set (a flag; the high bits are masked
+      away). kind "nonzero": the whole 64-bit register is not 0: the one value allowed is
+      0 itself ("this process"), so a high-bit variant of 0 is refused too.
+    """
+
+    arg: int
+    kind: str
+    value: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgRule:
+    """Deny `syscall` with EPERM when every condition holds. `name` is a stable id."""
+
+    name: str
+    syscall: str
+    conditions: tuple[Condition, ...]
+
 
 # fcntl() commands denied: async-I/O owners and signals (F_SETOWN + F_SETSIG + O_ASYNC
 # makes the kernel signal any pid of the same uid when the fd becomes ready), leases and
 # directory notifications (signals), and every record-lock command (a lock or a lock query
 # on a shared read-only file is a channel between workers).
-_F_GETLK, _F_SETLK, _F_SETLKW, _F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 5, 6, 7, 8, 10, 15
-_F_OFD_GETLK, _F_OFD_SETLK, _F_OFD_SETLKW = 36, 37, 38
-_F_SETLEASE, _F_GETLEASE, _F_NOTIFY = 1024, 1025, 1026
-DENIED_FCNTL: tuple[int, ...] = (
-    _F_GETLK, _F_SETLK, _F_SETLKW, _F_SETOWN, _F_SETSIG, _F_SETOWN_EX,
-    _F_OFD_GETLK, _F_OFD_SETLK, _F_OFD_SETLKW, _F_SETLEASE, _F_GETLEASE, _F_NOTIFY,
-)  # fmt: skip
-# ioctl() requests that set a signal owner or async mode: FIOSETOWN, SIOCSPGRP, FIOASYNC,
-# TIOCSPGRP.
-DENIED_IOCTL: tuple[int, ...] = (0x8901, 0x8902, 0x5452, 0x5410)
-_F_SETFL = 4
-
+FCNTL_COMMANDS: dict[str, int] = {
+    "F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_SETOWN": 8, "F_SETSIG": 10,
+    "F_SETOWN_EX": 15, "F_OFD_GETLK": 36, "F_OFD_SETLK": 37, "F_OFD_SETLKW": 38,
+    "F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026,
+}  # fmt: skip
+F_SETFL = 4
+# ioctl() requests that set a signal owner or async mode, or push input into a terminal.
+IOCTL_REQUESTS: dict[str, int] = {
+    "FIOSETOWN": 0x8901, "SIOCSPGRP": 0x8902, "FIOASYNC": 0x5452, "TIOCSPGRP": 0x5410,
+    "TIOCSTI": 0x5412,
+}  # fmt: skip
 # open()/openat() flags that create or modify a file.
-_WRITE_FLAGS = (os.O_WRONLY, os.O_RDWR, os.O_CREAT, os.O_TRUNC, os.O_APPEND)
-_PR_SET_DUMPABLE = 4
+WRITE_FLAGS: dict[str, int] = {
+    "O_WRONLY": os.O_WRONLY, "O_RDWR": os.O_RDWR, "O_CREAT": os.O_CREAT,
+    "O_TRUNC": os.O_TRUNC, "O_APPEND": os.O_APPEND,
+}  # fmt: skip
+# Calls whose first argument is a pid: allowed on pid 0 (this process) only. On another
+# pid each answers whether it exists (a pid oracle) or changes it.
+SELF_ONLY: tuple[str, ...] = (
+    "prlimit64", "sched_setaffinity", "sched_getaffinity", "sched_getparam",
+    "sched_getscheduler", "sched_rr_get_interval", "sched_getattr", "getpgid", "getsid",
+    "get_robust_list",
+)  # fmt: skip
+# Calls whose first argument is a clock id: a negative id is the CPU clock of a pid
+# (`clock_getcpuclockid`), readable for any process of the namespace; bit 31 of the
+# 32-bit id is its sign.
+CLOCK_CALLS: tuple[str, ...] = ("clock_gettime", "clock_getres", "clock_nanosleep", "timer_create")
+_SIGN_BIT_32 = 1 << 31
+
+
+def _arg_rules() -> tuple[ArgRule, ...]:
+    rules = []
+    for flag, value in WRITE_FLAGS.items():
+        for syscall, index in (("open", 1), ("openat", 2)):
+            rules.append(ArgRule(f"{syscall}_{flag}", syscall, (Condition(index, "bits", value),)))
+    for command, value in FCNTL_COMMANDS.items():
+        rules.append(ArgRule(f"fcntl_{command}", "fcntl", (Condition(1, "low32", value),)))
+    # F_SETFL with O_ASYNC (the other flags, e.g. O_NONBLOCK, stay allowed).
+    rules.append(ArgRule("fcntl_F_SETFL_O_ASYNC", "fcntl", (
+        Condition(1, "low32", F_SETFL), Condition(2, "bits", os.O_ASYNC))))
+    for request, value in IOCTL_REQUESTS.items():
+        rules.append(ArgRule(f"ioctl_{request}", "ioctl", (Condition(1, "low32", value),)))
+    for syscall in SELF_ONLY:
+        rules.append(ArgRule(f"{syscall}_other_pid", syscall, (Condition(0, "nonzero"),)))
+    for syscall in CLOCK_CALLS:
+        rules.append(ArgRule(f"{syscall}_pid_clock", syscall,
+                             (Condition(0, "bits", _SIGN_BIT_32),)))
+    return tuple(rules)
+
+
+ARG_RULES: tuple[ArgRule, ...] = _arg_rules()
+
+
+def _seccomp_arg(sc, condition: Condition):
+    if condition.kind == "low32":
+        return sc.Arg(condition.arg, sc.MASKED_EQ, 0xFFFFFFFF, condition.value)
+    if condition.kind == "bits":
+        return sc.Arg(condition.arg, sc.MASKED_EQ, condition.value, condition.value)
+    if condition.kind == "nonzero":
+        return sc.Arg(condition.arg, sc.NE, 0)
+    raise ValueError(f"unknown condition kind {condition.kind!r}")
 
 
 def load_filter() -> int:
@@ -95,27 +189,12 @@ def load_filter() -> int:
             added += 1
         except (OSError, RuntimeError, ValueError):
             pass  # syscall absent on this architecture (e.g. fork on aarch64)
-    for flag in _WRITE_FLAGS:
-        for name, flags_arg in (("open", 1), ("openat", 2)):
-            try:
-                sandbox.add_rule(deny, name, sc.Arg(flags_arg, sc.MASKED_EQ, flag, flag))
-                added += 1
-            except (OSError, RuntimeError, ValueError):
-                pass
-    for command in DENIED_FCNTL:
-        sandbox.add_rule(deny, "fcntl", sc.Arg(1, sc.EQ, command))
-    # F_SETFL with O_ASYNC (the other flags, e.g. O_NONBLOCK, stay allowed).
-    sandbox.add_rule(
-        deny, "fcntl", sc.Arg(1, sc.EQ, _F_SETFL), sc.Arg(2, sc.MASKED_EQ, os.O_ASYNC, os.O_ASYNC)
-    )
-    for request in DENIED_IOCTL:
-        sandbox.add_rule(deny, "ioctl", sc.Arg(1, sc.EQ, request))
-    added += len(DENIED_FCNTL) + 1 + len(DENIED_IOCTL)
-    # prlimit64 on another pid could starve a sibling worker; on itself it can only lower.
-    sandbox.add_rule(deny, "prlimit64", sc.Arg(0, sc.NE, 0))
-    # Re-enabling core dumps / ptrace access to this process is never needed.
-    sandbox.add_rule(deny, "prctl", sc.Arg(0, sc.EQ, _PR_SET_DUMPABLE))
-    sandbox.add_rule(deny, "sched_setaffinity", sc.Arg(0, sc.NE, 0))
-    added += 3
+    for rule in ARG_RULES:
+        try:
+            sandbox.add_rule(deny, rule.syscall, *(_seccomp_arg(sc, c) for c in rule.conditions))
+            added += 1
+        except (OSError, RuntimeError, ValueError):
+            if rule.syscall != "open":  # open() is absent on aarch64; every other must load
+                raise
     sandbox.load()
     return added

@@ -13,6 +13,7 @@ import collections
 import itertools
 import json
 import math
+import os
 import select
 import socket
 import time
@@ -20,7 +21,7 @@ from typing import Any
 
 from spade_jax.envs import protocol
 from spade_jax.envs.config import SandboxConfig
-from spade_jax.envs.launcher import Zygote
+from spade_jax.envs.launcher import Zygote, ZygoteError
 from spade_jax.envs.results import (
     ResetResult,
     SandboxError,
@@ -28,6 +29,8 @@ from spade_jax.envs.results import (
     failed_reset,
     failed_step,
 )
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class WorkerProcess:
@@ -42,6 +45,27 @@ class WorkerProcess:
         self.reader = protocol.FrameReader(max_bytes)
         self.hello: dict | None = None
         self.dead: SandboxError | None = None
+        self._stat_fd = zygote.stat_fd(pid)
+        # The worker's CPU seconds when its last call ended: a call's CPU time is what
+        # it used since (an honest worker uses none between calls).
+        self.cpu_mark: float | None = None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the worker used so far, as the kernel counts them:
+        read from its /proc stat by the trainer (or asked of the zygote), never from the
+        worker; None if it is gone."""
+        if self._stat_fd is not None:
+            try:
+                stat = os.pread(self._stat_fd, 4096, 0)
+                fields = stat[stat.rindex(b")") + 2 :].split()  # field 3 (state) first
+                return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+            except (OSError, ValueError, IndexError):
+                return None
+        try:
+            usage = self.zygote.usage([self.pid]).get(self.pid)
+        except ZygoteError:
+            return None
+        return None if usage is None else float(usage["cpu_s"])
 
     def kill(self, error: SandboxError) -> None:
         """Kills the worker's process group; later calls fail with `error`."""
@@ -49,13 +73,17 @@ class WorkerProcess:
             self.dead = error
             self.zygote.kill(self.pid)
             self.channel.close()
+            if self._stat_fd is not None:
+                os.close(self._stat_fd)
+                self._stat_fd = None
 
     def died(self, detail: str) -> SandboxError:
         """The worker is gone unasked: marks it dead with the reason the zygote gives (it
-        kills the largest worker when the pool goes over its memory budget), else crash."""
+        kills a worker over its memory budget, and the largest when the pool goes over
+        its budget), else crash."""
         reason = self.zygote.death_reason(self.pid)
         if reason is not None:
-            self.kill(SandboxError("pool_memory_limit", reason))
+            self.kill(SandboxError(*reason))
         else:
             self.kill(SandboxError("crash", detail))
         return self.dead  # type: ignore[return-value]
@@ -67,15 +95,18 @@ class WorkerProcess:
 
 
 def exchange(
-    calls: list[tuple[WorkerProcess, dict, float]],
+    calls: list[tuple[WorkerProcess, dict, float]], cpu_budget_s: float | None = None
 ) -> list[dict | SandboxError]:
     """Sends each (worker, request, deadline_s) and waits for all replies concurrently.
 
     Returns, per call, the reply dict (nonce checked, 'n' removed) or a SandboxError; a
-    worker that misses its deadline or misbehaves is killed.
+    worker that misses its deadline or misbehaves is killed. With `cpu_budget_s`, a call
+    that uses more CPU time than that (read from /proc, outside the worker) is stopped
+    with "slow_call", as soon as it passes the budget or when it replies.
     """
     results: list[dict | SandboxError | None] = [None] * len(calls)
     pending: dict[int, tuple[int, WorkerProcess, str, float]] = {}
+    checks: dict[int, float] = {}  # fd -> when its CPU time could first pass the budget
     start = time.monotonic()
     for index, (worker, request, deadline_s) in enumerate(calls):
         if worker.dead is not None:
@@ -94,6 +125,8 @@ def exchange(
             results[index] = worker.dead
             continue
         pending[worker.fd] = (index, worker, nonce, start + deadline_s)
+        if cpu_budget_s is not None:
+            checks[worker.fd] = start + cpu_budget_s
 
     poller = select.poll()
     for fd in pending:
@@ -101,24 +134,54 @@ def exchange(
     while pending:
         now = time.monotonic()
         for fd, (index, worker, _, deadline) in list(pending.items()):
+            error = None
             if now >= deadline:
-                limit = deadline - start
-                worker.kill(SandboxError("timeout", f"no reply within {limit:.3g}s"))
+                error = SandboxError("timeout", f"no reply within {deadline - start:.3g}s")
+            elif fd in checks and now >= checks[fd]:
+                error, checks[fd] = _cpu_check(worker, cpu_budget_s, now)
+            if error is not None:
+                worker.kill(error)
                 results[index] = worker.dead
                 poller.unregister(fd)
                 del pending[fd]
         if not pending:
             break
-        wait_ms = max(0.0, min(d for _, _, _, d in pending.values()) - now) * 1000
-        for fd, _ in poller.poll(math.ceil(wait_ms)):
+        wake = min(min(d for _, _, _, d in pending.values()), *checks.values(), float("inf"))
+        for fd, _ in poller.poll(math.ceil(max(0.0, wake - now) * 1000)):
             index, worker, nonce, _ = pending[fd]
             reply = _receive(worker, nonce)
             if reply is None:
                 continue  # partial frame
+            if not isinstance(reply, SandboxError):
+                error, _ = _cpu_check(worker, cpu_budget_s, None)
+                if error is not None:
+                    worker.kill(error)
+                    reply = error
             results[index] = reply
             poller.unregister(fd)
             del pending[fd]
     return results  # type: ignore[return-value]
+
+
+def _cpu_check(
+    worker: WorkerProcess, budget_s: float | None, now: float | None
+) -> tuple[SandboxError | None, float]:
+    """(slow_call error or None, when to look again) for a call in flight (`now`) or one
+    that just replied (`now` None: the worker's CPU mark moves to the call's end)."""
+    used_total = worker.cpu_seconds()
+    if used_total is None or worker.cpu_mark is None:
+        if now is None and used_total is not None:
+            worker.cpu_mark = used_total
+        return None, math.inf
+    used = used_total - worker.cpu_mark
+    if budget_s is not None and used > budget_s:
+        return SandboxError("slow_call", f"the call used {used:.2f} s of CPU time, over the "
+                                         f"per-call budget of {budget_s:g} s"), math.inf
+    if now is None:
+        worker.cpu_mark = used_total
+        return None, math.inf
+    # CPU time grows at most as fast as the clock: nothing can change before then.
+    return None, now + max(0.01, budget_s - used)  # type: ignore[operator]
 
 
 def _send_slow(worker: WorkerProcess, data: bytes, deadline: float) -> None:
@@ -205,6 +268,7 @@ def await_hello(worker: WorkerProcess, deadline_s: float) -> dict | SandboxError
             worker.kill(SandboxError("crash", str(reply.get("detail", "worker setup failed"))))
             return worker.dead  # type: ignore[return-value]
         worker.hello = reply
+        worker.cpu_mark = worker.cpu_seconds()
         return reply
 
 

@@ -4,10 +4,13 @@ Checks, in order (the first failure decides the reason code):
   hint non-empty (when given) -> static gate (parse, caps, imports, contract) -> loads in
   the sandbox -> a scripted episode runs with right types, finite rewards and a return in
   [0, 1], and ends within the step cap -> the same seed replays to the same transcript
-  hash in the same worker and in a fresh one (deterministic reset) -> reset(seed=None)
+  hash in the same worker and in a fresh one (deterministic reset) -> episodes of
+  agent-like actions (words of the game's own observations, in the policy's format) end
+  cleanly and agree in two workers -> reset(seed=None)
   works -> episodes under random and adversarial actions (empty, maximal-length,
   non-ASCII, control characters, garbage) end within the step cap without errors ->
-  CPU time and peak memory within budget.
+  CPU time and peak memory within budget. Every call is held to the pool's per-call CPU
+  budget (the contract's second: "slow_call") and deadline.
 
 Under the reference (recipe) contract the same checks run with boxed actions mixed in
 (`\\boxed{...}`, as the agent sends them), after the recipe's own validator steps:
@@ -26,6 +29,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import string
 import threading
 import time
@@ -71,6 +75,11 @@ class ValidationConfig:
     step_cap: int = 64
     # Episodes of uniformly random printable actions.
     random_episodes: int = 2
+    # Episodes played the way an agent plays: words and numbers of the game's own
+    # observations, in the policy's action format (`\\boxed{...}` under the reference
+    # contract), with seeded choices; each is played in two workers, which must agree.
+    # A program that behaves only on the validator's own inputs meets these.
+    agent_episodes: int = 2
     # Base seed of every episode seed and random action of a validation (drawn through
     # `spade_jax.seeding` with Phase.VALIDATION). None: fresh OS entropy per call, so a
     # program cannot learn the validator's seeds and behave only on those. A run passes
@@ -92,8 +101,9 @@ class ValidationConfig:
         if self.max_cpu_s <= 0 or self.max_rss_mb <= 0 or not self.max_total_s > 0:
             raise ValueError("ValidationConfig budgets (max_cpu_s, max_rss_mb, max_total_s) "
                              "must be > 0")
-        if self.random_episodes > 64:
-            raise ValueError("ValidationConfig.random_episodes must be <= 64")
+        if self.random_episodes > 64 or not 0 <= self.agent_episodes <= 64:
+            raise ValueError("ValidationConfig.random_episodes and agent_episodes must lie "
+                             "in [0, 64]")
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ValueError(f"ValidationConfig.seed must be an int >= 0 or None, got {self.seed!r}")
 
@@ -287,7 +297,7 @@ def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
     """Every check after the static gate, in order; raises _Failed at the first failure."""
     pool, config, reference = run.pool, run.config, run.reference
     run.handles = pool.open_many([source, source], contract=run.contract,
-                                 max_turns=run.max_turns)
+                                 max_turns=run.max_turns, trial=True)
     for handle in run.handles:
         if not handle.ok:
             raise _Failed(handle.error, "load")
@@ -312,6 +322,8 @@ def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
             "deterministic_reset",
         )
     passed.append("deterministic_reset")
+    _agent_like_episodes(run, first, fresh)
+    passed.append("agent_like_actions")
     _reset_without_seed(run, fresh)
     passed.append("reset_seed_none")
     for episode in range(config.random_episodes):
@@ -328,19 +340,57 @@ def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
     passed.append("resources")
 
 
-def _cycle(actions: tuple[str, ...]) -> Callable[[int], str]:
-    return lambda t: actions[t % len(actions)]
+def _cycle(actions: tuple[str, ...]) -> Callable[[int, str], str]:
+    return lambda t, observation: actions[t % len(actions)]
+
+
+# What an agent answers with: numbers (fractions, decimals) and words of the observations.
+_OBSERVED_TOKEN = re.compile(r"-?\d+(?:[./]\d+)?|[A-Za-z][A-Za-z_'-]{0,23}")
+
+
+class _AgentLike:
+    """Actions drawn the way an agent answers (seeded): one to three words or numbers from
+    the episode's own observations so far, mostly in the policy's action format (boxed
+    under the reference contract), sometimes as a short sentence around them."""
+
+    def __init__(self, seed: int, boxed: bool) -> None:
+        self.rng = random.Random(seed)
+        self.boxed = boxed
+        self.tokens: dict[str, None] = {}  # in order of appearance
+
+    def __call__(self, t: int, observation: str) -> str:
+        self.tokens.update(dict.fromkeys(_OBSERVED_TOKEN.findall(observation[:4000])))
+        tokens = list(self.tokens) or ["yes"]
+        picked = " ".join(self.rng.choice(tokens) for _ in range(self.rng.choice((1, 1, 2, 3))))
+        if self.rng.random() < 0.2:
+            return f"I think the answer is {picked}."
+        return f"\\boxed{{{picked}}}" if self.boxed else picked
+
+
+def _agent_like_episodes(run: _Run, first: EnvHandle, fresh: EnvHandle) -> None:
+    """Episodes of agent-like actions, each played in both workers (same seed, same
+    choices): they must end cleanly and give the same transcript."""
+    check = "agent_like_actions"
+    draws = seeding.rng(run.seed, seeding.Phase.VALIDATION, 1)
+    for _ in range(run.config.agent_episodes):
+        seed, choices = (int(x) for x in draws.integers(0, 2**31, 2))
+        one = _episode(run, first, seed, _AgentLike(choices, run.reference), check)
+        two = _episode(run, fresh, seed, _AgentLike(choices, run.reference), check)
+        if one != two:
+            raise _Failed(SandboxError(
+                "nondeterministic_reset", "agent-like actions: same seed and choices, "
+                "different transcripts in two workers"), check)
 
 
 def _random_actions(
     rng: random.Random, max_chars: int, boxed: bool = False
-) -> Callable[[int], str]:
+) -> Callable[[int, str], str]:
     chosen = [
         "".join(rng.choice(string.printable) for _ in range(rng.randint(0, 40))) for _ in range(256)
     ]
     if boxed:  # every other action boxed, as an agent under the recipe's parser sends it
         chosen = [f"\\boxed{{{a}}}" if i % 2 == 0 else a for i, a in enumerate(chosen)]
-    return lambda t: chosen[t % len(chosen)][:max_chars]
+    return lambda t, observation: chosen[t % len(chosen)][:max_chars]
 
 
 def _recipe_checks(run: _Run, handle: EnvHandle) -> None:
@@ -365,16 +415,19 @@ def _recipe_checks(run: _Run, handle: EnvHandle) -> None:
 
 
 def _episode(
-    run: _Run, handle: EnvHandle, seed: int, actions: Callable[[int], str], check: str
+    run: _Run, handle: EnvHandle, seed: int, actions: Callable[[int, str], str], check: str
 ) -> str:
-    """Runs one episode to its end; returns its transcript digest or raises _Failed."""
+    """Runs one episode to its end (`actions(t, last observation)` gives each action);
+    returns its transcript digest or raises _Failed."""
     first = handle.reset(seed, deadline_s=run.remaining(check))
     if not first.ok:
         raise run.call_failed(first.error, check)
+    observation = first.observation
     for t in range(run.config.step_cap):
-        result = handle.step(actions(t), deadline_s=run.remaining(check))
+        result = handle.step(actions(t, observation), deadline_s=run.remaining(check))
         if not result.ok:
             raise run.call_failed(result.error, f"{check} step {t}")
+        observation = result.observation
         if result.terminated or result.truncated:
             return handle.transcript_digest
     raise _Failed(
@@ -385,7 +438,8 @@ def _episode(
 def _reset_without_seed(run: _Run, handle: EnvHandle) -> None:
     # The pool always passes a concrete seed; the contract also promises seed=None works.
     deadline = min(run.pool.config.call_deadline_s, run.remaining("reset_seed_none"))
-    reply = supervisor.exchange([(handle.worker, {"op": "reset", "seed": None}, deadline)])[0]
+    reply = supervisor.exchange([(handle.worker, {"op": "reset", "seed": None}, deadline)],
+                                run.pool.config.call_cpu_budget_s)[0]
     result = supervisor.check_reset(reply, run.pool.config)
     if not result.ok:
         raise run.call_failed(result.error, "reset_seed_none")

@@ -162,6 +162,8 @@ def _probe_attacks() -> dict:
         "socket": attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()),
         "write_file": attempt(try_write),
         "kill_parent": attempt(lambda: os.kill(os.getppid(), 0)),
+        # a pid oracle: the process group of the parent (denied for any pid but 0)
+        "pid_oracle": attempt(lambda: try_libc(lambda: min(0, libc.getpgid(os.getppid())))),
     }
 
 

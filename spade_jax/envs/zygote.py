@@ -14,8 +14,8 @@ Control channel: an AF_UNIX SOCK_SEQPACKET socket, one JSON object per packet.
                                                         "rss_anon_kb"} or null}}: read from
                                                        /proc by the zygote, outside the
                                                        worker's interpreter
-  {"op": "why", "pid": P}                           -> {"reason": why the zygote killed P
-                                                       (pool memory budget) or null}
+  {"op": "why", "pid": P}                           -> {"code", "reason"}: why the zygote
+                                                       killed P (a memory budget) or nulls
   {"op": "ping"}                                    -> {"pong": true, "pid": ...}
 End of file on the control channel (the trainer died or closed) ends the zygote.
 """
@@ -119,17 +119,20 @@ def proc_usage(pid: int) -> dict | None:
     }
 
 
-_PAGE_KB = os.sysconf("SC_PAGE_SIZE") >> 10
-
-
-def _anon_kb(pid: int) -> int | None:
-    """Anonymous resident memory (KiB) of a process: resident minus file-backed and shared
-    pages, from /proc/<pid>/statm (cheaper than status; read every MEMORY_POLL_S)."""
+def _held_kb(pid: int) -> int | None:
+    """Memory a process holds (KiB): its anonymous pages plus its shared memory pages
+    (RssShmem: MAP_SHARED|MAP_ANONYMOUS, shared mappings of /dev/zero), from
+    /proc/<pid>/status (counters, cheap to read every MEMORY_POLL_S). File-backed pages
+    (the interpreter, shared libraries) are left out: the kernel can drop them."""
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            fields = f.read().split()
-        return (int(fields[1]) - int(fields[2])) * _PAGE_KB
-    except (OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+        held = 0
+        for key in (b"RssAnon:", b"RssShmem:"):
+            start = text.index(key) + len(key)
+            held += int(text[start : text.index(b"kB", start)])
+        return held
+    except (OSError, ValueError):
         return None
 
 
@@ -152,36 +155,47 @@ class _Workers:
 
     def __init__(self) -> None:
         self.live: dict[int, int] = {}  # worker pid -> its uid
-        self.reasons: dict[int, str] = {}  # pid -> why the zygote killed it (until asked)
+        # pid -> (reason code, detail) of a worker the zygote killed, until asked.
+        self.reasons: dict[int, tuple[str, str]] = {}
         self.budget_kb = 0  # pool-wide budget of the workers' own memory; 0 = none
+        self.worker_kb = 0  # budget of one worker's own memory; 0 = none
         self.proc_hidden = False  # /proc remounted so workers see only themselves
-        # Anonymous memory every worker inherits from the zygote (copy-on-write, shared):
-        # not counted against the budget, only what a worker allocated itself.
-        self.baseline_kb = _anon_kb(os.getpid()) or 0
+        # Memory every worker inherits from the zygote (copy-on-write, shared): not
+        # counted against the budgets, only what a worker allocated itself.
+        self.baseline_kb = _held_kb(os.getpid()) or 0
 
     def spawned(self, pid: int, uid: int) -> None:
         self.live[pid] = uid
         self.reasons.pop(pid, None)  # a reused pid: an old reason is not this worker's
 
+    def _stop(self, pid: int, code: str, detail: str) -> None:
+        self.reasons[pid] = (code, detail)
+        _kill(pid, self.live)
+
     def enforce_budget(self) -> None:
-        """Kills the worker using the most memory while the workers together use more
-        than the budget, recording why (the supervisor asks when it sees the death)."""
-        if not self.budget_kb:
+        """Kills every worker over its own memory budget, then, while the workers together
+        use more than the pool budget, the largest; records why (the supervisor asks when
+        it sees the death)."""
+        if not (self.budget_kb or self.worker_kb):
             return
         own = {}
         for pid in list(self.live):
-            anon = _anon_kb(pid)
-            if anon is not None:
-                own[pid] = max(0, anon - self.baseline_kb)
+            held = _held_kb(pid)
+            if held is not None:
+                own[pid] = max(0, held - self.baseline_kb)
+        for pid, used in list(own.items()):
+            if self.worker_kb and used > self.worker_kb:
+                self._stop(pid, "memory_limit", (
+                    f"the worker held {used >> 10} MiB (anonymous and shared memory), over "
+                    f"its budget of {self.worker_kb >> 10} MiB"))
+                del own[pid]
         total = sum(own.values())
-        while own and total > self.budget_kb:
+        while self.budget_kb and own and total > self.budget_kb:
             pid = max(own, key=own.__getitem__)
-            self.reasons[pid] = (
+            self._stop(pid, "pool_memory_limit", (
                 f"the pool's workers used {total >> 10} MiB together, over the pool memory "
                 f"budget of {self.budget_kb >> 10} MiB; this worker, the largest, used "
-                f"{own[pid] >> 10} MiB"
-            )
-            _kill(pid, self.live)
+                f"{own[pid] >> 10} MiB"))
             total -= own.pop(pid)
 
 
@@ -225,7 +239,7 @@ def serve(control_fd: int, preload: list[str]) -> None:
     workers.proc_hidden = hidden
     live = workers.live
     while True:
-        if live and workers.budget_kb:
+        if live and (workers.budget_kb or workers.worker_kb):
             ready, _, _ = select.select([control], [], [], MEMORY_POLL_S)
             if not ready:
                 _reap(live)
@@ -254,6 +268,7 @@ def _serve_one(control: socket.socket, request: dict, fds: list[int], workers: _
         channel_fd = fds[0]
         limits = request["limits"]
         workers.budget_kb = int(limits.get("pool_memory_bytes") or 0) >> 10
+        workers.worker_kb = int(limits.get("worker_memory_bytes") or 0) >> 10
         _pick_uid(limits, live)
         pid = os.fork()
         if pid == 0:
@@ -272,7 +287,8 @@ def _serve_one(control: socket.socket, request: dict, fds: list[int], workers: _
         pids = [int(p) for p in request["pids"]]
         return {"usage": {str(p): proc_usage(p) if p in live else None for p in pids}}
     if op == "why":
-        return {"reason": workers.reasons.pop(int(request["pid"]), None)}
+        code, detail = workers.reasons.pop(int(request["pid"]), (None, None))
+        return {"code": code, "reason": detail}
     if op == "ping":
         return {"pong": True, "pid": os.getpid(), "proc_hidden": workers.proc_hidden}
     return {"error": f"unknown op {op!r}"}

@@ -166,10 +166,14 @@ class CodeRunner:
     def _pool(self, time_limit_s: float) -> EnvPool:
         if time_limit_s not in self._pools:
             chars = self.config.max_output_chars + 64
+            # A candidate program is not an environment: its time limit is the problem's
+            # (wall clock), its memory RLIMIT_AS, and a failed test neither blocklists it
+            # nor is replayed.
             self._pools[time_limit_s] = EnvPool(SandboxConfig(
                 call_deadline_s=time_limit_s, memory_limit_mb=self.config.memory_limit_mb,
                 max_observation_chars=chars, max_message_bytes=6 * chars + 8192,
-                static_gate=False, spare_workers=0,
+                static_gate=False, spare_workers=0, call_cpu_budget_s=None,
+                worker_memory_mb=None, replay_audit_rate=0.0, blocklist_on_limits=False,
                 allow_weak_isolation=self.config.allow_weak_isolation))
         return self._pools[time_limit_s]
 

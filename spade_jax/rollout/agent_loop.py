@@ -274,8 +274,16 @@ class _Episode:
 
 # What one env call produced, as plain JSON values, so the host that stepped an episode can
 # send it to the others: (observation or None on an error, reward, terminated, truncated,
-# error text or None, seconds spent).
+# the end reason of a failed call or None, seconds spent).
 Outcome = tuple[str | None, float, bool, bool, str | None, float]
+
+
+def _failure(err: Exception) -> str:
+    """The end reason of an episode whose env call raised: the exception's own
+    ``end_reason`` when it names one (the sandbox's "env_limit": the program broke a
+    run-time limit and is blocklisted), else "env_error"."""
+    reason = getattr(err, "end_reason", None)
+    return reason if reason in ("env_error", "env_limit") else "env_error"
 
 
 def _reset(ep: _Episode) -> Outcome:
@@ -284,7 +292,7 @@ def _reset(ep: _Episode) -> Outcome:
         observation, _ = ep.spec.env.reset(seed=ep.spec.seed)
         return str(observation), 0.0, False, False, None, time.perf_counter() - t0
     except Exception as err:  # an env program may fail anywhere; the episode ends
-        return None, 0.0, False, False, f"{type(err).__name__}: {err}", time.perf_counter() - t0
+        return None, 0.0, False, False, _failure(err), time.perf_counter() - t0
 
 
 def _step(ep: _Episode) -> Outcome:
@@ -293,8 +301,8 @@ def _step(ep: _Episode) -> Outcome:
         observation, reward, terminated, truncated, _ = ep.spec.env.step(ep.pending_action)
         return (str(observation), float(reward), bool(terminated), bool(truncated), None,
                 time.perf_counter() - t0)
-    except Exception as err:  # recorded as env_error when absorbed
-        return None, 0.0, False, False, f"{type(err).__name__}: {err}", time.perf_counter() - t0
+    except Exception as err:  # recorded as env_error (or env_limit) when absorbed
+        return None, 0.0, False, False, _failure(err), time.perf_counter() - t0
 
 
 def episode_owner(index: int, count: int, processes: int) -> int:
@@ -530,7 +538,7 @@ def _absorb_reset(ep: _Episode, outcome: Outcome, turns: ChatTurns) -> None:
     observation, _, _, _, error, seconds = outcome
     ep.record.cost.env_seconds += seconds
     if error is not None:
-        ep.active, ep.record.end_reason = False, "env_error"
+        ep.active, ep.record.end_reason = False, error
         return
     ep.record.observations.append(observation)
     ep.record.append(turns.first_prompt(observation), policy=False)
@@ -542,7 +550,7 @@ def _absorb_step(ep: _Episode, outcome: Outcome, turns: ChatTurns,
     observation, reward, terminated, truncated, error, seconds = outcome
     rec.cost.env_seconds += seconds
     if error is not None:
-        ep.active, rec.end_reason = False, "env_error"
+        ep.active, rec.end_reason = False, error
         return
     rec.step_rewards.append(reward)
     rec.return_ = float(sum(rec.step_rewards))

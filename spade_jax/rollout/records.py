@@ -45,7 +45,9 @@ class EpisodeRecord:
     seed: the ``env.reset(seed=...)`` seed; with ``actions`` it replays the episode.
     env_id: which environment program ran.
     end_reason: "terminated", "truncated" (by the env), "max_turns", "max_tokens" (the
-      episode token budget) or "env_error".
+      episode token budget), "env_error" or "env_limit" (the sandboxed program broke a
+      run-time limit: over the per-call CPU budget or deadline, over its memory budget,
+      or a replay did not reproduce it; the pool blocklists it: `EnvPool.blocked`).
     turn_done_reasons: the sampler's done reason per turn ("eos", "stop_string", "max_tokens").
     sampler_seeds: the generate() seed of each turn's call (with the row order, reproduces it).
     routing: with ``SamplerConfig.return_router``, the experts each fed token was routed to

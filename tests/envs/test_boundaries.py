@@ -353,3 +353,106 @@ def test_default_pool_retries_a_zygote_killed_at_start(monkeypatch):
     finally:
         if validate._default_pool is not None:
             validate._default_pool.close()
+
+
+# ----------------------------------------------------------------------------- shared memory
+
+# Holds memory with mmap: MAP_SHARED | MAP_ANONYMOUS pages (which the kernel counts as
+# shared memory, not anonymous: once they escaped every budget, which counted resident
+# minus shared) or MAP_PRIVATE | MAP_ANONYMOUS pages, written so they are resident; then
+# tries memfd_create (memfd pages would count as shared memory too). A shared mapping of
+# /dev/zero cannot hold anything: it needs /dev/zero open for writing (refused), and read
+# faults map the zero page.
+SHARED_HOG = _paper(
+    """\
+    ctypes, os = sys.modules['ctypes'], sys.modules['os']
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    size, flags = @mib@ << 20, {'shared': 0x01, 'private': 0x02}['@how@'] | 0x20
+    try:
+        os.memfd_create('hold')
+        memfd = 'allowed'
+    except OSError as err:
+        memfd = type(err).__name__
+    addr = libc.mmap(None, size, 3, flags, -1, 0)  # PROT_READ | PROT_WRITE
+    ctypes.memset(addr, 1, size)
+    self.t = 0
+    return 'holding, memfd ' + memfd, {}""",
+    "self.t += 1\nreturn 'still holding', 0.0, self.t >= 5, False, {}",
+)
+
+
+def _hog(mib: int, how: str = "shared") -> str:
+    return SHARED_HOG.replace("@mib@", str(mib)).replace("@how@", how)
+
+
+def _held_after(pool: EnvPool, source: str) -> tuple[str, object]:
+    """The opening observation and the first error of reset() or of a step 1 s later (the
+    zygote checks every 0.1 s, so the kill can come during either)."""
+    handle = pool.open(source)
+    first = handle.reset(0)
+    if not first.ok:
+        return first.observation, first.error
+    time.sleep(1.0)
+    result = handle.step("a")
+    handle.close()
+    return first.observation, result.error
+
+
+@pytest.mark.parametrize("how", ["shared", "private"])
+def test_a_worker_over_its_memory_budget_is_killed_shared_pages_included(how):
+    config = SandboxConfig(memory_limit_mb=512, worker_memory_mb=100, spare_workers=0,
+                           reference_imports=frozenset(), static_gate=False)
+    with EnvPool(config) as pool:
+        if pool.isolation_report().missing:
+            pytest.skip("sandbox layers missing here")
+        _, error = _held_after(pool, _hog(160, how))
+        assert error is not None and error.code == "memory_limit", error
+        assert "over its budget of 100 MiB" in error.detail
+        # A worker holding less than its budget is left alone; memfd_create is refused.
+        opening, error = _held_after(pool, _hog(40, how))
+        assert (opening, error) == ("holding, memfd PermissionError", None)
+
+
+def test_pool_budget_counts_shared_anonymous_memory():
+    config = SandboxConfig(memory_limit_mb=512, pool_memory_mb=200, worker_memory_mb=None,
+                           spare_workers=0, reference_imports=frozenset(), static_gate=False)
+    with EnvPool(config) as pool:
+        if pool.isolation_report().missing:
+            pytest.skip("sandbox layers missing here")
+        honest = pool.open(HONEST)
+        assert honest.reset(1).ok
+        _, error = _held_after(pool, _hog(260))
+        assert error is not None and error.code == "pool_memory_limit", error
+        assert "200 MiB" in error.detail
+        assert honest.step("a").ok
+        honest.close()
+
+
+# ----------------------------------------------------------------------------- cut episodes
+
+PENALTY_FIRST = _paper(
+    "self.t = 0\nreturn 'go', {}",
+    "self.t += 1\nr = [-1.0, 0.0, 0.5, 1.0][self.t - 1]\nreturn 'x', r, self.t >= 4, False, {}",
+)
+
+
+def test_a_cut_paper_episode_returns_within_0_1(pool):
+    """The agent loop may cut an episode after any step (its turn or token budget): the
+    rewards reported so far must sum into [0, 1] then too, not only at the natural end.
+    The program's running return here is -1, -1, -0.5, then 0.5 at the end."""
+    handle = pool.open(PENALTY_FIRST)
+    handle.reset(0)
+    reported, raw = [], []
+    for _ in range(4):
+        result = handle.step("a")
+        assert result.ok, result.error
+        reported.append(result.reward)
+        raw.append(result.info.get("raw_reward", result.reward))
+        assert 0.0 <= sum(reported) <= 1.0, reported  # a cut here returns this
+    assert raw == [-1.0, 0.0, 0.5, 1.0]
+    assert sum(reported) == pytest.approx(sum(raw)) == pytest.approx(0.5)  # natural end
+    assert result.terminated
+    handle.close()

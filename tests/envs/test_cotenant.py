@@ -256,3 +256,131 @@ def test_open_many_assigns_workers_in_a_seeded_random_order(pool):
             handle.close()
     assert len(set(ranks)) > 1, ranks
 
+
+
+# ----------------------------------------------------------------------------- oracles
+
+# Every question a worker could ask the kernel about a pid or a uid, asked for each pid up
+# to its own + 64 and each uid of the worker range (and root): an oracle answers
+# differently for a pid or uid in use than for a free one. Answers are (return code,
+# errno) pairs; `distinct` lists the targets whose answer differs from a surely free one.
+ORACLES = _hostile(
+    """\
+    import os, ctypes, json
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    me, my_uid = os.getpid(), os.getuid()
+    buf = ctypes.create_string_buffer(512)
+    buf2 = ctypes.create_string_buffer(64)
+    nr = @numbers@
+
+    def call(name, *args):
+        ctypes.set_errno(0)
+        rc = libc.syscall(ctypes.c_long(nr[name]), *[ctypes.c_long(a) for a in args])
+        return (int(rc >= 0), ctypes.get_errno() if rc < 0 else 0)
+
+    def capget(pid):
+        header = ctypes.create_string_buffer((0x20080522).to_bytes(4, 'little')
+                                             + pid.to_bytes(4, 'little', signed=True))
+        return call('capget', ctypes.addressof(header), ctypes.addressof(buf))
+
+    def proc(pid):
+        try:
+            with open(f'/proc/{pid}/stat') as f:
+                return (1, len(f.read()) > 0)
+        except OSError as err:
+            return (0, err.errno)
+
+    A = ctypes.addressof
+    by_pid = {
+        'getpgid': lambda p: call('getpgid', p),
+        'getsid': lambda p: call('getsid', p),
+        'sched_getaffinity': lambda p: call('sched_getaffinity', p, 128, A(buf)),
+        'sched_getparam': lambda p: call('sched_getparam', p, A(buf)),
+        'sched_getscheduler': lambda p: call('sched_getscheduler', p),
+        'sched_rr_get_interval': lambda p: call('sched_rr_get_interval', p, A(buf)),
+        'sched_getattr': lambda p: call('sched_getattr', p, A(buf), 48, 0),
+        'get_robust_list': lambda p: call('get_robust_list', p, A(buf), A(buf2)),
+        'getpriority_process': lambda p: call('getpriority', 0, p),
+        'getpriority_pgrp': lambda p: call('getpriority', 1, p),
+        'ioprio_get_process': lambda p: call('ioprio_get', 1, p),
+        'cpu_clock': lambda p: call('clock_gettime', ((~p) << 3) | 2, A(buf)),
+        'capget': capget,
+        'prlimit64': lambda p: call('prlimit64', p, 7, 0, A(buf)),
+        'kill0': lambda p: call('kill', p, 0),
+        'pidfd_open': lambda p: call('pidfd_open', p, 0),
+        'proc': proc,
+    }
+    by_uid = {
+        'getpriority_user': lambda u: call('getpriority', 2, u),
+        'ioprio_get_user': lambda u: call('ioprio_get', 3, u),
+    }
+    try:
+        free_pid = int(open('/proc/sys/kernel/pid_max').read()) - 1
+    except OSError:
+        free_pid = 32767
+    pids = range(1, me + 65)
+    uids = [0, *range(@uid_base@, @uid_base@ + @uid_count@)]
+    distinct = {}
+    for name, ask in by_pid.items():
+        free = ask(free_pid)
+        distinct[name] = [p for p in pids if p != me and ask(p) != free]
+    for name, ask in by_uid.items():
+        free = ask(1)
+        distinct[name] = [u for u in uids if u != my_uid and ask(u) != free]
+    files = {}
+    for path in ('/proc/loadavg', '/proc/sys/kernel/ns_last_pid'):
+        try:
+            files[path] = open(path).read()
+        except OSError as err:
+            files[path] = type(err).__name__
+    try:
+        files['pts'] = {n: os.stat('/dev/pts/' + n).st_uid for n in os.listdir('/dev/pts')}
+    except OSError as err:
+        files['pts'] = type(err).__name__
+    try:
+        os.close(os.open('/dev/ptmx', os.O_RDONLY))  # a new pty shows up in /dev/pts
+        files['ptmx'] = 'opened'
+    except OSError as err:
+        files['ptmx'] = type(err).__name__
+    out.append(json.dumps({'me': me, 'uid': my_uid, 'distinct': distinct, 'files': files}))
+    """
+)
+
+
+def test_a_worker_can_name_no_other_process_and_no_other_uid():
+    """Siblings (running and spare workers), the zygote and bubblewrap's init share the
+    pid namespace; none of them answers any question a worker can ask: every pid but
+    its own and every uid but its own looks free."""
+    import json
+
+    pyseccomp = pytest.importorskip("pyseccomp")
+    names = ("getpgid", "getsid", "sched_getaffinity", "sched_getparam", "sched_getscheduler",
+             "sched_rr_get_interval", "sched_getattr", "get_robust_list", "getpriority",
+             "ioprio_get", "clock_gettime", "capget", "prlimit64", "kill", "pidfd_open")
+    numbers = {n: pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, n) for n in names}
+    config = SandboxConfig(call_deadline_s=60.0, spare_workers=2, static_gate=False,
+                           worker_uid_base=400_000, worker_uid_count=2_000)
+    source = (ORACLES.replace("@numbers@", repr(numbers))
+              .replace("@uid_base@", "400000").replace("@uid_count@", "2000"))
+    with EnvPool(config) as pool:
+        if pool.isolation_report().missing:
+            pytest.skip(f"sandbox layers missing here: {pool.isolation_report().missing}")
+        siblings = pool.open_many([HONEST] * 2)
+        for handle in siblings:
+            assert handle.reset(0).ok
+        probes = pool.open_many([source] * 2)
+        seen = []
+        for probe in probes:
+            result = probe.reset(0)
+            assert result.ok, result.error
+            seen.append(json.loads(result.observation))
+        for handle in (*siblings, *probes):
+            handle.close()
+    for report in seen:
+        assert {name: found for name, found in report["distinct"].items() if found} == {}
+        files = report["files"]
+        assert files["pts"] == "FileNotFoundError" and files["ptmx"] == "FileNotFoundError"
+        for path in ("/proc/loadavg", "/proc/sys/kernel/ns_last_pid"):
+            assert files[path] in ("PermissionError", ""), files[path]
+    assert seen[0]["uid"] != seen[1]["uid"]

@@ -640,6 +640,17 @@ def test_reference_designer_user_prompt():
         reference_designer_user_prompt("logic", [], [{"program": "x"}], max_doc_chars=10)
 
 
+PENALTY_FIRST = """
+class Environment:
+    def reset(self, seed=None):
+        self.t = 0
+        return "keep going", {}
+    def step(self, action):
+        self.t += 1
+        return "keep going", (-1.0 if self.t == 1 else 0.0), False, False, {}
+"""
+
+
 @pytest.mark.slow  # ~16 s: compiles the sampler for the chat model
 def test_run_episodes_plays_a_recipe_game_the_recipe_way(chat_model, chat_tokenizer, pool):
     """The agent loop with the recipe's interface: the first turn framed by the template,
@@ -652,8 +663,14 @@ def test_run_episodes_plays_a_recipe_game_the_recipe_way(chat_model, chat_tokeni
                               compact_batch=False),
     )  # fmt: skip
     env = make_env(SHAPED, pool, contract="reference", max_turns=3)
-    (rec,) = run_episodes(chat_model, chat_tokenizer, [EpisodeSpec(env, "shaped", 0)], config)
+    # A paper-contract program whose running return is -1 when the turn budget cuts it.
+    penalty = make_env(PENALTY_FIRST, pool)
+    rec, cut = run_episodes(chat_model, chat_tokenizer, [EpisodeSpec(env, "shaped", 0),
+                                                        EpisodeSpec(penalty, "penalty", 1)],
+                            config)
     env.close()
+    penalty.close()
+    assert cut.end_reason == "max_turns" and cut.return_ == 0.0  # within [0, 1], not -1
     first = REFERENCE_AGENT_FIRST_TURN_TEMPLATE.replace("{observation}", rec.observations[0])
     opening = list(chat_tokenizer.apply_chat_template(
         [{"role": "user", "content": first}], add_generation_prompt=True, enable_thinking=False))

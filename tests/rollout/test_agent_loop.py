@@ -138,12 +138,22 @@ def test_env_errors_end_the_episode(model, tokenizer):
         def step(self, action):
             raise RuntimeError("boom")
 
+    class LimitBroken(Exception):  # what the sandbox raises for a broken run-time limit
+        end_reason = "env_limit"
+
+    class Limited(ScriptedEnv):
+        def step(self, action):
+            raise LimitBroken("slow_call: the call used 2.1 s of CPU time")
+
     config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
                              sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE,
                                                    prompt_bucket_min=128, compact_batch=False))
-    (rec,) = run_episodes(model, tokenizer, [EpisodeSpec(Broken("alpha", [1.0], None), "b", 0)],
-                          config)
-    assert rec.end_reason == "env_error" and rec.step_rewards == [] and rec.cost.turns == 1
+    specs = [EpisodeSpec(Broken("alpha", [1.0], None), "b", 0),
+             EpisodeSpec(Limited("beta", [1.0], None), "l", 1)]
+    broken, limited = run_episodes(model, tokenizer, specs, config)
+    assert broken.end_reason == "env_error" and broken.step_rewards == []
+    assert broken.cost.turns == 1
+    assert limited.end_reason == "env_limit" and limited.step_rewards == []
     with pytest.raises(ValueError, match="max_turns"):
         AgentLoopConfig(max_turns=0)
 

@@ -1,0 +1,178 @@
+"""What validation checks also holds while programs are played.
+
+A program sees its inputs, so it can tell the validator from an agent: the games below
+behave on anything but the words an agent would answer with (the door names of their own
+observation, boxed), and there they turn slow (2 s of CPU a call), pin memory or turn
+nondeterministic. Validation now plays like an agent too (seeded), and catches each; and
+a game that breaks a limit mid-run is stopped, its episode ends with end reason
+"env_limit", its reported rewards sum to what the contract pays for an unfinished
+episode, and the pool blocklists it. The contract texts state the enforced budgets.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from spade_jax.envs import (
+    PROGRAM_CONTRACT,
+    REFERENCE_CONTRACT,
+    EnvPool,
+    EnvProgramError,
+    ProgramLoadError,
+    SandboxConfig,
+    make_env,
+    validate_program,
+)
+from spade_jax.envs.runtime_limits import program_id
+
+DOORS = r"""
+class DoorsEnv:
+    def __init__(self, max_turns=25):
+        self.max_turns = max_turns
+
+    def reset(self, seed=None):
+        self.rng = random.Random(seed)
+        self.turn = 0
+        self.prize = self.rng.choice(["amber", "cobalt", "violet"])
+        return "Three doors: amber, cobalt and violet. Open one with \\boxed{colour}.", {}
+
+    def step(self, action):
+        self.turn += 1
+        m = re.search(r"\\boxed\{(.*)\}", action)
+        door = m.group(1).strip() if m else ""
+        if door not in ("amber", "cobalt", "violet"):
+            return "Name a door: amber, cobalt or violet.", 0.0, False, self.turn >= self.max_turns, {}
+        @misbehave@
+        if door == self.prize:
+            return "You found the prize!", 1.0, True, False, {}
+        return door + " is empty.", 0.0, False, self.turn >= self.max_turns, {}
+"""
+
+
+def _spin_iterations(cpu_s: float) -> int:
+    """Loop iterations of `x += i` that take about `cpu_s` of CPU time here."""
+    n = 2_000_000
+    start = time.process_time()
+    x = 0
+    for i in range(n):
+        x += i
+    return int(n * cpu_s / max(time.process_time() - start, 1e-3))
+
+
+@pytest.fixture(scope="module")
+def misbehaviours() -> dict[str, str]:
+    slow = _spin_iterations(2.0)  # twice the budget: a loaded machine cannot hide it
+    return {
+        "honest": "pass",
+        "slow": f"x = 0\n        for i in range({slow}):\n            x += i",
+        "memory": "self.hold = b'x' * (300 << 20)",
+        "nondeterministic": "return door + ' is ' + str(random.random()), 0.0, False, "
+                            "self.turn >= self.max_turns, {}",
+    }
+
+
+def _doors(misbehaviours: dict[str, str], kind: str) -> str:
+    return DOORS.replace("@misbehave@", misbehaviours[kind])
+
+
+@pytest.fixture(scope="module")
+def pool():
+    config = SandboxConfig(call_deadline_s=5.0, worker_memory_mb=200, spare_workers=2,
+                           replay_audit_rate=1.0)
+    with EnvPool(config, seed=5) as p:
+        if p.isolation_report().missing:
+            pytest.skip(f"sandbox layers missing here: {p.isolation_report().missing}")
+        yield p
+
+
+@pytest.mark.parametrize("kind,codes", [
+    ("slow", {"slow_call"}),
+    ("memory", {"memory_limit", "resource_limit"}),
+    ("nondeterministic", {"nondeterministic_reset"}),
+])  # fmt: skip
+def test_validation_plays_like_an_agent(kind, codes, misbehaviours, pool):
+    """The validator's scripted, random and adversarial actions never name a door; its
+    agent-like episodes do (words of the observation, boxed), and the game is caught."""
+    report = validate_program(_doors(misbehaviours, kind), pool=pool, seed=7)
+    assert not report.ok and report.code in codes, report.reason
+    assert "agent_like_actions" in report.reason
+    assert pool.blocked(_doors(misbehaviours, kind)) is None  # validation never blocklists
+    honest = validate_program(_doors(misbehaviours, "honest"), pool=pool, seed=7)
+    assert honest.ok, honest.reason
+    assert "agent_like_actions" in honest.checks_passed
+    again = validate_program(_doors(misbehaviours, "honest"), pool=pool, seed=7)
+    assert again.transcript_hash == honest.transcript_hash  # seeded: the same run
+
+
+@pytest.mark.parametrize("kind,code", [
+    ("slow", "slow_call"),
+    ("memory", "memory_limit"),
+    ("nondeterministic", "nondeterministic_replay"),
+])  # fmt: skip
+def test_a_game_breaking_a_limit_mid_run_is_stopped_scored_and_blocklisted(
+    kind, code, misbehaviours, pool
+):
+    source = _doors(misbehaviours, kind)
+    env = make_env(source, pool, contract="reference", max_turns=3)
+    bystander = make_env(source, pool, contract="reference", max_turns=3)
+    bystander.reset(seed=1)
+    env.reset(seed=1)
+    rewards = [env.step("\\boxed{look}")[1]]  # not a door: the game behaves
+    with pytest.raises(EnvProgramError) as failed:
+        for action in ("\\boxed{amber}", "\\boxed{cobalt}", "\\boxed{violet}"):
+            rewards.append(env.step(action)[1])
+            time.sleep(0.3 if kind == "memory" else 0.0)  # the zygote checks every 0.1 s
+    assert failed.value.error.code == code, failed.value.error
+    assert failed.value.end_reason == "env_limit"
+    assert sum(rewards) == 0.0  # the recipe's score of an unfinished episode
+    assert pool.blocked(source).code == code
+    assert pool.blocklist()[program_id(source)].code == code
+    with pytest.raises(ProgramLoadError, match="blocklisted"):
+        make_env(source, pool, contract="reference")
+    with pytest.raises(EnvProgramError) as refused:  # an open handle gets no new episode
+        bystander.reset(seed=2)
+    assert refused.value.error.code == "blocklisted" and refused.value.end_reason == "env_limit"
+    env.close()
+    bystander.close()
+
+
+def test_honest_play_is_audited_and_left_alone(misbehaviours, pool):
+    source = _doors(misbehaviours, "honest")
+    env = make_env(source, pool, contract="reference", max_turns=3)
+    for seed in range(3):
+        env.reset(seed=seed)
+        for action in ("\\boxed{amber}", "\\boxed{cobalt}", "\\boxed{violet}"):
+            _, _, terminated, truncated, _ = env.step(action)  # audited at the end
+            if terminated or truncated:
+                break
+    assert pool.blocked(source) is None
+    env.close()
+
+
+def test_the_loop_can_blocklist_a_program_and_calls_under_budget_pass(misbehaviours, pool):
+    """`block` is the loop's handle for its own rules (the recipe's 300 s play); a call
+    that uses a third of the CPU budget passes whatever the wall clock says."""
+    from spade_jax.envs import SandboxError
+
+    source = DOORS.replace("@misbehave@", "x = 0\n        for i in range("
+                           f"{_spin_iterations(0.3)}):\n            x += i")
+    handle = pool.open(source, contract="reference")
+    handle.reset(0)
+    assert handle.step("\\boxed{amber}").ok
+    pool.block(source, SandboxError("timeout", "the play took over 300 s"))
+    assert "300 s" in str(pool.blocked(source))
+    assert handle.reset(1).error.code == "blocklisted"
+    handle.close()
+    with pytest.raises(TypeError):
+        pool.block(source, "not an error")
+
+
+def test_the_contract_texts_state_the_enforced_limits():
+    config = SandboxConfig()
+    assert config.call_cpu_budget_s == 1.0 and config.worker_memory_mb == 512
+    for text in (PROGRAM_CONTRACT, REFERENCE_CONTRACT):
+        words = " ".join(text.split())
+        assert "at most 1 second of CPU time" in words and "at most 512 MiB of memory" in words
+        assert "well within a second" not in words
