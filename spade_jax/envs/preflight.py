@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 
-from spade_jax.envs.pool import IsolationReport
+from spade_jax.envs.isolation import IsolationReport
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from spade_jax.envs.pool import IsolationLayer, IsolationReport
+from spade_jax.envs.isolation import IsolationLayer, IsolationReport
 from spade_jax.envs.preflight import SandboxUnavailable, missing_layers, require_isolation
 
 
