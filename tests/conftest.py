@@ -6,6 +6,7 @@ a fixture.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# One persistent compilation cache for the run and every JAX subprocess it starts (they
+# inherit the environment): a program compiled once (the tiny experiment's train step, its
+# samplers) is loaded from disk by every later test file (after ``jax.clear_caches()``
+# below) and every `python -m spade_jax.train` subprocess, instead of being compiled again.
+# Only programs that took a while to compile are stored. Tests that need a cache of their
+# own (a resumed run reloading the killed run's programs) set their own directory.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
+    Path(__file__).resolve().parents[1] / ".cache" / "jax_tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 @pytest.fixture(autouse=True, scope="module")
