@@ -516,7 +516,8 @@ def lower_prefill(
 
         state = place_decode_state(jax.eval_shape(empty, params), mesh, rules)
         return _prefill_rows.lower(graphdef, params, state, ids_bp, mask_bp, limit_b, row_id_b,
-                                   stop_bm, _abstract_scalars(), jnp.int32(0), static=static,
+                                   stop_bm, _abstract_scalars(), jax.ShapeDtypeStruct((), jnp.int32),
+                                   static=static,
                                    new_buffer=new_buffer, shards=shards)
 
 

@@ -232,3 +232,18 @@ def test_sampler_programs_lower_through_the_public_entries_on_cpu():
     buffer = 2 * (slots - 16) * per_token
     assert off.programs[1].shape == f"B=2 S={slots} (1 token)"
     assert decode.argument_bytes - off.programs[1].argument_bytes == buffer
+
+
+@pytest.mark.slow  # one TPU prefill plan of the tiny model (~20 s loaded)
+@needs_libtpu
+def test_every_program_lowers_for_a_tpu_topology_with_a_row_group_prefill():
+    """A prefill budget smaller than the batch's prompts makes the plan lower the row-group
+    prefill (``lower_prefill(batch=...)``); its row offset must be abstract, or lowering for a
+    TPU topology fails on a CPU-committed scalar (the 30B plan did)."""
+    config = aot.AotConfig(experiment="tiny", topology="v4-8", sample_batch=8, prompt_len=32,
+                           new_tokens=8, programs=("prefill",),
+                           overrides=("agent.max_prefill_tokens=64",))
+    result = aot.plan(config)
+    prefill = next(p for p in result.programs if p.name == "prefill")
+    assert prefill.tokens < 8 * 32  # a row group, not the whole batch
+    assert prefill.temp_bytes >= 0
