@@ -2,7 +2,7 @@
 
     python -m spade_jax.convert --hf_dir=/ckpt/Qwen3-30B-A3B-Instruct-2507 --out_dir=/ckpt/q30b
     python -m spade_jax.train --experiment=qwen3_30b_a3b --hf_checkpoint=/ckpt/Qwen3-30B-A3B-Instruct-2507 \
-        --workdir=gs://BUCKET/runs/spade_30b
+        --corpus=gs://BUCKET/corpus/*.parquet --workdir=gs://BUCKET/runs/spade_30b
 
 The recipe (docs/spade.md, docs/reference_parity.md): 400 steps; new games every 4 steps,
 24 per regeneration (3 of the 6 skills per window, 8 games each), each played 8 times per
@@ -77,9 +77,10 @@ def get_config() -> ExperimentConfig:
                                 policy_loss="grpo", loss=dict(
                 clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0)),
             loss_aggregation="pooled",
-            # Router replay (issue 22): the trainer runs each MoE layer on the experts the
-            # sampler chose (48 layers x top-8 of 128: 384 bytes a token recorded).
-            microbatches=16, compute_dtype="bfloat16", router_replay=True,
+            # Router replay (issue 22) is off, as the recipe's launch leaves it: one --set
+            # away (train.router_replay=True, the trainer then runs each MoE layer on the
+            # experts the sampler chose; docs/reference_parity.md).
+            microbatches=16, compute_dtype="bfloat16", router_replay=False,
             logit_chunk=1024,  # [tokens, 151k vocab] logits 1024 positions at a time
         ),
         spade=SpadeConfig(
@@ -93,7 +94,21 @@ def get_config() -> ExperimentConfig:
             # from the top 10 by regret with win rate in [0.15, 0.85] and 1 to avoid, each
             # shown as its program's first 2000 characters.
             docs_per_prompt=1, max_doc_words=6000, max_doc_chars=60_000, max_program_chars=2000,
-            memory_capacity=200, memory_examples=2, memory_selection="recipe", eval_every=20),
-        corpus=CorpusSpec(domain="game"),
-        checkpoint_every=10,
+            memory_capacity=200, memory_examples=2, memory_selection="recipe", eval_every=20,
+            # The authors' code, second audit (docs/reference_parity.md, issue 30): the
+            # update's samples cut to the global batch, designer samples first; a game in
+            # memory at the end of the round that wrote it; missing games written later
+            # with ceil(192 / games) plays each; a play over 300 s of environment time or
+            # a step over the sandbox's 30 s dropped and its game blocklisted; fresh
+            # document and examples per attempt, uniform corpus draws; the program read
+            # as the first block with f-string braces repaired; the last window's
+            # designer samples not trained; hints sampled at top-p 0.9.
+            global_batch=192, memory_at="regeneration", regenerate_missing_games=True,
+            play_env_seconds=300.0, drop_failed_plays=True, fresh_prompt_per_attempt=True,
+            corpus_draws="uniform", flush_at_end=False, hint_top_p=0.9),
+        # The recipe's launch requires its corpus file: no silent stand-in
+        # (python -m spade_jax.train --corpus=gs://B/corpus/*.parquet, or knowingly
+        # --set corpus.stand_in=True).
+        corpus=CorpusSpec(domain="game", stand_in=False),
+        checkpoint_every=16,
     )

@@ -2,7 +2,7 @@
 4B model (thinking off, as for 30B).
 
     python -m spade_jax.train --experiment=qwen3_4b --hf_checkpoint=/ckpt/Qwen3-4B-Instruct-2507 \
-        --workdir=gs://BUCKET/runs/spade_qwen3_4b
+        --corpus=gs://BUCKET/corpus/*.parquet --workdir=gs://BUCKET/runs/spade_qwen3_4b
 
 Dense model: parameters and optimizer state sharded FSDP over every chip.
 """

@@ -2,7 +2,7 @@
 designer thinking (20000 designer tokens), KL 0.005 (see the train block).
 
     python -m spade_jax.train --experiment=qwen3_8b --hf_checkpoint=/ckpt/Qwen3-8B \
-        --workdir=gs://BUCKET/runs/spade_qwen3_8b
+        --corpus=gs://BUCKET/corpus/*.parquet --workdir=gs://BUCKET/runs/spade_qwen3_8b
 
 Dense model: parameters and optimizer state sharded FSDP over every chip.
 """

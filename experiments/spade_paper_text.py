@@ -18,4 +18,7 @@ def get_config(base: str = "qwen3_30b_a3b") -> ExperimentConfig:
         spade__invalid_penalty=-1.0, spade__designer_groups="prompt",
         train__designer__advantage_estimator="grpo",
         spade__designer_group_size=4, spade__max_design_attempts=1, spade__plays_per_game=16,
-        spade__hint_plays=16)
+        spade__hint_plays=16,
+        # The recipe's batch cut and missing-game rewrites belong to its windows: the
+        # paper text trains every sample of its round (16 plays a game, 4 designs a prompt).
+        spade__global_batch=0, spade__regenerate_missing_games=False)

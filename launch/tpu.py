@@ -4,7 +4,7 @@
     python launch/tpu.py install --name=spade30b --zone=us-east5-a
     python launch/tpu.py run     --name=spade30b --zone=us-east5-a -- \\
         --experiment=qwen3_30b_a3b --hf_checkpoint=gs://BUCKET/ckpt/Qwen3-30B-A3B-Instruct-2507 \\
-        --workdir=gs://BUCKET/runs/spade_30b
+        --corpus=gs://BUCKET/corpus/*.parquet --workdir=gs://BUCKET/runs/spade_30b
     python launch/tpu.py tail    --name=spade30b --zone=us-east5-a
     python launch/tpu.py stop    --name=spade30b --zone=us-east5-a [--delete]
     python launch/tpu.py resume  --name=spade30b --zone=us-east5-a --accelerator=v5p-64 --spot -- \\

@@ -107,10 +107,33 @@ class CorpusSpec:
     Attributes:
       paths: shard paths or globs (local or gs://); empty = the offline default corpus.
       domain: default-corpus domain, "game" or "tool".
+      stand_in: with no ``paths``, run on the offline default corpus (a stand-in built
+        from installed packages' docs). False (the recipe experiments, whose launch
+        requires the corpus file): a run without ``paths`` refuses to start
+        (:func:`require_corpus`).
     """
 
     paths: tuple[str, ...] = ()
     domain: str = "game"
+    stand_in: bool = True
+
+
+class CorpusMissing(ValueError):
+    """The experiment needs a corpus (``corpus.stand_in=False``) and none was given."""
+
+
+def require_corpus(config: ExperimentConfig) -> None:
+    """Refuses a run that would silently fall back to the stand-in corpus when the
+    experiment asks for a real one (the recipe's launch requires its corpus file)."""
+    spade = config.spade
+    uses_corpus = (spade.use_corpus and spade.designer_mode == "self"
+                   and spade.baseline == "none")
+    if uses_corpus and not config.corpus.paths and not config.corpus.stand_in:
+        raise CorpusMissing(
+            f"experiment {config.name!r} needs its grounding corpus: pass "
+            "--corpus=gs://BUCKET/corpus/*.parquet (corpus.paths: JSONL or parquet shards "
+            "with a 'text' field), or --set corpus.stand_in=True to run on the offline "
+            "stand-in corpus instead (not the recipe)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ from spade_jax.experiment import (
     TokenizerSpec,
     config_hash,
     json_value,
+    require_corpus,
     train_config_for_run,
 )
 from spade_jax.metrics import MetricsWriter, Progress
@@ -200,7 +201,8 @@ def build_corpus_sampler(config: ExperimentConfig, seed_offset: int = 0) -> Corp
     if not config.spade.use_corpus or config.spade.designer_mode != "self":
         return None
     return CorpusSampler(build_corpus(config), CorpusSamplerConfig(
-        seed=config.seed + seed_offset, documents_per_round=config.spade.docs_per_prompt))
+        seed=config.seed + seed_offset, documents_per_round=config.spade.docs_per_prompt,
+        draws=config.spade.corpus_draws))
 
 
 # ---- checkpoint helpers -----------------------------------------------------------------
@@ -321,6 +323,7 @@ def decode_policy(mesh_config: sharding.MeshConfig, mesh: Any, graphdef: Any,
 def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     """Runs (or resumes) ``config`` in ``workdir``: a local directory or ``gs://...``."""
     workdir = storage.absolute(workdir)
+    require_corpus(config)  # before anything starts: the recipe refuses the stand-in
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
@@ -498,11 +501,12 @@ def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:
 
 def _loop_samplers(config: ExperimentConfig) -> dict[str, SamplerConfig]:
     """The loop's sampler per purpose: the designer's, and the hint writer's (the designer
-    sampler at the hint temperature and token budget)."""
-    designer = config.designer_sampler
+    sampler at the hint temperature, token budget and, when set, top-p)."""
+    designer, spade = config.designer_sampler, config.spade
     return {"design": designer,
-            "hint": dataclasses.replace(designer, temperature=config.spade.hint_temperature,
-                                        max_new_tokens=config.spade.hint_max_tokens)}
+            "hint": dataclasses.replace(designer, temperature=spade.hint_temperature,
+                                        max_new_tokens=spade.hint_max_tokens,
+                                        top_p=spade.hint_top_p or designer.top_p)}
 
 
 def _with_sampler_temperatures(config: ExperimentConfig):

@@ -29,6 +29,9 @@ flags.DEFINE_string("workdir", None, "Run directory (local or gs://): checkpoint
 flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).")
 flags.DEFINE_string("hf_checkpoint", None, "Shortcut for --set model.hf_checkpoint=DIR: a local "
                     "directory present on every host, or gs://BUCKET/path (read by every host).")
+flags.DEFINE_list("corpus", [], "Shortcut for corpus.paths: the designer's grounding corpus, "
+                  "JSONL or parquet shards with a 'text' field (paths or globs, local or "
+                  "gs://, comma-separated). The recipe experiments refuse to run without it.")
 flags.DEFINE_bool("dry_run", False, "Print the resolved config and exit.")
 flags.DEFINE_bool("allow_weak_sandbox", False,
                   "Run designer programs even when the sandbox lacks isolation layers (no "
@@ -47,6 +50,8 @@ def main(argv: list[str]) -> int:
     overrides = list(FLAGS.set)
     if FLAGS.hf_checkpoint:
         overrides.append(f"model.hf_checkpoint={FLAGS.hf_checkpoint!r}")
+    if FLAGS.corpus:
+        overrides.append(f"corpus.paths={tuple(FLAGS.corpus)!r}")
     if FLAGS.allow_weak_sandbox:
         overrides.append("sandbox.allow_weak_isolation=True")
     try:
@@ -58,6 +63,15 @@ def main(argv: list[str]) -> int:
     if problem:  # checked in --dry_run too: a run would fail there only after startup
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    from spade_jax.experiment import CorpusMissing, require_corpus
+
+    try:
+        require_corpus(config)
+    except CorpusMissing as e:
+        if not FLAGS.dry_run:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"note: a run would stop here: {e}", file=sys.stderr)
     if FLAGS.dry_run:
         print(json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
         return 0

@@ -28,7 +28,8 @@ def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
     config = load_experiment("tiny", [
         "designer_sampler.max_rows=3", "designer_sampler.chunk_steps=5",
         "designer_sampler.compact_batch=False", "designer_sampler.prompt_bucket_min=32",
-        "designer_sampler.new_tokens_bucket=16", "spade.hint_temperature=0.25"])
+        "designer_sampler.new_tokens_bucket=16", "spade.hint_temperature=0.25",
+        "spade.hint_top_p=0.9"])
     generate, _ = run.loop_sampling(config, lambda: None, tokenizer=tokenizer, mesh=None)
     generate([[1, 2]], seed=1234, purpose="design")
     generate([[1]], seed=99, purpose="hint")
@@ -38,6 +39,8 @@ def test_designer_and_hint_samplers_get_the_whole_sampler_config(monkeypatch):
     assert design.temperature == config.designer_sampler.temperature
     assert (hint.temperature, hint.max_new_tokens, hint.seed, hint.max_rows) == (
         0.25, config.spade.hint_max_tokens, 99, 3)
+    # The recipe's hint writer samples at top-p 0.9 (issue 30 item 15); the designer's own.
+    assert (hint.top_p, design.top_p) == (0.9, config.designer_sampler.top_p)
     # Router replay (tiny has it on): the designer's sampler records routing, the
     # untrained hint writer's does not; experts only (no router logits kept on device).
     assert design.return_router == "experts" and not hint.return_router

@@ -106,3 +106,15 @@ def agree_returns(returns: list[float]) -> list[float]:
             f"process 0 (this host ({jax.process_index()}) {len(returns)}, process 0 "
             f"{len(agreed)}), so their training batches would differ")
     return agreed
+
+
+def agree_drops(reasons: list[str]) -> list[str]:
+    """Process 0's verdict on which plays are dropped (a play's environment time and its
+    sandbox limits are measured per host)."""
+    if single_host():
+        return reasons
+    agreed = [str(x) for x in distributed.agree_json(list(reasons))]
+    if len(agreed) != len(reasons):
+        raise RuntimeError(f"multi-host rollout: this host ran {len(reasons)} plays, process 0 "
+                           f"{len(agreed)}")
+    return agreed

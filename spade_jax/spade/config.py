@@ -23,6 +23,9 @@ HINT_MODES = ("self", "designer", "none")
 # How the designer's samples are grouped for its update rule: by skill (the recipe's
 # per-skill centring, scaled) or by designer prompt (the paper text's GRPO groups).
 DESIGNER_GROUPS = ("skill", "prompt")
+# When a game enters memory (SpadeConfig.memory_at) and how corpus documents are drawn.
+MEMORY_TIMINGS = ("scoring", "regeneration")
+CORPUS_DRAWS = ("without_replacement", "uniform")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,30 @@ class SpadeConfig:
       probe_episodes / probe_time_budget_s: scripted sandbox episodes per new program (and
         their wall-clock budget) measuring the reward levels the PROGRAM can emit (the
         paper's reward-level metrics); 0 = not measured.
+      global_batch: samples per update (recipe 192): the round's designer samples first,
+        then the agent's, cut to this many, so at designer-training rounds the last games'
+        plays are not trained (the authors' code); 0 = train every sample.
+      regenerate_missing_games: when fewer games than ``envs_per_round`` validated, write
+        the missing ones at the window's later rounds (recipe True) and play each game
+        ceil(global_batch / games) times (``plays_per_game`` is then the floor; the
+        recipe's 192 / 24 = 8). False: the window keeps the games it has, 8 plays each.
+      memory_at: when a game enters memory: "scoring" (when its designer samples are
+        scored, with the window's statistics) or "regeneration" (recipe: at the end of the
+        round that wrote it, with that round's plays, usable by the next design).
+      flush_at_end: the last round trains every designer sample still waiting (True) or
+        only those due (False, the recipe: the last window's samples are never trained).
+      play_env_seconds: a play whose environment calls took longer than this (recipe 300)
+        is dropped and its game blocklisted; 0 = no limit.
+      drop_failed_plays: a play that ended on a sandbox limit (``env_limit``: a call over
+        the sandbox's play deadline, recipe 30 s) or an environment error is dropped (not
+        trained, not counted in the game's statistics) and its game blocklisted for the
+        rest of the run (recipe True); False: scored as a 0 play (``env_error`` return).
+      fresh_prompt_per_attempt: every rejection-sampling attempt redraws its slot's
+        corpus documents and memory examples (recipe True); False: one prompt per slot.
+      corpus_draws: "without_replacement" (a document is used once per run; the corpus
+        must hold rounds' worth) or "uniform" (recipe: independent uniform draws, repeats
+        allowed).
+      hint_top_p: top-p of the hint writer's sampler (recipe 0.9; 0 = the designer's).
     """
 
     rounds: int = 400
@@ -141,6 +168,15 @@ class SpadeConfig:
     designer_thinking: bool = False
     probe_episodes: int = 4
     probe_time_budget_s: float = 10.0
+    global_batch: int = 0
+    regenerate_missing_games: bool = False
+    memory_at: str = "scoring"
+    flush_at_end: bool = True
+    play_env_seconds: float = 0.0
+    drop_failed_plays: bool = False
+    fresh_prompt_per_attempt: bool = False
+    corpus_draws: str = "without_replacement"
+    hint_top_p: float = 0.0
 
     def __post_init__(self):
         for name in ("rounds", "envs_per_round", "regeneration_interval", "plays_per_game",
@@ -151,7 +187,7 @@ class SpadeConfig:
                 raise ValueError(f"spade.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("hint_plays", "designer_delay", "docs_per_prompt", "memory_examples",
                      "memory_train_envs", "eval_every", "max_doc_chars", "max_doc_words",
-                     "skills_per_window",
+                     "skills_per_window", "global_batch",
                      "probe_episodes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"spade.{name} must be >= 0, got {getattr(self, name)}")
@@ -180,6 +216,16 @@ class SpadeConfig:
             raise ValueError(f"spade.max_env_reward_scale must be > 0, got {self.max_env_reward_scale}")
         if self.prompt_style not in ("full", "compact"):
             raise ValueError(f"spade.prompt_style must be 'full' or 'compact', got {self.prompt_style!r}")
+        if self.memory_at not in MEMORY_TIMINGS:
+            raise ValueError(f"spade.memory_at must be one of {MEMORY_TIMINGS}, "
+                             f"got {self.memory_at!r}")
+        if self.corpus_draws not in CORPUS_DRAWS:
+            raise ValueError(f"spade.corpus_draws must be one of {CORPUS_DRAWS}, "
+                             f"got {self.corpus_draws!r}")
+        if not self.play_env_seconds >= 0:
+            raise ValueError(f"spade.play_env_seconds must be >= 0, got {self.play_env_seconds}")
+        if not 0 <= self.hint_top_p <= 1:
+            raise ValueError(f"spade.hint_top_p must be in [0, 1], got {self.hint_top_p}")
         if self.designer_mode not in DESIGNER_MODES:
             raise ValueError(f"spade.designer_mode must be one of {DESIGNER_MODES}")
         if self.baseline not in BASELINES:
@@ -202,3 +248,11 @@ class SpadeConfig:
 
     def window_start(self, step: int) -> int:
         return step - step % self.regeneration_interval
+
+    def plays_for(self, live_games: int) -> int:
+        """No-hint plays per game this round: ``plays_per_game``, or with
+        ``regenerate_missing_games`` and a global batch, ceil(global_batch / games) (the
+        recipe's rule when some slots failed: 192 / 23 games -> 9 plays each)."""
+        if self.regenerate_missing_games and self.global_batch and live_games:
+            return max(self.plays_per_game, -(-self.global_batch // live_games))
+        return self.plays_per_game

@@ -343,17 +343,24 @@ class CorpusSamplerConfig:
       on_exhausted: "error" raises `CorpusExhaustedError` once fewer unseen documents
         remain than asked for (the paper's no-reuse rule); "new_epoch" drops the tail of
         the epoch and reshuffles, so documents repeat across epochs but never in a round.
+      draws: "without_replacement" (the permutation above) or "uniform" (the published
+        recipe: every document drawn independently and uniformly, repeats allowed; draw
+        number k is seeded from (seed, k), so a resumed run draws the same documents).
     """
 
     seed: int = 0
     documents_per_round: int = 24
     on_exhausted: Literal["error", "new_epoch"] = "error"
+    draws: Literal["without_replacement", "uniform"] = "without_replacement"
 
     def __post_init__(self) -> None:
         if self.documents_per_round < 1:
             raise ValueError(
                 f"CorpusSamplerConfig.documents_per_round must be >= 1, got {self.documents_per_round}"
             )
+        if self.draws not in ("without_replacement", "uniform"):
+            raise ValueError(f"CorpusSamplerConfig.draws must be 'without_replacement' or "
+                             f"'uniform', got {self.draws!r}")
         if self.on_exhausted not in ("error", "new_epoch"):
             raise ValueError(
                 f"CorpusSamplerConfig.on_exhausted must be 'error' or 'new_epoch', "
@@ -361,8 +368,12 @@ class CorpusSamplerConfig:
             )
 
 
+# Seed stream of uniform draws, apart from the permutations' [seed, epoch].
+UNIFORM_STREAM = 1
+
+
 class CorpusSampler:
-    """Draws documents without replacement from a seeded permutation; resumable via JSON."""
+    """Draws documents (without replacement, or uniformly) from a seeded permutation; resumable via JSON."""
 
     def __init__(self, corpus: Corpus, config: CorpusSamplerConfig | None = None) -> None:
         self.corpus = corpus
@@ -387,6 +398,12 @@ class CorpusSampler:
         count = self.config.documents_per_round if num_documents is None else num_documents
         if count < 1:
             raise ValueError(f"num_documents must be >= 1, got {count}")
+        if self.config.draws == "uniform":
+            indices = [int(np.random.Generator(np.random.PCG64(
+                [self.config.seed, UNIFORM_STREAM, self.documents_drawn + k])).integers(
+                len(self.corpus))) for k in range(count)]
+            self.documents_drawn += count
+            return [self.corpus[i] for i in indices]
         if count > len(self.corpus):
             raise ValueError(f"asked {count} documents of a corpus with {len(self.corpus)}")
         if count > self.remaining:

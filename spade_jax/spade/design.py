@@ -81,6 +81,7 @@ class Attempt:
     verdict: Verdict = VALID
     parsed: DesignerOutput | None = None
     routing: np.ndarray | None = None  # recorded routing of prompt + output (router replay)
+    doc_ids: tuple[str, ...] = ()  # the corpus documents its prompt held
 
 
 def slot_skills(config: SpadeConfig, step: int) -> list[str]:
@@ -103,15 +104,18 @@ class Designer:
         self.used_doc_ids: set[str] = set()
 
     # ---- prompts -----------------------------------------------------------------------
-    def prompts(self, step: int) -> list[SlotPrompt]:
+    def prompts(self, step: int, slots: Sequence[int] | None = None) -> list[SlotPrompt]:
+        """Designer prompts of the window starting at ``step`` for ``slots`` (default:
+        every slot), each with freshly drawn corpus documents and memory examples."""
         cfg = self.config
         skills = slot_skills(cfg, step)
-        docs, examples = self._prompt_draws(skills)
+        slots = range(len(skills)) if slots is None else list(slots)
+        docs, examples = self._prompt_draws([skills[s] for s in slots])
         out = []
-        for slot, (skill, slot_docs, slot_examples) in enumerate(
-                zip(skills, docs, examples, strict=True)):
+        for slot, slot_docs, slot_examples in zip(slots, docs, examples, strict=True):
+            skill = skills[slot]
             reused = [d.doc_id for d in slot_docs if d.doc_id in self.used_doc_ids]
-            if reused:  # the sampler draws without replacement; guard the invariant
+            if reused and cfg.corpus_draws == "without_replacement":
                 raise RuntimeError(f"corpus documents reused within a run: {reused}")
             self.used_doc_ids.update(d.doc_id for d in slot_docs)
             ids = self.tokenizer.apply_chat_template(
@@ -161,38 +165,48 @@ class Designer:
         return agreement.agree_prompt_draws(docs, examples)
 
     # ---- sampling with rejection -------------------------------------------------------
-    def design(self, step: int) -> tuple[list[Game], list[DesignerSample], list[Attempt]]:
-        """The window's games, the designer samples to train, and every attempt made."""
+    def design(self, step: int, slots: Sequence[int] | None = None, *, written_at: int | None = None
+               ) -> tuple[list[Game], list[DesignerSample], list[Attempt]]:
+        """The window's games (of ``slots``, default every slot), the designer samples to
+        train, and every attempt made. ``written_at``: the round the games are written
+        (default ``step``, the window's start; later for a window's missing games)."""
         cfg = self.config
-        slots = self.prompts(step)
-        wanted = [(s, m) for s in range(len(slots)) for m in range(cfg.designer_group_size)]
+        written_at = step if written_at is None else written_at
+        prompts = {p.slot: p for p in self.prompts(step, slots)}
+        wanted = [(s, m) for s in sorted(prompts) for m in range(cfg.designer_group_size)]
         attempts: list[Attempt] = []
         accepted: dict[tuple[int, int], Attempt] = {}
+        tag = "" if written_at == step else f"w{written_at}_"  # ids of a window's later games
         for attempt_index in range(cfg.max_design_attempts):
             if not wanted:
                 break
-            prompts = [slots[s].prompt_ids for s, _ in wanted]
+            if attempt_index and cfg.fresh_prompt_per_attempt:
+                # The recipe: every attempt draws a fresh document and fresh examples.
+                prompts.update({p.slot: p for p in self.prompts(
+                    step, sorted({s for s, _ in wanted}))})
             tokens, logprobs, *routes = self.generate(
-                prompts, seed=derive_seed(self.seed, step, Phase.DESIGN, attempt_index),
+                [prompts[s].prompt_ids for s, _ in wanted],
+                seed=derive_seed(self.seed, written_at, Phase.DESIGN, attempt_index),
                 purpose="design")
             routes = routes[0] if routes else [None] * len(wanted)
-            batch = [Attempt(s, m, slots[s].skill, slots[s].prompt_ids, list(t), list(lp),
-                             routing=r)
+            batch = [Attempt(s, m, prompts[s].skill, prompts[s].prompt_ids, list(t), list(lp),
+                             routing=r, doc_ids=prompts[s].doc_ids)
                      for (s, m), t, lp, r in zip(wanted, tokens, logprobs, routes, strict=True)]
-            self.validate(batch, [f"r{step}_s{a.slot}_m{a.member}_a{attempt_index}"
+            self.validate(batch, [f"r{step}_{tag}s{a.slot}_m{a.member}_a{attempt_index}"
                                   for a in batch],
-                          [derive_seed(self.seed, step, Phase.VALIDATION, attempt_index, a.slot,
-                                       a.member) for a in batch])
+                          [derive_seed(self.seed, written_at, Phase.VALIDATION, attempt_index,
+                                       a.slot, a.member) for a in batch])
             attempts += batch
             accepted.update({(a.slot, a.member): a for a in batch if a.verdict.ok})
             wanted = [(a.slot, a.member) for a in batch if not a.verdict.ok]
         games, samples = [], []
         for (s, m), att in sorted(accepted.items()):
-            env_id = f"r{step}_s{s}_m{m}"
+            env_id = f"r{step}_{tag}s{s}_m{m}"
             hint = att.parsed.hint if cfg.hint_mode == "designer" else None
             games.append(Game(env_id=env_id, slot=s, skill=att.skill, program=att.parsed.program,
-                              hint=hint, doc_ids=slots[s].doc_ids,
-                              returns_by_offset=[[] for _ in range(cfg.regeneration_interval)]))
+                              hint=hint, doc_ids=att.doc_ids,
+                              returns_by_offset=[[] for _ in range(cfg.regeneration_interval)],
+                              written_at=written_at))
             samples.append(_sample(att, env_id))
         if cfg.invalid_penalty is not None:
             samples += [_sample(a, None) for a in attempts if not a.verdict.ok]

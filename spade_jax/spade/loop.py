@@ -63,7 +63,9 @@ from spade_jax.spade.window import (
     DesignerSample,
     Game,
     GameStats,
+    Outcome,
     Pending,
+    Verdict,
     Window,
     game_stats,
 )
@@ -168,7 +170,8 @@ class SpadeLoop:
 
     # ---- the round -----------------------------------------------------------------------
     def run_round(self, step: int) -> dict[str, float]:
-        """One optimizer step: design (regeneration rounds), play, score, update."""
+        """One optimizer step: design (regeneration rounds, and a window's missing games),
+        play, score, update."""
         cfg = self.config
         if cfg.baseline != "none":
             from spade_jax.spade.baseline_round import run_baseline_round
@@ -176,26 +179,48 @@ class SpadeLoop:
             return run_baseline_round(self, step)
         timer = step_metrics.PhaseTimer()
         attempts: list[Any] = []
+        missing_designed = 0
         if cfg.is_regeneration(step):
             with timer("design"):
                 attempts = self.regenerate(step)
         window = self.windows[cfg.window_start(step)]
+        if not cfg.is_regeneration(step) and self._designs_missing():
+            with timer("design"):
+                attempts, missing_designed = self.design_missing(window, step)
         with timer("rollout"):
             records = self.play(window, step)
-        agent = self.agent_sequences([r for r in records if not r.hinted], step)
+        if cfg.use_memory and cfg.memory_at == "regeneration":
+            self.remember_played(window, step)
+        kept = [r for r in records if not getattr(r, "dropped", False)]
+        agent = self.agent_sequences([r for r in kept if not r.hinted], step)
         with timer("score"):
             scored, designer = self.score_due(step, num_agent=len(agent))
         with timer("update"):
-            seqs = agent + designer
+            seqs, trimmed = self.batch(designer, agent)
             update_metrics = self.update(seqs) if seqs else {"skipped_no_data": 1.0}
-        self.remember(scored)
+        if cfg.memory_at == "scoring":
+            self.remember(scored)
         self._retire_windows(step)
         metrics = step_metrics.round_metrics(
-            self, step=step, window=window, attempts=attempts, records=records, scored=scored,
+            self, step=step, window=window, attempts=attempts, records=kept, scored=scored,
             num_agent=len(agent), num_designer=len(designer), update_metrics=update_metrics,
             times=timer.times)
         metrics.update(self.pop_rule_metrics())
+        metrics.update(_play_metrics(records))
+        metrics["batch/trimmed"] = float(trimmed)
+        metrics["designer/missing_designed"] = float(missing_designed)
         return metrics
+
+    def batch(self, designer: list[TrainSequence], agent: list[TrainSequence]
+              ) -> tuple[list[TrainSequence], int]:
+        """The update's samples: the designer's first, then the agent's, cut to
+        ``global_batch`` when it is set (the recipe: at designer-training rounds the last
+        games' plays are not trained). Returns (samples, how many were cut)."""
+        seqs = designer + agent
+        limit = self.config.global_batch
+        if limit and len(seqs) > limit:
+            return seqs[:limit], len(seqs) - limit
+        return seqs, 0
 
     # ---- design --------------------------------------------------------------------------
     def regenerate(self, step: int) -> list[Any]:
@@ -209,27 +234,61 @@ class SpadeLoop:
             samples: list[DesignerSample] = []
         else:
             games, samples, attempts = self.designer.design(step)
-        if cfg.hint_mode == "self":
-            self.designer.write_hints(games, step)
-        self.designer.probe_levels(games, step)
+        self._prepare(games, step)
         self.windows[step] = Window(step, games)
         self.pending.append(Pending(step, samples if cfg.train_designer else []))
         return attempts
 
+    def _designs_missing(self) -> bool:
+        cfg = self.config
+        return cfg.regenerate_missing_games and cfg.designer_mode == "self"
+
+    def design_missing(self, window: Window, step: int) -> tuple[list[Any], int]:
+        """``regenerate_missing_games`` (the recipe): the designer writes the window's
+        missing games at a later round of the window (slots whose attempts all failed, or
+        whose game was blocklisted); they play from this round on, with their own hint arm
+        at this round. Their designer samples join the window's pending ones (trained with
+        them). Returns (attempts, games written)."""
+        cfg = self.config
+        live = {g.slot for g in window.games if g.verdict.ok}
+        missing = [s for s in range(cfg.num_slots) if s not in live]
+        if not missing:
+            return [], 0
+        games, samples, attempts = self.designer.design(window.start, missing, written_at=step)
+        self._prepare(games, step)
+        window.games += games
+        if cfg.train_designer:
+            pending = next((p for p in self.pending if p.produced_at == window.start), None)
+            if pending is None:  # already trained: a pending entry of their own
+                self.pending.append(Pending(window.start, samples))
+            else:
+                pending.samples += samples
+        return attempts, len(games)
+
+    def _prepare(self, games: list[Game], step: int) -> None:
+        """New games' hints (hint_mode "self") and probed reward levels."""
+        if self.config.hint_mode == "self":
+            self.designer.write_hints(games, step)
+        self.designer.probe_levels(games, step)
+
     # ---- play ----------------------------------------------------------------------------
     def play(self, window: Window, step: int) -> list[EpisodeRecord]:
-        """This round's episodes of the window's games (plus the hint arm at the
-        regeneration round, plus memory replays), in one batch; returns go into the
-        games. Every record carries ``hinted`` and ``owner`` (the Game or memory record)."""
+        """This round's episodes of the window's games (plus the hint arm at the round a
+        game was written, plus memory replays), in one batch; returns go into the games.
+        Every record carries ``hinted``, ``owner`` (the Game or memory record) and
+        ``dropped`` (a play timed out or failed under ``drop_failed_plays``: its game is
+        blocklisted, the play is neither trained nor counted)."""
         cfg = self.config
         offset = step - window.start
         live = [g for g in window.games if g.verdict.ok]
-        hint_counts = [cfg.hint_plays if offset == 0 and g.hint else 0 for g in live]
+        plays = cfg.plays_for(len(live))
+        hint_counts = [cfg.hint_plays if g.written_round(window.start) == step and g.hint else 0
+                       for g in live]
         picks = self.replay_picks() if cfg.use_memory and cfg.memory_train_envs else []
         # One batch layout for games and replays: each host opens only the copies it steps.
         opened = self._open([g.env_id for g in live] + [f"mem_{r.env_id}" for r in picks],
                             [g.program for g in live] + [r.program_source for r in picks],
-                            [n + cfg.plays_per_game for n in hint_counts]
+                            [n + plays for n in hint_counts]
                             + [cfg.plays_per_game] * len(picks))
         specs, owners = [], []
         for index, (game, n_hint, (envs, verdict)) in enumerate(zip(
@@ -239,8 +298,7 @@ class SpadeLoop:
                 continue
             # Copies are assigned to the arms in a seeded interleaving, so neither arm
             # always gets the first-opened workers.
-            order = arm_order(n_hint, cfg.plays_per_game,
-                              derive_seed(self.seed, step, Phase.ARM_ORDER, index))
+            order = arm_order(n_hint, plays, derive_seed(self.seed, step, Phase.ARM_ORDER, index))
             for env, (arm, play) in zip(envs, order, strict=True):
                 hinted = arm == "hint"
                 phase = Phase.HINT_ARM if hinted else Phase.AGENT
@@ -251,15 +309,39 @@ class SpadeLoop:
                 owners.append((game, hinted))
         specs, owners = self._add_replays(specs, owners, step, picks, opened[len(live):])
         records = self._run(specs, step)
-        for rec, (owner, hinted) in zip(records, owners, strict=True):
-            rec.hinted, rec.owner = hinted, owner
+        drops = self._drops(records)
+        for rec, (owner, hinted), drop in zip(records, owners, drops, strict=True):
+            rec.hinted, rec.owner, rec.dropped = hinted, owner, bool(drop)
             if isinstance(owner, Game):
+                if drop:
+                    if owner.verdict.ok:
+                        log.warning("game %s blocklisted for the run: a play %s", owner.env_id,
+                                    drop)
+                    owner.verdict = Verdict(Outcome.BLOCKLISTED, drop.split(" ")[0])
+                    continue
                 (owner.hint_returns if hinted else owner.returns_by_offset[offset]).append(
                     float(rec.return_))
-                if offset == 0 and not hinted and not owner.opening_observation and rec.observations:
+                if (owner.written_round(window.start) == step and not hinted
+                        and not owner.opening_observation and rec.observations):
                     owner.opening_observation = rec.observations[0]
-        self._refresh_replayed(records, step)
+        self._refresh_replayed([r for r in records if not r.dropped], step)
         return records
+
+    def _drops(self, records: list[EpisodeRecord]) -> list[str]:
+        """Why each play is dropped ("" = kept), process 0's verdicts on every host:
+        ``play_env_seconds`` exceeded (its environment's calls, summed), or with
+        ``drop_failed_plays`` an episode ended on a sandbox limit or an environment error."""
+        cfg = self.config
+        reasons = []
+        for rec in records:
+            seconds = float(getattr(rec, "env_seconds", 0.0) or 0.0)
+            if cfg.play_env_seconds and seconds > cfg.play_env_seconds:
+                reasons.append(f"play_timeout ({seconds:.0f} s of environment calls)")
+            elif cfg.drop_failed_plays and rec.end_reason in DROPPED_END_REASONS:
+                reasons.append(f"{rec.end_reason} ({rec.end_reason} end)")
+            else:
+                reasons.append("")
+        return agreement.agree_drops(reasons)
 
     def _open(self, names: list[str], programs: list[str], counts: list[int]
               ) -> list[tuple[list[Any], Any]]:
@@ -320,10 +402,12 @@ class SpadeLoop:
     # ---- score ---------------------------------------------------------------------------
     def score_due(self, step: int, num_agent: int) -> tuple[list[ScoredGame], list[TrainSequence]]:
         """Scores the windows whose designer samples are due (written ``designer_delay``
-        rounds ago; every one at the last round) and returns their designer sequences."""
+        rounds ago; with ``flush_at_end`` every one at the last round) and returns their
+        designer sequences. A game written at a later round of its window (a missing game)
+        is scored on the rounds from the one it was written."""
         cfg = self.config
-        last = step == cfg.rounds - 1
-        due = [p for p in self.pending if last or p.produced_at + cfg.designer_delay <= step]
+        flush = cfg.flush_at_end and step == cfg.rounds - 1
+        due = [p for p in self.pending if flush or p.produced_at + cfg.designer_delay <= step]
         self.pending = [p for p in self.pending if p not in due]
         scored: list[ScoredGame] = []
         samples, totals = [], []
@@ -332,12 +416,13 @@ class SpadeLoop:
             observed = min(step - window.start + 1, cfg.regeneration_interval)
             by_id = {}
             for game in window.games:
-                if game.verdict.ok and any(game.returns_by_offset[:observed]):
-                    result = self.reward_rule.score(game.hint_returns,
-                                                    game.returns_by_offset[:observed],
-                                                    skill=game.skill)
+                first = game.written_round(window.start) - window.start
+                returns = game.returns_by_offset[first:observed]
+                if game.verdict.ok and any(returns):
+                    result = self.reward_rule.score(game.hint_returns, returns, skill=game.skill)
                     by_id[game.env_id] = result
-                    scored.append(ScoredGame(game, window.start, game_stats(game), result))
+                    scored.append(ScoredGame(game, window.start,
+                                             game_stats(game, first, observed), result))
             for sample in pending.samples:
                 total = (float(by_id[sample.env_id].total) if sample.env_id in by_id
                          else cfg.invalid_penalty)
@@ -464,26 +549,40 @@ class SpadeLoop:
 
     # ---- memory --------------------------------------------------------------------------
     def remember(self, scored: list[ScoredGame]) -> None:
-        """Scored games enter memory with the loop's own statistics (any reward rule)."""
+        """``memory_at`` "scoring": scored games enter memory with the loop's own
+        statistics of their window (any reward rule)."""
         if not self.config.use_memory:
             return
         for item in scored:
-            game, stats = item.game, item.stats
-            if game.env_id in self.memory:
-                continue
-            self.memory.add(EnvironmentRecord(
-                env_id=game.env_id, program_source=game.program, hint=game.hint or "",
-                skill=game.skill, round_index=item.window_start,
-                regime=self.memory.classify(stats.regret, stats.hint_mean, stats.mean_return),
-                regret=stats.regret,
-                win_rate_hint=float(np.mean(np.array(game.hint_returns) > 0))
-                if game.hint_returns else 0.0,
-                win_rate_no_hint=stats.solve_rate,
-                mean_return_hint=float(np.clip(stats.hint_mean, -1, 1)),
-                mean_return_no_hint=float(np.clip(stats.mean_return, -1, 1)),
-                designer_reward=float(item.result.total), corpus_doc_ids=game.doc_ids,
-                reward_levels=_count(game.reward_levels),
-                strict_partial_levels=_count(game.strict_partial_levels)))
+            self._memorise(item.game, item.window_start, item.stats, float(item.result.total))
+
+    def remember_played(self, window: Window, step: int) -> None:
+        """``memory_at`` "regeneration" (the recipe): the games written this round enter
+        memory at its end, with this round's plays (their win share) and hint arm, so the
+        next design can use them. Their designer reward is not known yet (0)."""
+        offset = step - window.start
+        for game in window.games:
+            if (game.written_round(window.start) == step and game.verdict.ok
+                    and game.returns_by_offset[offset]):
+                self._memorise(game, step, game_stats(game, offset, offset + 1), 0.0)
+
+    def _memorise(self, game: Game, round_index: int, stats: GameStats,
+                  designer_reward: float) -> None:
+        if game.env_id in self.memory:
+            return
+        self.memory.add(EnvironmentRecord(
+            env_id=game.env_id, program_source=game.program, hint=game.hint or "",
+            skill=game.skill, round_index=round_index,
+            regime=self.memory.classify(stats.regret, stats.hint_mean, stats.mean_return),
+            regret=stats.regret,
+            win_rate_hint=float(np.mean(np.array(game.hint_returns) > 0))
+            if game.hint_returns else 0.0,
+            win_rate_no_hint=stats.solve_rate,
+            mean_return_hint=float(np.clip(stats.hint_mean, -1, 1)),
+            mean_return_no_hint=float(np.clip(stats.mean_return, -1, 1)),
+            designer_reward=designer_reward, corpus_doc_ids=game.doc_ids,
+            reward_levels=_count(game.reward_levels),
+            strict_partial_levels=_count(game.strict_partial_levels)))
 
     def _retire_windows(self, step: int) -> None:
         """Drops windows that are neither current nor awaited by pending samples."""
@@ -503,6 +602,17 @@ class ScoredGame:
 
 
 ROLE_INDEX = {"agent": 0, "designer": 1}
+# End reasons of a play dropped under SpadeConfig.drop_failed_plays: a sandbox limit (a
+# call over the play deadline or CPU budget) or an environment error.
+DROPPED_END_REASONS = ("env_limit", "env_error")
+
+
+def _play_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
+    """How this round's plays ended (``episodes/end/<reason>``) and how many were dropped."""
+    counts = collections.Counter(r.end_reason or "unknown" for r in records)
+    metrics = {f"episodes/end/{reason}": float(n) for reason, n in sorted(counts.items())}
+    metrics["plays/dropped"] = float(sum(bool(getattr(r, "dropped", False)) for r in records))
+    return metrics
 
 
 def _program_of(episode: EpisodeRecord) -> str | None:

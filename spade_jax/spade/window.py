@@ -34,6 +34,7 @@ class Outcome(enum.StrEnum):
     PARSE_ERROR = "parse_error"  # the reply holds no program in the expected format
     INVALID = "invalid"  # the sandbox's validation rejected the program
     LOAD_ERROR = "load_error"  # validated, but a copy failed to open for play
+    BLOCKLISTED = "blocklisted"  # a play timed out or failed: never played again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,9 @@ class Game:
     # regeneration round (NaN: not probed, or the probe could not play it).
     reward_levels: float = float("nan")
     strict_partial_levels: float = float("nan")
+    # The round it was written: the window's start, or a later round of the window for a
+    # game written in place of one that failed (SpadeConfig.regenerate_missing_games).
+    written_at: int = -1
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -91,6 +95,11 @@ class Game:
     def from_json(cls, data: dict[str, Any]) -> Game:
         return cls(**{**data, "doc_ids": tuple(data["doc_ids"]),
                       "verdict": Verdict.from_json(data["verdict"])})
+
+    def written_round(self, window_start: int) -> int:
+        """The round this game was written (checkpoints before ``written_at`` existed:
+        the window's start)."""
+        return window_start if self.written_at < 0 else self.written_at
 
 
 @dataclasses.dataclass
@@ -173,10 +182,13 @@ class GameStats:
     plays: int
 
 
-def game_stats(game: Game) -> GameStats:
-    window_returns = [r for step in game.returns_by_offset for r in step]
+def game_stats(game: Game, first: int = 0, end: int | None = None) -> GameStats:
+    """``game``'s statistics over the window's rounds ``first`` (the round it was written,
+    its "offset 0") to ``end`` (exclusive; default: every round so far)."""
+    offsets = game.returns_by_offset[first:end]
+    window_returns = [r for step in offsets for r in step]
     hint_mean = _mean(game.hint_returns)
-    offset0 = _mean(game.returns_by_offset[0]) if game.returns_by_offset else 0.0
+    offset0 = _mean(offsets[0]) if offsets else 0.0
     solved = [r > 0 for r in window_returns]
     return GameStats(hint_mean=hint_mean, offset0_mean=offset0, regret=hint_mean - offset0,
                      mean_return=_mean(window_returns), solve_rate=_mean(solved),

@@ -107,6 +107,12 @@ def test_bad_flags_get_clear_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=nope",
                         f"--workdir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "unknown experiment" in r.stderr
+    # The recipe experiments refuse to start without their corpus, naming the flag.
+    r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=qwen3_30b_a3b",
+                        f"--workdir={tmp_path / 'q'}"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 2 and "--corpus=" in r.stderr and "corpus.stand_in=True" in r.stderr
+    assert not (tmp_path / "q" / "config.json").exists()
 
 
 # A fixed pool of seed programs (no warm start needed for valid games), windows of 2 steps,

@@ -410,7 +410,8 @@ ABLATIONS = {  # experiment -> the fields it changes and their new values
         "train.designer.advantage_estimator": "grpo",
         "train.designer.advantage": GroupNormAdvantageConfig(),
         "spade.designer_group_size": 4, "spade.max_design_attempts": 1,
-        "spade.plays_per_game": 16, "spade.hint_plays": 16, "spade.contract": "paper"},
+        "spade.plays_per_game": 16, "spade.hint_plays": 16, "spade.contract": "paper",
+        "spade.global_batch": 0, "spade.regenerate_missing_games": False},
     "baseline_fixed_env_grpo": {"spade.baseline": "fixed_env_grpo"},
     "baseline_fixed_env_rlve": {"spade.baseline": "fixed_env_rlve"},
 }
@@ -578,6 +579,13 @@ def test_paper_scale_experiments_set_the_recipes_numbers(name):
     assert agent.prefill_budget == 8 * 32768  # docs/scale_out.md: prefill on the decode layout
     assert (agent.action_format, agent.first_turn_template, agent.system_prompt,
             agent.enable_thinking) == ("boxed", REFERENCE_AGENT_FIRST_TURN_TEMPLATE, None, False)
+    # The second audit (issue 30, docs/reference_parity.md): the authors' code paths.
+    assert (s.global_batch, s.memory_at, s.regenerate_missing_games, s.play_env_seconds,
+            s.drop_failed_plays, s.fresh_prompt_per_attempt, s.corpus_draws, s.flush_at_end,
+            s.hint_top_p) == (192, "regeneration", True, 300.0, True, True, "uniform", False,
+                              0.9)
+    assert config.train.router_replay is False and config.corpus.stand_in is False
+    assert config.checkpoint_every == 16
     designer_tokens, thinking = (20_000, True) if name == "qwen3_8b" else (16384, False)
     assert (config.designer_sampler.max_new_tokens, s.designer_thinking) == (designer_tokens,
                                                                             thinking)
