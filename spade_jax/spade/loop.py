@@ -334,7 +334,7 @@ class SpadeLoop:
         cfg = self.config
         reasons = []
         for rec in records:
-            seconds = float(getattr(rec, "env_seconds", 0.0) or 0.0)
+            seconds = float(rec.cost.env_seconds)
             if cfg.play_env_seconds and seconds > cfg.play_env_seconds:
                 reasons.append(f"play_timeout ({seconds:.0f} s of environment calls)")
             elif cfg.drop_failed_plays and rec.end_reason in DROPPED_END_REASONS:

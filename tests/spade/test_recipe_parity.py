@@ -152,7 +152,7 @@ class SlowGamePolicy(ScriptedPolicy):
     def run_episodes(self, specs, *, seed):
         records = super().run_episodes(specs, seed=seed)
         for rec in records:
-            rec.env_seconds = self.seconds if rec.env_id == self.slow else 1.0
+            rec.cost.env_seconds = self.seconds if rec.env_id == self.slow else 1.0
             rec.end_reason = "env_limit" if rec.env_id == self.broken else "terminated"
         return records
 
