@@ -27,6 +27,10 @@ def get_config() -> ExperimentConfig:
         # (cmd/games/train_spade_8b.sh: --kl-loss-coef 0.005, low_var_kl = k3).
         train=dataclasses.replace(
             base.train, microbatches=8,
+            # slime divides a short batch's summed losses by the global batch: the 8B's KL
+            # term turns off the reward rescaling the 30B launch gets (spade_rollout.py,
+            # partial batches; docs/reference_parity.md).
+            pooled_min_denominator=192,
             agent=_with_kl(base.train.agent, 0.005),
             designer=_with_kl(base.train.designer, 0.005)),
     )

@@ -8,13 +8,17 @@ global-norm gradient clipping, built from one frozen config.
 
 (The first update already uses peak / warmup, not 0.)
 
-Weight decay is decoupled (AdamW) and applied only to matrices (ndim >= 2): norm scales
-and biases are not decayed.
+Weight decay is decoupled (AdamW) and chosen by what a parameter is, from its name: norm
+scales (a module named ``*norm``) and biases are not decayed, everything else is (as
+Megatron's no-decay rule for the recipe's norms and biases). Never by the number of
+dimensions: under ``scan_layers`` a stacked norm weight is 2-D and still a norm.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +43,8 @@ class OptimizerConfig:
         update per SPADE round), so it never drifts from ``spade.rounds``.
       end_lr_ratio: final / peak learning rate of the cosine schedule.
       b1, b2, eps: Adam moment decays and denominator epsilon.
-      weight_decay: decoupled weight decay on matrices (ndim >= 2).
+      weight_decay: decoupled weight decay on every parameter but norms and biases
+        (:func:`decays`).
       clip_norm: clip the global gradient norm to this value before Adam; 0 disables.
       master_dtype: storage dtype of the parameters and of the Adam moments ("float32" keeps
         fp32 master weights even when the forward pass runs in bf16).
@@ -115,8 +120,24 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     return schedule
 
 
-def _decay_mask(params):
-    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def decays(path: Sequence[Any]) -> bool:
+    """Whether the parameter at ``path`` (a pytree key path, or its names) gets weight
+    decay: not when a part of its name ends in "norm" (RMSNorm scales: ``final_norm``,
+    ``input_norm``, ``q_norm``, ...) or contains "bias"."""
+    names = [_key_name(k).lower() for k in path]
+    return not any(n.endswith("norm") or "bias" in n for n in names)
+
+
+def decay_mask(params: Any) -> Any:
+    """Per leaf of ``params``: True where weight decay applies (:func:`decays`)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
@@ -128,7 +149,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         mu_dtype=MASTER_DTYPES[cfg.master_dtype],
-        mask=_decay_mask,
+        mask=decay_mask,
     )
     if cfg.clip_norm == 0:
         return adamw

@@ -14,7 +14,7 @@ Per microbatch m (a strided slice of the batch, accumulated with ``lax.scan``):
                  = sum_r  w_r * (n^r_m / N)   * loss^r_m  + aux_coef * aux_m / M   pooled
 
 where ``n^r`` counts role r's sequences that have policy tokens (``n^r_m`` those in m) and
-N = sum_r n^r. Summed over m, this is exactly the full-batch loss of every
+N = sum_r n^r (pooled: at least ``pooled_min_denominator``). Summed over m, this is exactly the full-batch loss of every
 per-sequence-mean rule (GRPO, GSPO): per role, or one mean over both roles' sequences
 (pooled, the recipe's); for token-mean rules (DAPO, Dr.GRPO) it weights microbatches by
 sequences, not tokens. Rows of the other role are masked out, so a rule that divides by B
@@ -94,6 +94,10 @@ class TrainConfig:
         "pooled" (the recipe): one mean over all sequences of both roles,
         ``sum_r w_r (n_r / N) loss_r`` with n_r the role's sequences and N = sum_r n_r,
         so a designer sample weighs as much as an agent sample.
+      pooled_min_denominator: pooled aggregation divides by max(N, this) (0 = N). The
+        recipe's slime divides the summed per-sample losses by the global batch (192)
+        when a batch falls short and its rewards are not rescaled (the 8B launch, whose
+        KL term turns the rescaling off: docs/reference_parity.md).
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -107,8 +111,12 @@ class TrainConfig:
     aux_loss_coef: float = 0.0
     skip_nonfinite: bool = True
     loss_aggregation: str = "per_role"
+    pooled_min_denominator: int = 0
 
     def __post_init__(self) -> None:
+        if self.pooled_min_denominator < 0:
+            raise ValueError(f"pooled_min_denominator must be >= 0, got "
+                             f"{self.pooled_min_denominator}")
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got "
                              f"{self.loss_aggregation!r}")
@@ -375,7 +383,8 @@ def train_step(
     share_mr = scored_mr / jnp.maximum(jnp.sum(scored_mr, axis=0, keepdims=True), 1.0)
     loss_share_mr = share_mr
     if config.loss_aggregation == "pooled":
-        loss_share_mr = scored_mr / jnp.maximum(jnp.sum(scored_mr), 1.0)
+        denominator = jnp.maximum(jnp.sum(scored_mr), max(config.pooled_min_denominator, 1))
+        loss_share_mr = scored_mr / denominator
     grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
 
     def accumulate(grads_acc, inputs):

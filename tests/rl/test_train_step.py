@@ -7,6 +7,7 @@ Compilation dominates on CPU, so one tiny model and one compiled step are shared
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -21,7 +22,12 @@ from flax import nnx
 from spade_jax import sharding
 from spade_jax.models import ModelConfig, ModelOptions, Qwen3, load_balancing_loss
 from spade_jax.rl.batch import PackConfig, TrainBatch, TrainSequence, pack_sequences
-from spade_jax.rl.optim import OptimizerConfig, learning_rate_schedule, make_optimizer
+from spade_jax.rl.optim import (
+    OptimizerConfig,
+    decay_mask,
+    learning_rate_schedule,
+    make_optimizer,
+)
 from spade_jax.rl.train_step import (
     ReferencePolicy,
     RoleConfig,
@@ -102,9 +108,13 @@ def test_optimizer_matches_numpy_adamw():
     cfg = OptimizerConfig(learning_rate=0.1, warmup_steps=2, schedule="cosine", total_steps=5,
                           weight_decay=0.3, clip_norm=0.5, b1=0.8, b2=0.9, eps=1e-3)
     rng = np.random.RandomState(1)
-    params = {"w": rng.randn(3, 4).astype(np.float32), "b": rng.randn(4).astype(np.float32)}
+    # Decay by name, not shape: a matrix and a vector are decayed, a bias and a stacked
+    # (2-D, as under scan_layers) norm scale are not.
+    params = {"w": rng.randn(3, 4).astype(np.float32), "v": rng.randn(4).astype(np.float32),
+              "bias": rng.randn(4).astype(np.float32),
+              "input_norm": {"weight": rng.randn(2, 4).astype(np.float32)}}
     grads_per_step = [
-        {k: (rng.randn(*v.shape) * scale).astype(np.float32) for k, v in params.items()}
+        jax.tree.map(lambda v, s=scale: (rng.randn(*v.shape) * s).astype(np.float32), params)
         for scale in (1.0, 0.01, 3.0)
     ]
     optimizer = make_optimizer(cfg)
@@ -113,10 +123,14 @@ def test_optimizer_matches_numpy_adamw():
         updates, state = optimizer.update(g, state, got)
         got = jax.tree.map(lambda p, u: p + u, got, updates)
 
-    p = {k: v.astype(np.float64) for k, v in params.items()}
-    m = {k: np.zeros_like(v) for k, v in p.items()}
+    flat = lambda tree: {"/".join(str(getattr(k, "key", k)) for k in path): leaf  # noqa: E731
+                         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    decayed = {"w": True, "v": True, "bias": False, "input_norm/weight": False}
+    p = {k: x.astype(np.float64) for k, x in flat(params).items()}
+    m = {k: np.zeros_like(x) for k, x in p.items()}
     v = {k: np.zeros_like(x) for k, x in p.items()}
     for t, g in enumerate(grads_per_step, start=1):
+        g = flat(g)
         norm = math.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in g.values()))
         scale = min(1.0, 0.5 / norm)
         lr = float(learning_rate_schedule(cfg)(t - 1))
@@ -125,10 +139,30 @@ def test_optimizer_matches_numpy_adamw():
             m[k] = 0.8 * m[k] + 0.2 * gk
             v[k] = 0.9 * v[k] + 0.1 * gk**2
             step = (m[k] / (1 - 0.8**t)) / (np.sqrt(v[k] / (1 - 0.9**t)) + 1e-3)
-            decay = 0.3 * p[k] if p[k].ndim >= 2 else 0.0  # biases/norms are not decayed
+            decay = 0.3 * p[k] if decayed[k] else 0.0  # biases and norms are not decayed
             p[k] = p[k] - lr * (step + decay)
-    for k in p:
-        np.testing.assert_allclose(got[k], p[k], rtol=1e-5, atol=1e-6)
+    for k, x in flat(got).items():
+        np.testing.assert_allclose(x, p[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
+def test_weight_decay_skips_every_norm_and_bias_of_the_model(scan):
+    """Issue 30 item 15: Megatron decays no norm; with stacked layers the norm scales are
+    2-D, so a rule by dimension decayed them. Every kernel (router included) is decayed."""
+    model = Qwen3(tiny_config(), ModelOptions(scan_layers=scan), rngs=nnx.Rngs(0))
+    _, params = nnx.split(model)
+    mask = decay_mask(params)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    masks = jax.tree_util.tree_leaves(mask)
+    seen_norms = 0
+    for (path, leaf), decayed in zip(leaves, masks, strict=True):
+        name = jax.tree_util.keystr(path)
+        is_norm = "norm" in name
+        seen_norms += is_norm
+        assert decayed == (not is_norm), name
+        if is_norm and scan and "final_norm" not in name:
+            assert leaf.ndim == 2, name  # stacked: a shape rule would have decayed it
+    assert seen_norms >= 5
 
 
 # ---- the step against a full-batch reference ---------------------------------------------
@@ -190,13 +224,12 @@ def reference_loss(params, graphdef, batch: TrainBatch):
 
 def numpy_adamw_first_step(params, grads, cfg: OptimizerConfig):
     """One AdamW step from zero moments (clip not active: the test keeps clip_norm large)."""
-    def one(p, g):
+    def one(p, g, decayed):
         p, g = np.asarray(p, np.float64), np.asarray(g, np.float64)
         step = g / (np.abs(g) + cfg.eps)  # m_hat = g, sqrt(v_hat) = |g| at t = 1
-        decay = cfg.weight_decay * p if p.ndim >= 2 else 0.0
-        return p - cfg.learning_rate * (step + decay)
+        return p - cfg.learning_rate * (step + cfg.weight_decay * p * decayed)
 
-    return jax.tree.map(one, params, grads)
+    return jax.tree.map(one, params, grads, decay_mask(params))
 
 
 _INITIAL_STATES = {}
@@ -257,7 +290,7 @@ POOLED_CONFIG = TrainConfig(
 )
 
 
-def np_pooled_tis_loss(logp, batch: TrainBatch, aggregation: str) -> float:
+def np_pooled_tis_loss(logp, batch: TrainBatch, aggregation: str, floor: int = 0) -> float:
     """POOLED_CONFIG's loss by loops in float64: per-token clipped term (agent: ratio 1 against
     the trainer's own log-probs, times min(pi_trainer / pi_sampler, 1.5)), mean over each
     sequence's tokens, then one mean over all sequences (pooled) or a mean per role."""
@@ -275,7 +308,7 @@ def np_pooled_tis_loss(logp, batch: TrainBatch, aggregation: str) -> float:
         if tokens:
             means[role].append((1.0 if role == 0 else 0.5) * np.mean(tokens))
     if aggregation == "pooled":
-        return sum(map(sum, means.values())) / sum(map(len, means.values()))
+        return sum(map(sum, means.values())) / max(sum(map(len, means.values())), floor)
     return sum(np.mean(m) for m in means.values())
 
 
@@ -321,6 +354,31 @@ def test_pooled_aggregation_with_tis_matches_numpy():
         np.minimum(ratio, 1.5).mean(), rel=0.05)
     assert float(metrics["agent/tis/clip_frac"]) > 0
     assert "designer/tis/weight_mean" not in metrics
+
+
+@pytest.mark.slow  # one step compile
+def test_pooled_loss_divides_by_the_floor_when_the_batch_is_short():
+    """Issue 30 item 1 (the 8B recipe): slime divides the summed per-sample losses by the
+    global batch even when fewer samples are real, so a short batch's loss and gradient are
+    scaled by n / floor."""
+    config = dataclasses.replace(POOLED_CONFIG, pooled_min_denominator=12)
+    model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(0))
+    graphdef, state = init_train_state(model, config)
+    batch = random_batch(4)
+    logits = np.asarray(model(batch.input_ids).logits, np.float64)
+    logp = np.take_along_axis(log_softmax_np(logits)[:, :-1], batch.input_ids[:, 1:, None],
+                              -1)[..., 0]
+    logp = np.pad(logp, ((0, 0), (1, 0)))
+    scored = int(np.sum(np.asarray(batch.loss_mask).sum(1) > 0))
+    assert scored < 12
+    want = np_pooled_tis_loss(logp, batch, "pooled", floor=12)
+    assert want == pytest.approx(np_pooled_tis_loss(logp, batch, "pooled") * scored / 12)
+    _, metrics = make_train_step(graphdef, config)(state, batch)
+    assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    _, plain = make_train_step(graphdef, POOLED_CONFIG)(
+        init_train_state(model, POOLED_CONFIG)[1], batch)
+    assert float(metrics["grad_norm"]) == pytest.approx(
+        float(plain["grad_norm"]) * scored / 12, rel=1e-4)
 
 
 @pytest.mark.slow  # ~80 s loaded: compiles two steps
