@@ -189,7 +189,8 @@ def test_recipe_samplers_prefill_within_the_engines_budget():
                   "train.microbatches": 8}),
     ("qwen3_8b", {"model.preset": "qwen3_8b", "mesh.expert": 1, "train.microbatches": 8,
                   "designer_sampler.max_new_tokens": 20_000, "spade.designer_thinking": True,
-                  "train.agent.loss.kl_coef": 0.005, "train.designer.loss.kl_coef": 0.005}),
+                  "train.agent.loss.kl_coef": 0.005, "train.designer.loss.kl_coef": 0.005,
+                  "train.pooled_min_denominator": 192}),
 ])
 def test_the_4b_and_8b_experiments_are_small_variants_of_the_30b(name, changes):
     """Everything else (the recipe's rounds, sampling, update) comes from the 30B file."""
