@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = args.parse_args(argv)
     experiment, spade, sandbox = recipe_config(opts.rounds)
     tokenizer = CharTokenizer()
-    policy = ScriptedPolicy(tokenizer, getattr(experiment.agent, "end_on_cut_reply", False),
+    policy = ScriptedPolicy(tokenizer, experiment.agent.end_on_cut_reply,
                             experiment.agent.max_turns)
     corpus = InMemoryCorpus([Document(f"doc{i}", f"text of document {i}", "demo")
                              for i in range(50)], "demo")

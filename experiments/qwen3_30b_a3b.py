@@ -49,6 +49,8 @@ def get_config() -> ExperimentConfig:
                               system_prompt=None, enable_thinking=False,
                               action_format="boxed",
                               first_turn_template=REFERENCE_AGENT_FIRST_TURN_TEMPLATE,
+                              # A reply cut at 8192 tokens ends the episode, score 0.
+                              end_on_cut_reply=True,
                               # 256 rows per batch bounds the KV cache per chip (README
                               # AOT table: re-run `python -m spade_jax.aot` for 32k context).
                               # Prefill budget of one call, the engine's admits included

@@ -80,6 +80,9 @@ class AgentLoopConfig:
       first_turn_template: the first user turn; "{observation}" is replaced by the first
         observation (hint included), literally, so braces elsewhere need no escaping. Later
         turns are the bare observation.
+      end_on_cut_reply: a reply cut at ``max_turn_tokens`` (no end of turn) ends the
+        episode (end_reason "cut_reply", truncated, return 0) without stepping the env, as
+        the recipe does; False: the cut reply is parsed and played like any other.
     """
 
     max_turns: int = 8
@@ -95,6 +98,7 @@ class AgentLoopConfig:
     first_turn_template: str = "{observation}"
     decode_slots: int = 0
     max_prefill_tokens: int = 0
+    end_on_cut_reply: bool = False
 
     def __post_init__(self):
         if self.decode_slots < 0:
@@ -505,6 +509,10 @@ class _Scheduler:
         ep.pending_action = action
         if done.reason != "eos" and len(rec.token_ids) >= config.max_episode_tokens:
             self._end(i, "max_tokens", truncated=True)
+            return
+        if config.end_on_cut_reply and done.reason == "max_tokens":
+            rec.return_ = 0.0  # the recipe scores a cut reply's episode 0
+            self._end(i, "cut_reply", truncated=True)
             return
         self.stepping.add(i)
         self.launched[i] = self.ticks

@@ -133,6 +133,35 @@ def test_multi_turn_episodes_record_streams_masks_and_returns(model, tokenizer):
         assert not arrays["logprobs"][arrays["loss_mask"] == 0].any()
 
 
+def test_a_reply_cut_at_the_turn_cap_ends_the_episode_when_asked(model, tokenizer):
+    """Issue 30 item 4: the recipe ends an episode whose reply hit the per-turn token cap
+    without an end of turn (truncated, score 0) and never steps the game with it; by
+    default the cut reply is played. The same seeds draw the same first turns both ways."""
+    def play(end_on_cut_reply):
+        envs = [ScriptedEnv(f"e{k}", [1.0], "terminated") for k in range(4)]
+        config = AgentLoopConfig(
+            max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
+            end_on_cut_reply=end_on_cut_reply,
+            sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE, seed=3,
+                                  prompt_bucket_min=128, compact_batch=False))
+        specs = [EpisodeSpec(env, env.name, seed=k) for k, env in enumerate(envs)]
+        return envs, run_episodes(model, tokenizer, specs, config)
+
+    envs, records = play(True)
+    cut = [r for r in records if r.turn_done_reasons[0] == "max_tokens"]
+    assert cut, "a random policy's 6-token replies should hit the cap"
+    for env, rec in zip(envs, records, strict=True):
+        if rec.turn_done_reasons[0] == "max_tokens":
+            assert (rec.end_reason, rec.truncated, rec.return_) == ("cut_reply", True, 0.0)
+            assert env.actions == [] and rec.step_rewards == [] and rec.cost.turns == 1
+        else:
+            assert rec.end_reason == "terminated" and rec.return_ == 1.0
+    played_envs, played = play(False)
+    for env, rec, first in zip(played_envs, played, records, strict=True):
+        assert rec.token_ids[:first.turn_spans[0][1]] == first.token_ids[:first.turn_spans[0][1]]
+        assert env.actions and rec.end_reason == "terminated" and rec.return_ == 1.0
+
+
 def test_env_errors_end_the_episode(model, tokenizer):
     class Broken(ScriptedEnv):
         def step(self, action):

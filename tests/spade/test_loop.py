@@ -585,7 +585,7 @@ def test_paper_scale_experiments_set_the_recipes_numbers(name):
             s.hint_top_p) == (192, "regeneration", True, 300.0, True, True, "uniform", False,
                               0.9)
     assert config.train.router_replay is False and config.corpus.stand_in is False
-    assert config.checkpoint_every == 16
+    assert config.checkpoint_every == 16 and agent.end_on_cut_reply is True
     # A short batch's loss / 192 only where slime does not rescale it (the 8B's KL).
     assert config.train.pooled_min_denominator == (192 if name == "qwen3_8b" else 0)
     designer_tokens, thinking = (20_000, True) if name == "qwen3_8b" else (16384, False)
