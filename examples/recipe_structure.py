@@ -173,7 +173,7 @@ class ScriptedPolicy:
                 return rec
             action, _ = self.parser(reply)
             try:
-                observation, reward, terminated, truncated, _ = self._timed(
+                observation, reward, terminated, truncated, info = self._timed(
                     rec, spec.env.step, action)
             except Exception as err:  # noqa: BLE001
                 rec.end_reason = _failure(err)
@@ -182,6 +182,9 @@ class ScriptedPolicy:
             rec.step_rewards.append(float(reward))
             rec.return_ = float(sum(rec.step_rewards))
             rec.terminated, rec.truncated = bool(terminated), bool(truncated)
+            if info.get("program_error"):  # the sandbox's play wrapper answered for the game
+                rec.end_reason = "program_error"
+                return rec
             if terminated or truncated:
                 rec.end_reason = "terminated" if terminated else "truncated"
                 return rec
@@ -215,13 +218,15 @@ def recipe_config(rounds: int):
         experiment.spade, rounds=rounds, envs_per_round=6, plays_per_game=2, hint_plays=2,
         global_batch=12, max_design_attempts=2, probe_episodes=0, eval_every=0,
         memory_examples=1)
-    sandbox = dataclasses.replace(experiment.sandbox, call_deadline_s=2.0, load_deadline_s=10.0)
+    # The recipe's play wrapper and its play-time limits, scaled from 30 s to 1.5 s.
+    sandbox = dataclasses.replace(experiment.sandbox, call_deadline_s=2.0, load_deadline_s=10.0,
+                                  play_call_deadline_s=1.5, play_call_cpu_budget_s=1.0)
     return experiment, spade, sandbox
 
 
 ITEM_METRICS = {
     "1 batch cut (designer first)": "batch/trimmed",
-    "3 step() raised -> reward -1": "episodes/program_error",
+    "3 step() raised -> reward -1": "episodes/end/program_error",
     "4 cut reply ends the episode": "episodes/end/cut_reply",
     "5 games in memory after their round": "memory/added",
     "7 fresh document per attempt": "designer/fresh_documents",
@@ -270,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{metrics['batch/agent']:11.0f} | {metrics['batch/designer']:8.0f} | "
                   f"{metrics['batch/trimmed']:7.0f} | "
                   f"{metrics.get('episodes/end/cut_reply', 0):3.0f} | "
-                  f"{metrics.get('episodes/program_error', 0):10.0f} | "
+                  f"{metrics.get('episodes/end/program_error', 0):10.0f} | "
                   f"{metrics['plays/dropped']:7.0f} | {metrics['memory/added']:6.0f} | "
                   f"{metrics['designer/missing_designed']:15.0f} | "
                   f"{metrics['designer/fresh_documents']:10.0f}", flush=True)

@@ -16,6 +16,7 @@ The paper text's variant is one experiment away: experiments/spade_paper_text.py
 Sharding: 128 experts over the expert axis (expert parallelism), the rest FSDP.
 """
 
+from spade_jax.envs import SandboxConfig
 from spade_jax.experiment import CorpusSpec, ExperimentConfig, ModelSpec, TokenizerSpec
 from spade_jax.rl.optim import OptimizerConfig
 from spade_jax.rl.train_step import RoleConfig, TrainConfig
@@ -112,5 +113,10 @@ def get_config() -> ExperimentConfig:
         # (python -m spade_jax.train --corpus=gs://B/corpus/*.parquet, or knowingly
         # --set corpus.stand_in=True).
         corpus=CorpusSpec(domain="game", stand_in=False),
+        # The recipe's play wrapper: a game's error in step() is the agent's observation,
+        # reward -1 (validation stays strict); a played step may take 30 s (validation
+        # keeps its 1 s CPU budget), past that the play is dropped and the game blocklisted.
+        sandbox=SandboxConfig(lenient_play_steps=True, play_call_deadline_s=30.0,
+                              play_call_cpu_budget_s=30.0),
         checkpoint_every=16,
     )

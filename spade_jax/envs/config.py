@@ -29,6 +29,19 @@ class SandboxConfig:
     # worker is killed and the call returns "slow_call". CPU time, unlike wall-clock time,
     # does not grow with the host's load. None: no budget (only the deadline).
     call_cpu_budget_s: float | None = CALL_CPU_BUDGET_S
+    # Play-time limits of one reset()/step() call of a game the agent plays (not a
+    # validation's): wall clock and CPU seconds. An honest game can be slowed by what the
+    # agent answers (a huge number to parse), so play may allow more than validation does;
+    # over them the call fails as above and the game is blocklisted. None: the limits above.
+    # The recipe drops a play whose step() takes over 30 s.
+    play_call_deadline_s: float | None = None
+    play_call_cpu_budget_s: float | None = None
+    # The recipe's play wrapper: a reference game whose step() raises, or returns something
+    # that is not a 5-tuple, answers the agent with an error observation, reward -1 and
+    # terminated, instead of ending the episode as an env_error; the tuple's parts are
+    # coerced (str observation, float reward, bool flags, dict info). Played episodes only:
+    # validation stays strict.
+    lenient_play_steps: bool = False
     # Deadline for loading a program (module-level code + Environment()).
     load_deadline_s: float = 10.0
     # RLIMIT_AS of a worker (address space, MiB).
@@ -120,9 +133,10 @@ class SandboxConfig:
                 + (" with reference_imports preloaded (set reference_imports=frozenset() "
                    "to run paper-contract programs in less)" if self.reference_imports else "")
             )
-        if self.call_cpu_budget_s is not None and not self.call_cpu_budget_s > 0:
-            raise ValueError(f"SandboxConfig.call_cpu_budget_s must be None or > 0, got "
-                             f"{self.call_cpu_budget_s!r}")
+        for name in ("call_cpu_budget_s", "play_call_deadline_s", "play_call_cpu_budget_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"SandboxConfig.{name} must be None or > 0, got {value!r}")
         if self.worker_memory_mb is not None and not (
             type(self.worker_memory_mb) is int and self.worker_memory_mb >= 16
         ):

@@ -134,6 +134,8 @@ class EpisodeSnapshot:
     episode_return: float
     contract: str = "paper"
     max_turns: int = REFERENCE_MAX_TURNS
+    lenient: bool = False  # the handle's step() answers program errors (play wrapper)
+    play_limits: bool = False  # the handle ran under the play-time per-call limits
 
 
 # ----------------------------------------------------------------------------- handles
@@ -151,6 +153,8 @@ class EnvHandle:
         contract: str = "paper",
         max_turns: int = REFERENCE_MAX_TURNS,
         trial: bool = False,
+        lenient: bool = False,
+        play_limits: bool = False,
     ) -> None:
         self.pool = pool
         self.source = source
@@ -158,6 +162,10 @@ class EnvHandle:
         # A validation's handle: a broken limit fails the call but neither blocklists the
         # program nor is an episode of it replay-audited.
         self.trial = trial
+        # A played game's handle: program errors in step() answered as the recipe's play
+        # wrapper does (SandboxConfig.lenient_play_steps), and the play-time call limits.
+        self.lenient = lenient
+        self.play_limits = play_limits
         # "paper" or "reference" (resolved; never "auto"), and the reference turn budget.
         self.contract = contract
         self.max_turns = max_turns
@@ -198,6 +206,8 @@ class EnvHandle:
             self.episode_return,
             self.contract,
             self.max_turns,
+            self.lenient,
+            self.play_limits,
         )
 
     def usage(self) -> dict[str, float] | SandboxError:
@@ -394,10 +404,11 @@ class EnvPool:
 
     def open(
         self, source: str, *, contract: str = AUTO_CONTRACT, max_turns: int = REFERENCE_MAX_TURNS,
-        trial: bool = False,
+        trial: bool = False, lenient: bool | None = None, play_limits: bool | None = None,
     ) -> EnvHandle:
         """Loads `source` into a fresh worker. Failures are in `handle.error`."""
-        return self.open_many([source], contract=contract, max_turns=max_turns, trial=trial)[0]
+        return self.open_many([source], contract=contract, max_turns=max_turns, trial=trial,
+                              lenient=lenient, play_limits=play_limits)[0]
 
     def open_many(
         self,
@@ -407,6 +418,8 @@ class EnvPool:
         max_turns: int = REFERENCE_MAX_TURNS,
         order_seed: int | None = None,
         trial: bool = False,
+        lenient: bool | None = None,
+        play_limits: bool | None = None,
     ) -> list[EnvHandle]:
         """Loads several programs (or copies of one) concurrently, one worker each.
 
@@ -422,6 +435,12 @@ class EnvPool:
             `cls(max_turns=max_turns)` and its episode truncated after that many steps.
           trial: validation's runs: a run-time limit these handles break fails the call
             but does not blocklist the program, and their episodes are not replay-audited.
+          lenient: step() answers a reference game's program errors as the recipe's play
+            wrapper does (error observation, reward -1, terminated). None: for the played
+            (non-trial) reference games when `SandboxConfig.lenient_play_steps` is set.
+          play_limits: the calls run under the play-time limits
+            (`SandboxConfig.play_call_deadline_s` / `play_call_cpu_budget_s`). None: for
+            non-trial handles. (A replay or a fork passes the original's.)
         """
         for source in sources:
             if not isinstance(source, str):
@@ -457,7 +476,11 @@ class EnvPool:
                         load = {"op": "load", "source": source, "contract": kind,
                                 "max_turns": max_turns}  # fmt: skip
                         calls.append((index, worker, load))
-                handles[index] = EnvHandle(self, source, worker, error, kind, max_turns, trial)
+                handles[index] = EnvHandle(
+                    self, source, worker, error, kind, max_turns, trial,
+                    lenient=(self.config.lenient_play_steps and kind == "reference" and not trial)
+                    if lenient is None else lenient,
+                    play_limits=not trial if play_limits is None else play_limits)
             self._refill()
         replies = supervisor.exchange(
             [(w, load, self.config.load_deadline_s) for _, w, load in calls]
@@ -472,11 +495,21 @@ class EnvPool:
                 handles[index].error = error
         return handles  # type: ignore[return-value]
 
-    def _call_deadline(self, deadline_s: float | None) -> float:
-        """The per-call deadline, cut to `deadline_s` when a caller has less time left."""
+    def _call_deadline(self, deadline_s: float | None, handle: EnvHandle) -> float:
+        """The handle's per-call deadline (validation's, or the play-time one), cut to
+        `deadline_s` when a caller has less time left."""
+        limit = self.config.call_deadline_s
+        if handle.play_limits and self.config.play_call_deadline_s is not None:
+            limit = self.config.play_call_deadline_s
         if deadline_s is None:
-            return self.config.call_deadline_s
-        return max(0.0, min(self.config.call_deadline_s, deadline_s))
+            return limit
+        return max(0.0, min(limit, deadline_s))
+
+    def _cpu_budget(self, handle: EnvHandle) -> float | None:
+        """The handle's per-call CPU budget (validation's, or the play-time one)."""
+        if handle.play_limits and self.config.play_call_cpu_budget_s is not None:
+            return self.config.play_call_cpu_budget_s
+        return self.config.call_cpu_budget_s
 
     def reset_many(
         self, calls: Sequence[tuple[EnvHandle, int | None]], *, deadline_s: float | None = None
@@ -498,10 +531,10 @@ class EnvPool:
             live.append((index, handle, seed))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "reset", "seed": s}, self._call_deadline(deadline_s))
+                (h.worker, {"op": "reset", "seed": s}, self._call_deadline(deadline_s, h))
                 for _, h, s in live
             ],
-            self.config.call_cpu_budget_s,
+            [self._cpu_budget(h) for _, h, _ in live],
         )
         for (index, handle, seed), reply in zip(live, replies, strict=True):
             result = supervisor.check_reset(reply, self.config)
@@ -535,10 +568,11 @@ class EnvPool:
                 live.append((index, handle, action[: self.config.max_action_chars]))
         replies = supervisor.exchange(
             [
-                (h.worker, {"op": "step", "action": a}, self._call_deadline(deadline_s))
+                (h.worker, {"op": "step", "action": a, "lenient": h.lenient},
+                 self._call_deadline(deadline_s, h))
                 for _, h, a in live
             ],
-            self.config.call_cpu_budget_s,
+            [self._cpu_budget(h) for _, h, _ in live],
         )
         for (index, handle, action), reply in zip(live, replies, strict=True):
             results[index] = self._account(handle, action, calls[index][1], reply)
@@ -619,7 +653,8 @@ class EnvPool:
         if not isinstance(snapshot, EpisodeSnapshot):
             raise TypeError(f"fork() takes an EpisodeSnapshot, got {type(snapshot).__name__}")
         handle = self.open(
-            snapshot.source, contract=snapshot.contract, max_turns=snapshot.max_turns
+            snapshot.source, contract=snapshot.contract, max_turns=snapshot.max_turns,
+            lenient=snapshot.lenient, play_limits=snapshot.play_limits,
         )
         if not handle.ok:
             return handle

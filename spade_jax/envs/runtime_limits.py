@@ -56,12 +56,15 @@ def replay_audit(pool: Any, handles: list[Any]) -> list[SandboxError | None]:
     not run), else a "nondeterministic_replay" error saying what differed."""
     snapshots = [handle.snapshot() for handle in handles]
     twins: list[Any] = [None] * len(handles)
-    groups: dict[tuple[str, int], list[int]] = {}
+    groups: dict[tuple[str, int, bool, bool], list[int]] = {}
     for i, snap in enumerate(snapshots):
-        groups.setdefault((snap.contract, snap.max_turns), []).append(i)
-    for (contract, max_turns), members in groups.items():
+        groups.setdefault((snap.contract, snap.max_turns, snap.lenient, snap.play_limits),
+                          []).append(i)
+    # The twins play as the originals did (the play wrapper, the play-time limits).
+    for (contract, max_turns, lenient, play_limits), members in groups.items():
         opened = pool.open_many([snapshots[i].source for i in members], contract=contract,
-                                max_turns=max_turns, trial=True)
+                                max_turns=max_turns, trial=True, lenient=lenient,
+                                play_limits=play_limits)
         for i, twin in zip(members, opened, strict=True):
             twins[i] = twin
     failed: list[SandboxError | None] = [twin.error for twin in twins]

@@ -17,6 +17,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from spade_jax.envs import protocol
@@ -95,15 +96,19 @@ class WorkerProcess:
 
 
 def exchange(
-    calls: list[tuple[WorkerProcess, dict, float]], cpu_budget_s: float | None = None
+    calls: list[tuple[WorkerProcess, dict, float]],
+    cpu_budget_s: float | None | Sequence[float | None] = None,
 ) -> list[dict | SandboxError]:
     """Sends each (worker, request, deadline_s) and waits for all replies concurrently.
 
     Returns, per call, the reply dict (nonce checked, 'n' removed) or a SandboxError; a
-    worker that misses its deadline or misbehaves is killed. With `cpu_budget_s`, a call
-    that uses more CPU time than that (read from /proc, outside the worker) is stopped
-    with "slow_call", as soon as it passes the budget or when it replies.
+    worker that misses its deadline or misbehaves is killed. With `cpu_budget_s` (one for
+    every call, or one per call), a call that uses more CPU time than its budget (read from
+    /proc, outside the worker) is stopped with "slow_call", as soon as it passes the
+    budget or when it replies.
     """
+    budgets = (list(cpu_budget_s) if isinstance(cpu_budget_s, Sequence)
+               else [cpu_budget_s] * len(calls))
     results: list[dict | SandboxError | None] = [None] * len(calls)
     pending: dict[int, tuple[int, WorkerProcess, str, float]] = {}
     checks: dict[int, float] = {}  # fd -> when its CPU time could first pass the budget
@@ -125,8 +130,8 @@ def exchange(
             results[index] = worker.dead
             continue
         pending[worker.fd] = (index, worker, nonce, start + deadline_s)
-        if cpu_budget_s is not None:
-            checks[worker.fd] = start + cpu_budget_s
+        if budgets[index] is not None:
+            checks[worker.fd] = start + budgets[index]
 
     poller = select.poll()
     for fd in pending:
@@ -138,7 +143,7 @@ def exchange(
             if now >= deadline:
                 error = SandboxError("timeout", f"no reply within {deadline - start:.3g}s")
             elif fd in checks and now >= checks[fd]:
-                error, checks[fd] = _cpu_check(worker, cpu_budget_s, now)
+                error, checks[fd] = _cpu_check(worker, budgets[index], now)
             if error is not None:
                 worker.kill(error)
                 results[index] = worker.dead
@@ -153,7 +158,7 @@ def exchange(
             if reply is None:
                 continue  # partial frame
             if not isinstance(reply, SandboxError):
-                error, _ = _cpu_check(worker, cpu_budget_s, None)
+                error, _ = _cpu_check(worker, budgets[index], None)
                 if error is not None:
                     worker.kill(error)
                     reply = error

@@ -302,6 +302,8 @@ class _Program:
         return {"obs": _observation(observation, self.limits), "info": _info(info)}
 
     def step(self, request: dict) -> dict:
+        if request.get("lenient"):
+            return self._lenient_step(request["action"])
         result = self.env.step(request["action"])
         if type(result) not in (tuple, list) or len(result) not in (4, 5):
             raise _Reject(
@@ -319,6 +321,50 @@ class _Program:
             "truncated": _flag(truncated, "truncated"),
             "info": _info(info),
         }
+
+
+    def _lenient_step(self, action: str) -> dict:
+        """The recipe's play wrapper around a reference game's step(): an exception, or a
+        reply that is not a 5-tuple, becomes an observation for the agent with reward -1
+        and the episode terminated; a 5-tuple's parts are coerced (str observation, float
+        reward, bool flags, a dict info)."""
+        try:
+            result = self.env.step(action)
+            if type(result) not in (tuple, list) or len(result) != 5:
+                return _ended_by_program("Invalid game response", self.limits)
+            observation, reward, terminated, truncated, info = result
+            observation = "No observation" if observation is None else str(observation)
+            reward = 0.0 if reward is None else float(reward)
+            terminated, truncated = bool(terminated), bool(truncated)
+        except MemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the program's error is the agent's observation
+            try:
+                message = str(err)[:500]
+            except Exception:  # noqa: BLE001 - a hostile __str__
+                message = type(err).__name__
+            return _ended_by_program(f"Error: {message}", self.limits)
+        return {
+            "obs": _observation(observation, self.limits),
+            "reward": _number(reward),
+            "terminated": terminated,
+            "truncated": truncated,
+            "info": _lenient_info(info),
+        }
+
+
+def _lenient_info(info) -> dict:
+    """A played step's info as the recipe keeps it: a dict of plain values, else empty."""
+    try:
+        return _info(info) if type(info) is dict else {}
+    except _Reject:
+        return {}
+
+
+def _ended_by_program(observation: str, limits: dict) -> dict:
+    """A played step the program failed: the recipe's error observation, -1, terminated."""
+    return {"obs": _observation(observation, limits), "reward": -1.0, "terminated": True,
+            "truncated": False, "info": {"program_error": True}}
 
 
 def _implicit_names() -> dict:
@@ -353,13 +399,18 @@ def _game_class(namespace: dict, module_name: str) -> type:
 
 
 def _build_game(cls: type, max_turns: int):
-    """cls(max_turns=N); a class that takes no such argument is built as cls() and, if it
-    keeps a max_turns attribute, gets N there (as the recipe does)."""
+    """As the recipe builds a game: with its own defaults first (``cls()``; a class that
+    needs the argument gets ``cls(max_turns=N)``), then its turn limit set to the smaller
+    of its own (a positive int) and the budget N; a ``max_turns`` attribute that is not
+    one gets N."""
     try:
-        return cls(max_turns=max_turns)
-    except TypeError:
         game = cls()
-    if hasattr(game, "max_turns"):
+    except TypeError:
+        game = cls(max_turns=max_turns)
+    own = getattr(game, "max_turns", None)
+    if type(own) is int and own > 0:
+        game.max_turns = min(own, max_turns)
+    elif hasattr(game, "max_turns"):
         game.max_turns = max_turns
     return game
 

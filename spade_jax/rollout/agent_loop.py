@@ -282,6 +282,10 @@ class _Episode:
 Outcome = tuple[str | None, float, bool, bool, str | None, float]
 
 
+# End reason of an episode the sandbox's play wrapper ended on the game's own error.
+PROGRAM_ERROR = "program_error"
+
+
 def _failure(err: Exception) -> str:
     """The end reason of an episode whose env call raised: the exception's own
     ``end_reason`` when it names one (the sandbox's "env_limit": the program broke a
@@ -302,8 +306,11 @@ def _reset(ep: _Episode) -> Outcome:
 def _step(ep: _Episode) -> Outcome:
     t0 = time.perf_counter()
     try:
-        observation, reward, terminated, truncated, _ = ep.spec.env.step(ep.pending_action)
-        return (str(observation), float(reward), bool(terminated), bool(truncated), None,
+        observation, reward, terminated, truncated, info = ep.spec.env.step(ep.pending_action)
+        # The sandbox's play wrapper answered a game's own error (SandboxConfig.
+        # lenient_play_steps): a played step, which ends the episode as "program_error".
+        ended = PROGRAM_ERROR if isinstance(info, dict) and info.get("program_error") else None
+        return (str(observation), float(reward), bool(terminated), bool(truncated), ended,
                 time.perf_counter() - t0)
     except Exception as err:  # recorded as env_error (or env_limit) when absorbed
         return None, 0.0, False, False, _failure(err), time.perf_counter() - t0
@@ -557,13 +564,16 @@ def _absorb_step(ep: _Episode, outcome: Outcome, turns: ChatTurns,
     rec = ep.record
     observation, reward, terminated, truncated, error, seconds = outcome
     rec.cost.env_seconds += seconds
-    if error is not None:
+    if error is not None and error != PROGRAM_ERROR:
         ep.active, rec.end_reason = False, error
         return
     rec.step_rewards.append(reward)
     rec.return_ = float(sum(rec.step_rewards))
     rec.observations.append(observation)
     rec.terminated, rec.truncated = terminated, truncated
+    if error == PROGRAM_ERROR:  # the game failed: the agent saw the error, scored -1
+        ep.active, rec.end_reason = False, PROGRAM_ERROR
+        return
     if terminated or truncated:
         ep.active, rec.end_reason = False, "terminated" if terminated else "truncated"
         return

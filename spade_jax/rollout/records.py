@@ -47,7 +47,10 @@ class EpisodeRecord:
     end_reason: "terminated", "truncated" (by the env), "max_turns", "max_tokens" (the
       episode token budget), "env_error" or "env_limit" (the sandboxed program broke a
       run-time limit: over the per-call CPU budget or deadline, over its memory budget,
-      or a replay did not reproduce it; the pool blocklists it: `EnvPool.blocked`).
+      or a replay did not reproduce it; the pool blocklists it: `EnvPool.blocked`),
+      "program_error" (the game's step() raised or answered badly and the sandbox's play
+      wrapper answered for it, reward -1: ``SandboxConfig.lenient_play_steps``), "cut_reply"
+      (a reply cut at the turn's token cap: ``AgentLoopConfig.end_on_cut_reply``).
     turn_done_reasons: the sampler's done reason per turn ("eos", "stop_string", "max_tokens").
     sampler_seeds: the generate() seed of each turn's call (with the row order, reproduces it).
     routing: with ``SamplerConfig.return_router``, the experts each fed token was routed to

@@ -308,12 +308,15 @@ def _recipe_episode(game: Game) -> tuple[list[str], list[float], float]:
     namespace = _recipe_namespace()
     exec(compile(game.source, "<test game>", "exec"), namespace)  # noqa: S102 - our own code
     cls = namespace[game.cls]
-    try:
-        env = cls(max_turns=game.max_turns)
-    except TypeError:
+    try:  # the recipe: the game's own defaults first, its turn limit capped at the budget
         env = cls()
-        if hasattr(env, "max_turns"):
-            env.max_turns = game.max_turns
+    except TypeError:
+        env = cls(max_turns=game.max_turns)
+    own = getattr(env, "max_turns", None)
+    if isinstance(own, int) and own > 0:
+        env.max_turns = min(own, game.max_turns)
+    elif hasattr(env, "max_turns"):
+        env.max_turns = game.max_turns
     first = env.reset(seed=game.seed)
     observations = [first if isinstance(first, str) else first[0]]
     rewards, terminated = [], False
@@ -380,6 +383,70 @@ def test_recipe_game_validates_and_scores_as_the_recipe(name, pool):
     assert terminated or truncated
 
 
+# step() raises on its second action; a second game answers with loose types.
+RAISES = r"""
+class FragileEnv:
+    def __init__(self, max_turns=12):
+        self.max_turns = max_turns
+    def reset(self, seed=None):
+        self.turn = 0
+        return "Say anything.", {}
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 2:
+            raise KeyError("no such room")
+        return "go on", 0.0, False, False, {}
+"""
+LOOSE = r"""
+class LooseEnv:
+    def __init__(self, max_turns=12):
+        self.max_turns = max_turns
+    def reset(self, seed=None):
+        return "Say anything.", {}
+    def step(self, action):
+        if "four" in action:
+            return "old gym", 1.0, True, {}
+        return 17, "1", 1, 0, None
+"""
+
+
+@pytest.fixture(scope="module")
+def lenient_pool():
+    with EnvPool(SandboxConfig(call_deadline_s=2.0, load_deadline_s=5.0,
+                               lenient_play_steps=True)) as p:
+        if p.isolation_report().missing:
+            pytest.skip(f"sandbox layers missing here: {p.isolation_report().as_dict()}")
+        yield p
+
+
+def test_a_played_step_that_fails_is_scored_as_the_recipe_scores_it(pool, lenient_pool):
+    """Issue 30 item 3: the recipe's play wrapper answers a game's exception with an error
+    observation, reward -1 and the episode terminated; a reply that is not a 5-tuple is an
+    "Invalid game response" (-1); a 5-tuple's parts are coerced. Validation stays strict,
+    and without the setting a raising step still ends the episode as an env_error."""
+    env = make_env(RAISES, lenient_pool, contract="reference", max_turns=12)
+    env.reset(seed=0)
+    assert env.step("a")[1:4] == (0.0, False, False)
+    observation, reward, terminated, truncated, info = env.step("b")
+    assert observation.startswith("Error: ") and "no such room" in observation
+    assert (reward, terminated, truncated, info["program_error"]) == (-1.0, True, False, True)
+    env.close()
+    env = make_env(LOOSE, lenient_pool, contract="reference", max_turns=12)
+    env.reset(seed=0)
+    assert env.step("one")[:4] == ("17", 1.0, True, False)  # coerced, and the score is 1
+    env.reset(seed=0)
+    assert env.step("four")[:4] == ("Invalid game response", -1.0, True, False)
+    env.close()
+    report = validate_program(RAISES, pool=lenient_pool, contract="reference", max_turns=12)
+    assert not report.ok  # validation keeps the contract
+    strict = make_env(RAISES, pool, contract="reference", max_turns=12)
+    strict.reset(seed=0)
+    strict.step("a")
+    with pytest.raises(EnvProgramError):
+        strict.step("b")
+    strict.close()
+
+
 def test_class_is_found_by_name_past_decoys(pool):
     env = make_env(DECOY, pool, contract="reference")
     assert env.reset(seed=4)[0].startswith("Climb to rung")
@@ -398,6 +465,36 @@ def test_max_turns_reaches_the_game(pool):
                 break
         assert (steps, terminated, truncated) == (turns, False, True)
         env.close()
+
+
+# A game paced by its own turn limit (the recipe's template shows 12).
+PACED = r"""
+class PacedEnv:
+    def __init__(self, max_turns=OWN):
+        self.max_turns = max_turns
+    def reset(self, seed=None):
+        self.turn = 0
+        return f"budget {self.max_turns}", {}
+    def step(self, action):
+        self.turn += 1
+        return f"turn {self.turn}", 0.0, False, self.turn >= self.max_turns, {}
+"""
+
+
+@pytest.mark.parametrize("own, budget, want", [(8, 25, 8), (40, 25, 25), (12, 5, 5)])
+def test_the_game_keeps_its_own_turn_limit_capped_at_the_budget(own, budget, want, pool):
+    """Issue 30 item 2: built as cls() first, then max_turns = min(its own, the budget); a
+    game's own 8 turns stay 8 under the recipe's 25 (cls(max_turns=25) made them 25)."""
+    env = make_env(PACED.replace("OWN", str(own)), pool, contract="reference",
+                   max_turns=budget)
+    assert env.reset(seed=0)[0] == f"budget {want}"
+    steps, done = 0, False
+    while not done:
+        steps += 1
+        *_, terminated, truncated, _ = env.step("a")
+        done = terminated or truncated
+    assert steps == want
+    env.close()
 
 
 def test_wrapper_truncates_a_game_that_never_ends(pool):

@@ -169,6 +169,42 @@ def test_the_loop_can_blocklist_a_program_and_calls_under_budget_pass(misbehavio
         pool.block(source, "not an error")
 
 
+@pytest.mark.slow  # two games spinning seconds of CPU on purpose
+def test_an_agent_answer_that_slows_an_honest_game_does_not_blocklist_it(misbehaviours):
+    """Issue 30 item 13 / issue 34: an agent's answer can make an honest game's step slow
+    (a huge number to parse). Validation keeps its 1 s CPU budget, but played games run
+    under the play-time limits (the recipe drops a step only past 30 s): a 2 s step is
+    played, replay-audited under the same limits and not blocklisted; a step past the play
+    budget ends the episode "env_limit" and blocklists the game."""
+    config = SandboxConfig(call_deadline_s=5.0, worker_memory_mb=200, spare_workers=2,
+                           replay_audit_rate=1.0, play_call_cpu_budget_s=3.5,
+                           play_call_deadline_s=20.0)
+    slower = DOORS.replace("@misbehave@", "x = 0\n        for i in range("
+                           f"{_spin_iterations(8.0)}):\n            x += i")
+    with EnvPool(config, seed=5) as pool:
+        if pool.isolation_report().missing:
+            pytest.skip(f"sandbox layers missing here: {pool.isolation_report().missing}")
+        source = _doors(misbehaviours, "slow")
+        report = validate_program(source, pool=pool, seed=7)
+        assert not report.ok and report.code == "slow_call"  # validation: 1 s budget
+        env = make_env(source, pool, contract="reference", max_turns=3)
+        env.reset(seed=1)
+        for action in ("\\boxed{amber}", "\\boxed{cobalt}", "\\boxed{violet}"):
+            *_, terminated, truncated, _ = env.step(action)  # 2 s of CPU, audited at the end
+            if terminated or truncated:
+                break
+        assert terminated or truncated
+        env.close()
+        assert pool.blocked(source) is None
+        env = make_env(slower, pool, contract="reference", max_turns=3)
+        env.reset(seed=1)
+        with pytest.raises(EnvProgramError) as failed:
+            env.step("\\boxed{amber}")
+        assert failed.value.error.code == "slow_call" and failed.value.end_reason == "env_limit"
+        assert pool.blocked(slower).code == "slow_call"
+        env.close()
+
+
 def test_the_contract_texts_state_the_enforced_limits():
     config = SandboxConfig()
     assert config.call_cpu_budget_s == 1.0 and config.worker_memory_mb == 512

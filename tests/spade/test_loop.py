@@ -586,6 +586,8 @@ def test_paper_scale_experiments_set_the_recipes_numbers(name):
                               0.9)
     assert config.train.router_replay is False and config.corpus.stand_in is False
     assert config.checkpoint_every == 16 and agent.end_on_cut_reply is True
+    assert (config.sandbox.lenient_play_steps, config.sandbox.play_call_deadline_s,
+            config.sandbox.play_call_cpu_budget_s) == (True, 30.0, 30.0)
     # A short batch's loss / 192 only where slime does not rescale it (the 8B's KL).
     assert config.train.pooled_min_denominator == (192 if name == "qwen3_8b" else 0)
     designer_tokens, thinking = (20_000, True) if name == "qwen3_8b" else (16384, False)
