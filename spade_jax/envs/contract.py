@@ -214,7 +214,7 @@ _REFERENCE_TEMPLATE = """\
 A game is Python source that defines one class whose name ends in `Env`:
 
     class DescriptiveNameEnv:
-        def __init__(self, max_turns={max_turns}, **kwargs):
+        def __init__(self, max_turns=12, **kwargs):
             ...                        # set every attribute here, then self.reset()
         def reset(self, seed=None) -> tuple[str, dict]:
             # start a new episode; return (observation, {{}})
@@ -225,24 +225,16 @@ A game is Python source that defines one class whose name ends in `Env`:
 
 How it is run:
 - The class is found by name: the first top-level class ending in `Env` that has
-  reset() and step(). Name helper classes differently. It is built as
-  `DescriptiveNameEnv(max_turns={max_turns})`; the episode is cut off after {max_turns} turns.
+  reset() and step(). Name helper classes differently. It is built with its own
+  defaults, `DescriptiveNameEnv()`, and its `max_turns` is then capped at {max_turns}; the
+  episode is cut off after that many turns.
 - Every action arrives as text of the form \\boxed{{...}}, e.g. "\\boxed{{go north}}" or
   "\\boxed{{42}}". step() takes the content of the box and interprets it.
-- Only the final reward of an episode counts: the reward of the step that returns
-  terminated=True, clipped to [-1, 1]. Win: reward 1.0 with terminated=True. Loss: reward
-  0.0 (or -1.0) with terminated=True. Running out of turns: truncated=True, counted 0.
-  Rewards of earlier steps are ignored, so keep them 0.0.
-- Available without an import: random, re, math, json, collections, itertools, functools,
-  string, copy, heapq, operator, statistics, np (numpy), deque, defaultdict, Counter,
-  OrderedDict, namedtuple, combinations, permutations, product, chain, accumulate, reduce,
-  lru_cache, deepcopy, heappush, heappop, and the typing names (Tuple, Dict, List,
-  Optional, Union, Any, Set, FrozenSet, Callable, Iterable, Sequence, Mapping).
-  `from math_verify import parse, verify` checks a mathematical answer:
-  verify(parse(expected), parse(given)) is True when they are equal as mathematics.
-  Other importable modules:
-{allowed}.
-
+- The score of an episode is the reward of the step that returns terminated=True,
+  clipped to [-1, 1]: 1.0 for reaching the goal. Running out of turns (truncated=True)
+  scores 0. Rewards of earlier steps do not count toward the score (they may report
+  progress).
+{names}
 Rules (a game that breaks one is rejected before any agent plays it):
 - reset(seed) is deterministic: the same seed and the same actions give the same
   observations and rewards. Seed `random` (or a `random.Random(seed)`) from it; never
@@ -261,6 +253,26 @@ Rules (a game that breaks one is rejected before any agent plays it):
   or replays differently, is stopped and dropped.
 """
 
+# What a game may use without an import, as the contract states it: every name the
+# sandbox binds (the recipe's games use them), or, for the designer's prompt, the
+# standard library only (the recipe asks for the standard library plus math and random).
+_REFERENCE_NAMES = """\
+- Available without an import: random, re, math, json, collections, itertools, functools,
+  string, copy, heapq, operator, statistics, np (numpy), deque, defaultdict, Counter,
+  OrderedDict, namedtuple, combinations, permutations, product, chain, accumulate, reduce,
+  lru_cache, deepcopy, heappush, heappop, and the typing names (Tuple, Dict, List,
+  Optional, Union, Any, Set, FrozenSet, Callable, Iterable, Sequence, Mapping).
+  `from math_verify import parse, verify` checks a mathematical answer:
+  verify(parse(expected), parse(given)) is True when they are equal as mathematics.
+  Other importable modules:
+{allowed}.
+"""
+_STDLIB_ONLY = """\
+- Use the Python standard library only: math and random cover most games (random, re,
+  math, json, collections, itertools, functools, string, copy, heapq, operator and
+  statistics need no import). No numpy, no math_verify, no other packages.
+"""
+
 
 def render_reference_contract(
     max_turns: int = REFERENCE_MAX_TURNS,
@@ -268,15 +280,18 @@ def render_reference_contract(
     max_observation_chars: int = 16384,
     call_cpu_budget_s: float = CALL_CPU_BUDGET_S,
     memory_mb: int = WORKER_MEMORY_MB,
+    stdlib_only: bool = False,
 ) -> str:
     """The reference (recipe) contract's text for a given turn budget, in this project's
     words: what the designer is told and what `validate_program(contract="reference")`
-    checks."""
+    checks. ``stdlib_only``: state the recipe's request (standard library only) instead
+    of every name the sandbox makes available."""
     if type(max_turns) is not int or max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
-    allowed = _allowed_block(allowed_imports)
+    names = (_STDLIB_ONLY if stdlib_only
+             else _REFERENCE_NAMES.format(allowed=_allowed_block(allowed_imports)))
     return _REFERENCE_TEMPLATE.format(
-        max_turns=max_turns, allowed=allowed, max_observation_chars=max_observation_chars,
+        max_turns=max_turns, names=names, max_observation_chars=max_observation_chars,
         cpu=_seconds(call_cpu_budget_s), memory=memory_mb,
     )
 

@@ -139,29 +139,39 @@ REFERENCE_AGENT_FIRST_TURN_TEMPLATE: str = (
 )
 
 
-def reference_designer_system_prompt(max_turns: int = REFERENCE_MAX_TURNS) -> str:
-    """The designer's system prompt for the reference contract and a turn budget."""
-    low, high = max(1, max_turns // 2), max(1, max_turns * 3 // 4)
+def reference_designer_system_prompt(max_turns: int = REFERENCE_MAX_TURNS,
+                                     min_steps: int = 3) -> str:
+    """The designer's system prompt for the reference contract and a turn budget: the
+    published recipe's requests (its ideas, in this project's words): an interactive game
+    whose state is partly hidden until the agent acts, reward for the share of the goal
+    reached, an episode that ends only at the goal, medium difficulty (``min_steps`` or
+    more commands), the standard library only, a ``solution()`` the game can be checked
+    with, doubled braces in f-strings, and a self-check before replying."""
     return f"""\
 You design text games in Python that train a reasoning agent. The agent plays one game
-over several turns; each of its replies is one action.
+over several turns; each of its replies is one command.
 
-{render_reference_contract(max_turns)}
-What makes a good game:
-- It is truly multi-turn: the game keeps state (positions, resources, revealed clues,
-  scores) that every action changes, and the agent must plan across turns. A single
-  question with retries, or nudging one number until it hits a target, is not a game.
-- Every turn offers at least two meaningfully different actions, and some are better
-  than others: a wrong choice wastes turns, resources or the game.
-- It has a clear win condition and, ideally, a way to lose. Random play should lose
-  most of the time; good play should win in about {low} to {high} turns of the
-  {max_turns}.
-- The first observation explains the rules, the goal, the starting state and the action
-  syntax. Every later observation shows the result of the last action, the current
-  state, the actions available (written as \\boxed{{...}}) and the turn count.
-- Feedback is specific to the action taken, but never gives the solution away.
-- Everything needed to win is visible or can be discovered by playing; nothing depends
-  on hidden luck at the end.
+{render_reference_contract(max_turns, stdlib_only=True)}
+What to build:
+- An interactive game driven by commands. Part of its state is hidden when the game
+  starts and is revealed only by acting: the agent has to probe, move, ask or test, read
+  what comes back, and plan its next command from it.
+- Medium difficulty: winning takes at least {min_steps} commands, and no single lucky
+  command wins.
+- Reward progress: each step's reward is the share of the goal reached so far, between
+  0 and 1 (1.0 when the goal is reached), so progress shows before the end.
+- The episode ends (terminated=True) only when the goal is reached. Until then it goes
+  on, and the turn limit cuts it off (truncated=True).
+- The first observation explains the rules, the goal and the command syntax, written as
+  \\boxed{{...}}. Later observations give the result of the last command and what is
+  now known.
+- Add a method solution(self) that returns the list of commands (each a \\boxed{{...}}
+  string) that reaches the goal from the state reset() just created. The game is checked
+  by playing that list.
+- In f-strings, write a literal brace doubled: {{{{ and }}}} (a box in an f-string is
+  \\boxed{{{{...}}}}).
+- Before you reply, check the code yourself: every method returns the types above,
+  step() survives any text, and playing solution() after reset() reaches the goal.
 
 Reply with the whole game in one fenced python block and nothing after it.
 """
@@ -200,24 +210,37 @@ def reference_designer_user_prompt(
         documents, max_doc_chars, max_doc_words,
         "Source material, drawn fresh for this request. Build the game around an idea, "
         "quantity or procedure from it; do not copy it.")
-    headings = (
-        (good_examples, "Games that sat at the agent's frontier. Take ideas from them, but "
-                        "make something different:"),
-        (bad_examples, "Games that taught little (too easy, too hard or broken). Avoid "
-                       "what they did:"),
-    )  # fmt: skip
-    for examples, heading in headings:
-        if not examples:
-            continue
-        parts.append(heading)
-        for index, example in enumerate(examples):
+    if good_examples:
+        parts.append("Games that sat at the agent's frontier. Take ideas from them, but "
+                     "make something different:")
+        for index, example in enumerate(good_examples):
             program, win_rate, regret = _scored_program(example, index)
             program = _truncate(program, max_program_chars)
             fence = _fence_for(program)
             parts.append(f"Agent win rate {win_rate:.2f}, regret {regret:+.2f}\n"
                          f"{fence}python\n{program}\n{fence}")
+    if bad_examples:  # the recipe names a game to avoid in one line, without its code
+        parts.append("Games to avoid:\n" + "\n".join(
+            _avoid_note(example, index) for index, example in enumerate(bad_examples)))
     parts.append("Reply with the complete game in one ```python block.")
     return "\n\n".join(parts)
+
+
+def _avoid_note(example: Any, index: int) -> str:
+    """A game to avoid as one line: too easy or too hard (its regime, else its win rate
+    against one half), the agent's win rate, and the game's class name."""
+    program, win_rate, _ = _scored_program(example, index)
+    regime = str(_picker(example, f"example {index}")("regime")) if _has(example, "regime") else ""
+    too = {"mastered": "too easy", "intractable": "too hard"}.get(
+        regime, "too easy" if win_rate >= 0.5 else "too hard")
+    found = re.search(r"^class\s+(\w+)", program, flags=re.M)
+    name = f"class {found.group(1)}" if found else "a game without a class"
+    return f"- {too} (agent win rate {win_rate:.2f}): {name}"
+
+
+def _has(example: Any, key: str) -> bool:
+    data = example.to_json() if hasattr(example, "to_json") else example
+    return isinstance(data, Mapping) and key in data
 
 
 def _scored_program(example: Any, index: int) -> tuple[str, float, float]:

@@ -32,7 +32,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from spade_jax.envs import EnvPool, EnvProgramError, SandboxConfig, make_env, validate_program
-from spade_jax.envs.contract import detect_contract
+from spade_jax.envs.contract import detect_contract, render_reference_contract
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import (
     ActionParser,
@@ -709,27 +709,51 @@ def test_first_turn_template_frames_only_the_first_turn():
 
 
 def test_reference_designer_prompt_states_the_recipe_requirements():
+    """Issue 30 item 9: the recipe's requests (its ideas, our words), and none of what our
+    earlier prompt asked instead."""
     prompt = reference_designer_system_prompt(12)
-    for needed in ("ends in `Env`", "max_turns=12", r"\boxed{", "at least two meaningfully",
-                   "win condition", "truncated=True", "never raises", "without a box",
-                   "math_verify", "np (numpy)", "6 to 9 turns"):
-        assert needed in prompt, needed
-    assert "max_turns=25" in REFERENCE_DESIGNER_SYSTEM_PROMPT
+    lowered = " ".join(prompt.lower().split())
+    for needed in ("ends in `env`", "max_turns` is then capped at 12", "boxed{",
+                   "interactive game driven by commands", "hidden",  # hidden, revealed by acting
+                   "revealed only by acting", "share of the goal reached",  # partial reward
+                   "ends (terminated=true) only when the goal is reached",
+                   "at least 3 commands",  # medium difficulty
+                   "standard library only", "no numpy", "no math_verify",
+                   "solution(self)", "checked by playing",  # a solution() to check the game
+                   "doubled", "check the code yourself",  # escaped braces; a self-check
+                   "truncated=true", "never raises", "without a box"):
+        assert needed in lowered, needed
+    for gone in ("np (numpy)", "from math_verify", "way to lose", "random play should lose",
+                 "6 to 9 turns", "keep them 0.0", "at least two meaningfully"):
+        assert gone.lower() not in lowered, gone
+    assert "max_turns=12, **kwargs" in prompt  # the template's own default (the recipe's)
+    assert "capped at 25" in REFERENCE_DESIGNER_SYSTEM_PROMPT
+    assert "at least 5 commands" in " ".join(reference_designer_system_prompt(
+        25, min_steps=5).split())
     with pytest.raises(ValueError, match="max_turns"):
         reference_designer_system_prompt(0)
+    # The contract the sandbox enforces still lists every name it binds.
+    assert "np (numpy)" in render_reference_contract(25) and "math_verify" in \
+        render_reference_contract(25)
 
 
 def test_reference_designer_user_prompt():
     good = [{"program": SHAPED, "win_rate": 0.5, "regret": 0.25}]
     bad = [{"source": "class XEnv:\n    pass\n" + "#" * 50, "win_rate_no_hint": 1.0,
-            "regret": -0.1}]
+            "regret": -0.1},
+           {"program": "import math\nclass HardEnv:\n    pass\n", "win_rate": 0.0,
+            "regret": 0.0, "regime": "intractable"}]
     text = reference_designer_user_prompt("logic", ["A" * 30, "second doc"], good, bad,
                                           max_doc_chars=10, max_program_chars=40)
     assert text.startswith("Design one new game that trains the skill 'logic'")
     assert "[Document 1]\nAAAAAAAAAA\n[... truncated]" in text and "[Document 2]" in text
     assert "Agent win rate 0.50, regret +0.25" in text
-    assert "Agent win rate 1.00, regret -0.10" in text
-    assert text.index("frontier") < text.index("0.50") < text.index("taught little")
+    # Issue 30 item 6: a game to avoid is one line (too easy / too hard, win rate, class
+    # name), never its program.
+    assert "Games to avoid:\n- too easy (agent win rate 1.00): class XEnv\n" \
+           "- too hard (agent win rate 0.00): class HardEnv" in text
+    assert "pass" not in text.split("Games to avoid:")[1] and "import math" not in text
+    assert text.index("frontier") < text.index("0.50") < text.index("Games to avoid")
     assert text.rstrip().endswith("one ```python block.")
     bare = reference_designer_user_prompt("logic", [], max_doc_chars=10)
     assert "Document" not in bare and "win rate" not in bare
