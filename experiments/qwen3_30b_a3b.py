@@ -108,7 +108,8 @@ def get_config() -> ExperimentConfig:
             # designer samples not trained; hints sampled at top-p 0.9.
             global_batch=192, memory_at="regeneration", regenerate_missing_games=True,
             play_env_seconds=300.0, drop_failed_plays=True, fresh_prompt_per_attempt=True,
-            corpus_draws="uniform", flush_at_end=False, hint_top_p=0.9),
+            corpus_draws="uniform", flush_at_end=False, hint_top_p=0.9,
+            program_extraction="recipe"),
         # The recipe's launch requires its corpus file: no silent stand-in
         # (python -m spade_jax.train --corpus=gs://B/corpus/*.parquet, or knowingly
         # --set corpus.stand_in=True).

@@ -21,4 +21,6 @@ def get_config(base: str = "qwen3_30b_a3b") -> ExperimentConfig:
         spade__hint_plays=16,
         # The recipe's batch cut and missing-game rewrites belong to its windows: the
         # paper text trains every sample of its round (16 plays a game, 4 designs a prompt).
-        spade__global_batch=0, spade__regenerate_missing_games=False)
+        spade__global_batch=0, spade__regenerate_missing_games=False,
+        # The paper's designer writes its hint beside the program: this project's parser.
+        spade__program_extraction="last_block")

@@ -26,6 +26,8 @@ DESIGNER_GROUPS = ("skill", "prompt")
 # When a game enters memory (SpadeConfig.memory_at) and how corpus documents are drawn.
 MEMORY_TIMINGS = ("scoring", "regeneration")
 CORPUS_DRAWS = ("without_replacement", "uniform")
+# How a designer reply becomes a program (spade.extraction.PROGRAM_EXTRACTIONS).
+PROGRAM_EXTRACTION_NAMES = ("last_block", "recipe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,11 @@ class SpadeConfig:
         must hold rounds' worth) or "uniform" (recipe: independent uniform draws, repeats
         allowed).
       hint_top_p: top-p of the hint writer's sampler (recipe 0.9; 0 = the designer's).
+      program_extraction: how a designer reply becomes a program
+        (``spade.extraction.PROGRAM_EXTRACTIONS``): "last_block" (the last python block,
+        a reply without one is a parse error) or "recipe" (the first python block, else
+        the whole reply, f-string braces repaired). It reads no hint: replies that carry
+        their hint (hint_mode "designer") are always read with "last_block".
     """
 
     rounds: int = 400
@@ -177,6 +184,7 @@ class SpadeConfig:
     fresh_prompt_per_attempt: bool = False
     corpus_draws: str = "without_replacement"
     hint_top_p: float = 0.0
+    program_extraction: str = "last_block"
 
     def __post_init__(self):
         for name in ("rounds", "envs_per_round", "regeneration_interval", "plays_per_game",
@@ -226,6 +234,9 @@ class SpadeConfig:
             raise ValueError(f"spade.play_env_seconds must be >= 0, got {self.play_env_seconds}")
         if not 0 <= self.hint_top_p <= 1:
             raise ValueError(f"spade.hint_top_p must be in [0, 1], got {self.hint_top_p}")
+        if self.program_extraction not in PROGRAM_EXTRACTION_NAMES:
+            raise ValueError(f"spade.program_extraction must be one of "
+                             f"{PROGRAM_EXTRACTION_NAMES}, got {self.program_extraction!r}")
         if self.designer_mode not in DESIGNER_MODES:
             raise ValueError(f"spade.designer_mode must be one of {DESIGNER_MODES}")
         if self.baseline not in BASELINES:

@@ -28,6 +28,7 @@ from spade_jax.spade import agreement
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler, Document
 from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels
+from spade_jax.spade.extraction import recipe_program
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import (
     DESIGNER_SYSTEM_PROMPTS,
@@ -236,6 +237,15 @@ class Designer:
         return verdicts
 
     def _parse(self, att: Attempt) -> Verdict:
+        if (att.parsed is None and self.config.program_extraction == "recipe"
+                and self.config.hint_mode != "designer"):
+            # The recipe's reading: the first python block or the whole reply, braces
+            # repaired; every reply is a program and validation decides (extraction.py).
+            text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
+            program = recipe_program(text)
+            if not program.strip():
+                return Verdict(Outcome.PARSE_ERROR, "empty_program")
+            att.parsed = DesignerOutput(program=program, hint="", raw=text)
         if att.parsed is None:
             text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
             parsed = parse_designer_output(text, require_hint=self.config.hint_mode == "designer")

@@ -411,7 +411,8 @@ ABLATIONS = {  # experiment -> the fields it changes and their new values
         "train.designer.advantage": GroupNormAdvantageConfig(),
         "spade.designer_group_size": 4, "spade.max_design_attempts": 1,
         "spade.plays_per_game": 16, "spade.hint_plays": 16, "spade.contract": "paper",
-        "spade.global_batch": 0, "spade.regenerate_missing_games": False},
+        "spade.global_batch": 0, "spade.regenerate_missing_games": False,
+        "spade.program_extraction": "last_block"},
     "baseline_fixed_env_grpo": {"spade.baseline": "fixed_env_grpo"},
     "baseline_fixed_env_rlve": {"spade.baseline": "fixed_env_rlve"},
 }
@@ -582,8 +583,8 @@ def test_paper_scale_experiments_set_the_recipes_numbers(name):
     # The second audit (issue 30, docs/reference_parity.md): the authors' code paths.
     assert (s.global_batch, s.memory_at, s.regenerate_missing_games, s.play_env_seconds,
             s.drop_failed_plays, s.fresh_prompt_per_attempt, s.corpus_draws, s.flush_at_end,
-            s.hint_top_p) == (192, "regeneration", True, 300.0, True, True, "uniform", False,
-                              0.9)
+            s.hint_top_p, s.program_extraction) == (
+        192, "regeneration", True, 300.0, True, True, "uniform", False, 0.9, "recipe")
     assert config.train.router_replay is False and config.corpus.stand_in is False
     assert config.checkpoint_every == 16 and agent.end_on_cut_reply is True
     assert (config.sandbox.lenient_play_steps, config.sandbox.play_call_deadline_s,
