@@ -243,8 +243,9 @@ def test_designer_prompt_shows_recipe_picks_by_role_not_regime():
     memory.add(dataclasses.replace(_scored("avoid", skill, regret=0.0, win_rate=1.0),
                                    regime=Regime.MASTERED))
     user = _first_designer_user_prompt(config, memory)
-    good_at, bad_at = user.index("sat at the agent's frontier"), user.index("taught little")
+    good_at, bad_at = user.index("sat at the agent's frontier"), user.index("Games to avoid")
     assert good_at < user.index("class GkeepEnv") < bad_at < user.index("class GavoidEnv")
+    assert "- too easy (agent win rate 1.00): class GavoidEnv" in user  # one line, no code
 
 
 @pytest.mark.parametrize("contract", ["reference", "paper"])
