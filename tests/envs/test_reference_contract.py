@@ -724,7 +724,8 @@ def test_reference_designer_prompt_states_the_recipe_requirements():
                    "truncated=true", "never raises", "without a box"):
         assert needed in lowered, needed
     for gone in ("np (numpy)", "from math_verify", "way to lose", "random play should lose",
-                 "6 to 9 turns", "keep them 0.0", "at least two meaningfully"):
+                 "6 to 9 turns", "keep them 0.0", "at least two meaningfully",
+                 "from numpy"):  # a numpy rule would contradict "no numpy"
         assert gone.lower() not in lowered, gone
     assert "max_turns=12, **kwargs" in prompt  # the template's own default (the recipe's)
     assert "capped at 25" in REFERENCE_DESIGNER_SYSTEM_PROMPT
@@ -735,6 +736,7 @@ def test_reference_designer_prompt_states_the_recipe_requirements():
     # The contract the sandbox enforces still lists every name it binds.
     assert "np (numpy)" in render_reference_contract(25) and "math_verify" in \
         render_reference_contract(25)
+    assert "from numpy no file input/output" in " ".join(render_reference_contract(25).split())
 
 
 def test_reference_designer_user_prompt():
