@@ -32,7 +32,11 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from spade_jax.envs import EnvPool, EnvProgramError, SandboxConfig, make_env, validate_program
-from spade_jax.envs.contract import detect_contract, render_reference_contract
+from spade_jax.envs.contract import (
+    REFERENCE_CONTRACT,
+    detect_contract,
+    render_reference_contract,
+)
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import (
     ActionParser,
@@ -737,6 +741,17 @@ def test_reference_designer_prompt_states_the_recipe_requirements():
     assert "np (numpy)" in render_reference_contract(25) and "math_verify" in \
         render_reference_contract(25)
     assert "from numpy no file input/output" in " ".join(render_reference_contract(25).split())
+
+
+def test_docs_show_the_reference_contract_text():
+    """docs/environments.md quotes REFERENCE_CONTRACT verbatim (it had kept the text from
+    before issue 30: cls(max_turns=25), earlier rewards "kept 0.0")."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    section = doc.split("### reference (the published recipe's games)", 1)[1]
+    block = section.split("```\n", 1)[1].split("\n```", 1)[0]
+    assert block + "\n" == REFERENCE_CONTRACT
 
 
 def test_reference_designer_user_prompt():
