@@ -247,7 +247,7 @@ Rules (a game that breaks one is rejected before any agent plays it):
   info is a dict of plain values.
 - No files, network, processes, threads, clock or environment variables; no
   eval/exec/open/__import__; no dunder tricks; no module internals (names starting with
-  `_`); from numpy no file input/output. Each call may use at most {cpu} of CPU
+  `_`){numpy_io}. Each call may use at most {cpu} of CPU
   time and the game at most {memory} MiB of memory; observations are at most
   {max_observation_chars} characters. A game that breaks a limit while it is played,
   or replays differently, is stopped and dropped.
@@ -285,13 +285,15 @@ def render_reference_contract(
     """The reference (recipe) contract's text for a given turn budget, in this project's
     words: what the designer is told and what `validate_program(contract="reference")`
     checks. ``stdlib_only``: state the recipe's request (standard library only) instead
-    of every name the sandbox makes available."""
+    of every name the sandbox makes available (and leave out the numpy file rule, which
+    would contradict it)."""
     if type(max_turns) is not int or max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
     names = (_STDLIB_ONLY if stdlib_only
              else _REFERENCE_NAMES.format(allowed=_allowed_block(allowed_imports)))
     return _REFERENCE_TEMPLATE.format(
         max_turns=max_turns, names=names, max_observation_chars=max_observation_chars,
+        numpy_io="" if stdlib_only else "; from numpy no file input/output",
         cpu=_seconds(call_cpu_budget_s), memory=memory_mb,
     )
 

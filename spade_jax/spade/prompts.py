@@ -166,8 +166,8 @@ What to build:
   \\boxed{{...}}. Later observations give the result of the last command and what is
   now known.
 - Add a method solution(self) that returns the list of commands (each a \\boxed{{...}}
-  string) that reaches the goal from the state reset() just created. The game is checked
-  by playing that list.
+  string) that reaches the goal from the state reset() just created, so that the game
+  can be checked by playing that list.
 - In f-strings, write a literal brace doubled: {{{{ and }}}} (a box in an f-string is
   \\boxed{{{{...}}}}).
 - Before you reply, check the code yourself: every method returns the types above,

@@ -32,7 +32,11 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from spade_jax.envs import EnvPool, EnvProgramError, SandboxConfig, make_env, validate_program
-from spade_jax.envs.contract import detect_contract, render_reference_contract
+from spade_jax.envs.contract import (
+    REFERENCE_CONTRACT,
+    detect_contract,
+    render_reference_contract,
+)
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import (
     ActionParser,
@@ -724,7 +728,8 @@ def test_reference_designer_prompt_states_the_recipe_requirements():
                    "truncated=true", "never raises", "without a box"):
         assert needed in lowered, needed
     for gone in ("np (numpy)", "from math_verify", "way to lose", "random play should lose",
-                 "6 to 9 turns", "keep them 0.0", "at least two meaningfully"):
+                 "6 to 9 turns", "keep them 0.0", "at least two meaningfully",
+                 "from numpy"):  # a numpy rule would contradict "no numpy"
         assert gone.lower() not in lowered, gone
     assert "max_turns=12, **kwargs" in prompt  # the template's own default (the recipe's)
     assert "capped at 25" in REFERENCE_DESIGNER_SYSTEM_PROMPT
@@ -735,6 +740,18 @@ def test_reference_designer_prompt_states_the_recipe_requirements():
     # The contract the sandbox enforces still lists every name it binds.
     assert "np (numpy)" in render_reference_contract(25) and "math_verify" in \
         render_reference_contract(25)
+    assert "from numpy no file input/output" in " ".join(render_reference_contract(25).split())
+
+
+def test_docs_show_the_reference_contract_text():
+    """docs/environments.md quotes REFERENCE_CONTRACT verbatim (it had kept the text from
+    before issue 30: cls(max_turns=25), earlier rewards "kept 0.0")."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    section = doc.split("### reference (the published recipe's games)", 1)[1]
+    block = section.split("```\n", 1)[1].split("\n```", 1)[0]
+    assert block + "\n" == REFERENCE_CONTRACT
 
 
 def test_reference_designer_user_prompt():
