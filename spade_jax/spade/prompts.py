@@ -169,7 +169,8 @@ What to build:
   string) that reaches the goal from the state reset() just created, so that the game
   can be checked by playing that list.
 - In f-strings, write a literal brace doubled: {{{{ and }}}} (a box in an f-string is
-  \\boxed{{{{...}}}}).
+  \\boxed{{{{...}}}}). In a Python string a backslash starts an escape ("\\b" is a
+  backspace): write "\\\\boxed" or use a raw string, r"\\boxed{{...}}".
 - Before you reply, check the code yourself: every method returns the types above,
   step() survives any text, and playing solution() after reset() reaches the goal.
 
