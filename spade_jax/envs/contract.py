@@ -123,7 +123,8 @@ PROGRAM_CONTRACT: str = render_contract()
 # to [-1, 1], else 0). "auto" picks one from the source (see `detect_contract`).
 CONTRACTS: tuple[str, ...] = ("paper", "reference")
 AUTO_CONTRACT = "auto"
-# The recipe's turn budget: the game is built as cls(max_turns=N) and truncated after N.
+# The recipe's turn budget N: the game is built with its own defaults (cls(); on TypeError
+# cls(max_turns=N)), its max_turns set to min(its own, N), and truncated after N steps.
 REFERENCE_MAX_TURNS = 25
 # The recipe's validator rejects step rewards outside this range; scores are clipped to
 # [-1, 1] afterwards.

@@ -47,6 +47,7 @@ from spade_jax.envs.results import (
 )
 from spade_jax.envs.runtime_limits import Blocklist, breaks_limit, program_id, replay_audit
 from spade_jax.envs.static_gate import check_source
+from spade_jax.envs.worker import PROGRAM_ERROR_KEY
 
 log = logging.getLogger(__name__)
 
@@ -431,8 +432,10 @@ class EnvPool:
           sources: program texts.
           contract: "paper", "reference" or "auto" (per source: "paper" if it defines a
             top-level `class Environment`); see `spade_jax.envs.contract`.
-          max_turns: the reference contract's turn budget: the game is built as
-            `cls(max_turns=max_turns)` and its episode truncated after that many steps.
+          max_turns: the reference contract's turn budget: the game is built with its
+            own defaults (`cls()`; `cls(max_turns=max_turns)` if that raises TypeError),
+            its `max_turns` capped at this, and its episode truncated after this many
+            steps.
           trial: validation's runs: a run-time limit these handles break fails the call
             but does not blocklist the program, and their episodes are not replay-audited.
           lenient: step() answers a reference game's program errors as the recipe's play
@@ -610,6 +613,11 @@ class EnvPool:
         if not result.ok:
             handle._fail(result.error)
             return result
+        if PROGRAM_ERROR_KEY in result.info and not (
+            handle.lenient and result.terminated and result.reward == -1.0
+        ):  # only the play wrapper's answer for a failed game carries the marker
+            result = dataclasses.replace(
+                result, info={k: v for k, v in result.info.items() if k != PROGRAM_ERROR_KEY})
         reference = handle.contract == "reference"
         error = _reward_bound_error(result.reward, handle.raw_return, reference)
         if error is not None:  # the episode ends here, as an env error, with nothing paid

@@ -26,6 +26,8 @@ _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
 # Freed on MemoryError so the worker can still build and send its error reply.
 _RESERVE_BYTES = 4 << 20
+# The info key by which the play wrapper marks a step it answered for a failed game.
+PROGRAM_ERROR_KEY = "program_error"
 
 
 def _prctl(option: int, value: int) -> None:
@@ -325,12 +327,14 @@ class _Program:
 
     def _lenient_step(self, action: str) -> dict:
         """The recipe's play wrapper around a reference game's step(): an exception, or a
-        reply that is not a 5-tuple, becomes an observation for the agent with reward -1
-        and the episode terminated; a 5-tuple's parts are coerced (str observation, float
-        reward, bool flags, a dict info)."""
+        reply that is not a 5-tuple (a list is not one: the recipe checks for a tuple),
+        becomes an observation for the agent with reward -1 and the episode terminated; a
+        5-tuple's parts are coerced (str observation, float reward, bool flags, a dict
+        info). Coercing runs the program's own methods (``__str__``, ``__float__``): here,
+        in its worker, where an error they raise is the agent's observation too."""
         try:
             result = self.env.step(action)
-            if type(result) not in (tuple, list) or len(result) != 5:
+            if not isinstance(result, tuple) or len(result) != 5:
                 return _ended_by_program("Invalid game response", self.limits)
             observation, reward, terminated, truncated, info = result
             observation = "No observation" if observation is None else str(observation)
@@ -354,17 +358,21 @@ class _Program:
 
 
 def _lenient_info(info) -> dict:
-    """A played step's info as the recipe keeps it: a dict of plain values, else empty."""
+    """A played step's info as the recipe keeps it: a dict of plain values, else empty.
+    The wrapper's own marker (``program_error``) is the wrapper's to set: a game's key of
+    that name is dropped."""
     try:
-        return _info(info) if type(info) is dict else {}
+        plain = _info(info) if type(info) is dict else {}
     except _Reject:
         return {}
+    plain.pop(PROGRAM_ERROR_KEY, None)
+    return plain
 
 
 def _ended_by_program(observation: str, limits: dict) -> dict:
     """A played step the program failed: the recipe's error observation, -1, terminated."""
     return {"obs": _observation(observation, limits), "reward": -1.0, "terminated": True,
-            "truncated": False, "info": {"program_error": True}}
+            "truncated": False, "info": {PROGRAM_ERROR_KEY: True}}
 
 
 def _implicit_names() -> dict:

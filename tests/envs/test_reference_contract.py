@@ -88,7 +88,8 @@ class LadderEnv(BaseGameEnv):
         return f"rung {self.pos}", 0.0, False, self.turn >= self.max_turns, {}
 """
 
-# cls(max_turns=N): the budget reaches the game, and the game truncates itself there.
+# cls(), then max_turns = min(its own 10, N): a smaller budget reaches the game, which
+# truncates itself there.
 KWARG = r"""
 class CounterEnv:
     def __init__(self, max_turns=10, **kwargs):
@@ -410,14 +411,17 @@ class LooseEnv:
     def step(self, action):
         if "four" in action:
             return "old gym", 1.0, True, {}
-        return 17, "1", 1, 0, None
+        if "list" in action:
+            return ["a list", 1.0, True, False, {}]
+        return 17, "1", 1, 0, {"program_error": True, "moves": 1}
 """
 
 
 @pytest.fixture(scope="module")
 def lenient_pool():
+    # Every finished episode is replayed: the replay plays through the wrapper too.
     with EnvPool(SandboxConfig(call_deadline_s=2.0, load_deadline_s=5.0,
-                               lenient_play_steps=True)) as p:
+                               lenient_play_steps=True, replay_audit_rate=1.0)) as p:
         if p.isolation_report().missing:
             pytest.skip(f"sandbox layers missing here: {p.isolation_report().as_dict()}")
         yield p
@@ -437,9 +441,12 @@ def test_a_played_step_that_fails_is_scored_as_the_recipe_scores_it(pool, lenien
     env.close()
     env = make_env(LOOSE, lenient_pool, contract="reference", max_turns=12)
     env.reset(seed=0)
-    assert env.step("one")[:4] == ("17", 1.0, True, False)  # coerced, and the score is 1
-    env.reset(seed=0)
-    assert env.step("four")[:4] == ("Invalid game response", -1.0, True, False)
+    *coerced, info = env.step("one")
+    assert coerced == ["17", 1.0, True, False]  # coerced, and the score is 1
+    assert info["moves"] == 1 and "program_error" not in info  # the game's own key: dropped
+    for action in ("four", "list"):  # a 4-tuple, and a list (the recipe wants a tuple)
+        env.reset(seed=0)
+        assert env.step(action)[:4] == ("Invalid game response", -1.0, True, False)
     env.close()
     report = validate_program(RAISES, pool=lenient_pool, contract="reference", max_turns=12)
     assert not report.ok  # validation keeps the contract
@@ -448,6 +455,18 @@ def test_a_played_step_that_fails_is_scored_as_the_recipe_scores_it(pool, lenien
     strict.step("a")
     with pytest.raises(EnvProgramError):
         strict.step("b")
+    strict.close()
+
+
+def test_only_the_play_wrapper_marks_a_step_as_a_program_error(pool):
+    """The agent loop ends an episode as "program_error" on info["program_error"]: a game's
+    own info of that name must not (the lenient worker drops it, see above; the trainer
+    keeps the marker only on a lenient handle's terminating -1 step)."""
+    marking = LOOSE.replace('return 17, "1", 1, 0, {', 'return "ok", -1.0, True, False, {')
+    strict = make_env(marking, pool, contract="reference", max_turns=12)
+    strict.reset(seed=0)
+    *_, info = strict.step("one")
+    assert info["moves"] == 1 and "program_error" not in info
     strict.close()
 
 

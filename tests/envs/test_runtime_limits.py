@@ -205,6 +205,62 @@ def test_an_agent_answer_that_slows_an_honest_game_does_not_blocklist_it(misbeha
         env.close()
 
 
+# A game that waits as long as the agent says (a stand-in for an honest step that an
+# agent's answer slows down: a huge number to parse). It needs `time`: no static gate.
+NAP = r"""
+import time
+
+class NapEnv:
+    def __init__(self, max_turns=3):
+        self.max_turns = max_turns
+    def reset(self, seed=None):
+        return "How long should I nap? Answer \\boxed{seconds}.", {}
+    def step(self, action):
+        m = re.search(r"\\boxed\{(.*)\}", action)
+        if m and m.group(1) == "spin":  # CPU instead of wall clock
+            x = 0
+            for i in range(@spin@):
+                x += i
+        else:
+            time.sleep(float(m.group(1)) if m else 0.0)
+        return "Rested.", 1.0, True, False, {}
+"""
+
+
+def test_play_calls_run_under_their_own_limits():
+    """Issue 30 item 13: played games get the play-time limits, validation's runs (trial
+    handles) keep theirs. A 0.5 s step is over validation's 0.25 s deadline but within
+    play's 0.9 s, a step of ~0.4 s of CPU over validation's 0.2 s budget but within play's
+    1.5 s: both are played, and their replay audits run under the same play limits; a step
+    past 0.9 s ends the episode "env_limit" and blocklists the game."""
+    config = SandboxConfig(call_deadline_s=0.25, play_call_deadline_s=0.9,
+                           call_cpu_budget_s=0.2, play_call_cpu_budget_s=1.5,
+                           load_deadline_s=5.0, static_gate=False, spare_workers=1,
+                           replay_audit_rate=1.0)
+    nap = NAP.replace("@spin@", str(_spin_iterations(0.4)))
+    with EnvPool(config, seed=3) as pool:
+        if pool.isolation_report().missing:
+            pytest.skip(f"sandbox layers missing here: {pool.isolation_report().missing}")
+        trials = pool.open_many([nap, nap], contract="reference", trial=True)  # validation's
+        for trial, action, code in zip(trials, ("\\boxed{0.5}", "\\boxed{spin}"),
+                                       ("timeout", "slow_call"), strict=True):
+            assert trial.reset(0).ok
+            assert trial.step(action).error.code == code
+            trial.close()
+        assert pool.blocked(nap) is None  # validation never blocklists
+        env = make_env(nap, pool, contract="reference")
+        for seed, action in enumerate(("\\boxed{0.5}", "\\boxed{spin}")):
+            env.reset(seed=seed)
+            assert env.step(action)[1:3] == (1.0, True)  # and replay-audited
+        assert pool.blocked(nap) is None
+        env.reset(seed=2)
+        with pytest.raises(EnvProgramError) as failed:
+            env.step("\\boxed{30}")
+        assert failed.value.error.code == "timeout" and failed.value.end_reason == "env_limit"
+        assert pool.blocked(nap).code == "timeout"
+        env.close()
+
+
 def test_the_contract_texts_state_the_enforced_limits():
     config = SandboxConfig()
     assert config.call_cpu_budget_s == 1.0 and config.worker_memory_mb == 512

@@ -177,12 +177,22 @@ def test_env_errors_end_the_episode(model, tokenizer):
     config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=True,
                              sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE,
                                                    prompt_bucket_min=128, compact_batch=False))
+    class Answered(ScriptedEnv):  # the sandbox's play wrapper answered a game's error
+        def step(self, action):
+            return "Error: boom", -1.0, True, False, {"program_error": True}
+
     specs = [EpisodeSpec(Broken("alpha", [1.0], None), "b", 0),
-             EpisodeSpec(Limited("beta", [1.0], None), "l", 1)]
-    broken, limited = run_episodes(model, tokenizer, specs, config)
+             EpisodeSpec(Limited("beta", [1.0], None), "l", 1),
+             EpisodeSpec(Answered("gamma", [1.0], None), "a", 2)]
+    broken, limited, answered = run_episodes(model, tokenizer, specs, config)
     assert broken.end_reason == "env_error" and broken.step_rewards == []
     assert broken.cost.turns == 1
     assert limited.end_reason == "env_limit" and limited.step_rewards == []
+    # Issue 30 item 3: the agent saw the error and scored -1; the episode is over.
+    assert (answered.end_reason, answered.step_rewards, answered.return_) == (
+        "program_error", [-1.0], -1.0)
+    assert answered.observations[-1] == "Error: boom" and answered.cost.turns == 1
+    assert all(rec.cost.env_seconds > 0 for rec in (broken, limited, answered))
     with pytest.raises(ValueError, match="max_turns"):
         AgentLoopConfig(max_turns=0)
 
