@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import heapq
+import json
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +43,9 @@ from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.seeding import derive_seed
 
 _PROBE_USER, _PROBE_ASSISTANT = "x", "y"
-ACTION_FORMATS = ("text", "boxed")
+ACTION_FORMATS = ("text", "boxed", "tool_call")
+# The role an observation is fed back in: a user turn, or a tool response (tool calling).
+OBSERVATION_ROLES = ("user", "tool")
 _BOX = "\\boxed"
 
 
@@ -80,6 +83,9 @@ class AgentLoopConfig:
       first_turn_template: the first user turn; "{observation}" is replaced by the first
         observation (hint included), literally, so braces elsewhere need no escaping. Later
         turns are the bare observation.
+      observation_role: "user" (an observation is the next user turn) or "tool" (a tool
+        response, as Qwen3's native tool calling expects; use with action_format
+        "tool_call" and EpisodeSpec.tools).
       end_on_cut_reply: a reply cut at ``max_turn_tokens`` (no end of turn) ends the
         episode (end_reason "cut_reply", truncated, return 0) without stepping the env, as
         the recipe does; False: the cut reply is parsed and played like any other.
@@ -99,8 +105,12 @@ class AgentLoopConfig:
     decode_slots: int = 0
     max_prefill_tokens: int = 0
     end_on_cut_reply: bool = False
+    observation_role: str = "user"
 
     def __post_init__(self):
+        if self.observation_role not in OBSERVATION_ROLES:
+            raise ValueError(f"observation_role must be one of {OBSERVATION_ROLES}, got "
+                             f"{self.observation_role!r}")
         if self.decode_slots < 0:
             raise ValueError(f"decode_slots must be >= 0 (0 = one per episode), "
                              f"got {self.decode_slots}")
@@ -126,11 +136,14 @@ class AgentLoopConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeSpec:
-    """One episode to run: a gymnasium text env (``reset(seed=)``, ``step(str)``)."""
+    """One episode to run: a gymnasium text env (``reset(seed=)``, ``step(str)``).
+    ``tools``: the JSON schemas of the functions the env exposes (tool calling), rendered
+    into the first prompt by the chat template; None for a plain text env."""
 
     env: Any
     env_id: str
     seed: int
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +153,10 @@ class ActionParser:
 
     - "text": the visible text, or with ``answer_tag`` the content of the last
       ``<answer>...</answer>`` block;
+    - "tool_call": every ``<tool_call>{json}</tool_call>`` of the visible text
+      (:func:`parse_tool_calls`), sent as one JSON object ``{"content": the text outside the
+      calls, "tool_calls": [{"name", "arguments"}, ...], "errors": [...]}`` (a malformed
+      call is an error the environment sees, and a parse failure);
     - "boxed": the content of the last complete ``\\boxed{...}`` of the visible text
       (braces nest; one redundant pair of outer braces, as in ``\\boxed{{42}}``, is
       dropped, twice at most), re-wrapped as ``\\boxed{content}``. The recipe takes the
@@ -164,6 +181,11 @@ class ActionParser:
         if "<think>" in visible:
             return "", False
         visible = visible.strip()
+        if self.action_format == "tool_call":
+            calls, errors, content = parse_tool_calls(visible)
+            action = json.dumps({"content": content, "tool_calls": calls, "errors": errors},
+                                ensure_ascii=False)
+            return action, not errors
         if self.action_format == "boxed":
             content = last_boxed(visible)
             return (f"{_BOX}{{{content}}}", True) if content else (visible, False)
@@ -172,6 +194,42 @@ class ActionParser:
         tag = re.escape(self.answer_tag)
         found = re.findall(rf"<{tag}>(.*?)</{tag}>", visible, flags=re.S)
         return (found[-1].strip(), True) if found else (visible, False)
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str) -> tuple[list[dict[str, Any]], list[str], str]:
+    """Qwen3's native tool calls in a reply: (calls, errors, the text outside them). Each
+    ``<tool_call>...</tool_call>`` must hold one JSON object with a string "name" and an
+    object "arguments" (absent = {}); one that does not is an error naming the call and
+    the problem, not a call. An unclosed ``<tool_call>`` is an error too."""
+    calls: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for index, match in enumerate(_TOOL_CALL.finditer(text)):
+        body = match.group(1).strip()
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as err:
+            errors.append(f"tool call {index}: not JSON ({err.msg} at char {err.pos})")
+            continue
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            errors.append(f"tool call {index}: expected an object with a string 'name'")
+            continue
+        arguments = value.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            errors.append(f"tool call {index} ({value['name']}): 'arguments' must be an object")
+            continue
+        calls.append({"name": value["name"], "arguments": arguments})
+    outside = _TOOL_CALL.sub("", text)
+    if "<tool_call>" in outside:
+        errors.append("an unclosed <tool_call>")
+    return calls, errors, outside.strip()
 
 
 def last_boxed(text: str) -> str | None:
@@ -239,26 +297,33 @@ class ChatTurns:
     """
 
     def __init__(self, tokenizer, system_prompt: str | None, enable_thinking: bool,
-                 first_turn_template: str = "{observation}"):
+                 first_turn_template: str = "{observation}", observation_role: str = "user"):
         self.tokenizer, self.enable_thinking = tokenizer, enable_thinking
         self.first_turn_template = first_turn_template
+        self.observation_role = observation_role
         self.head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
         self.eos_ids = set(tokenizer.eos_ids)
 
-    def _render(self, messages, generation_prompt: bool) -> list[int]:
+    def _render(self, messages, generation_prompt: bool, tools=None) -> list[int]:
+        kwargs = {} if tools is None else {"tools": list(tools)}  # plain tokenizers too
         return list(self.tokenizer.apply_chat_template(
             self.head + messages, add_generation_prompt=generation_prompt,
-            enable_thinking=self.enable_thinking))
+            enable_thinking=self.enable_thinking, **kwargs))
 
-    def first_prompt(self, observation: str) -> list[int]:
+    def first_prompt(self, observation: str, tools=None) -> list[int]:
+        """The opening; with ``tools`` (the env's function schemas) the template renders
+        them first (a tools system turn)."""
         content = self.first_turn_template.replace("{observation}", observation)
-        return self._render([{"role": "user", "content": content}], True)
+        return self._render([{"role": "user", "content": content}], True, tools)
 
     def after_policy(self, observation: str, closed: bool) -> list[int]:
+        """After a policy turn: its end, ``observation`` as a user turn (or, with
+        ``observation_role="tool"``, a tool response), the next generation prompt."""
         probe = [{"role": "user", "content": _PROBE_USER}]
         base = self._render(probe, False)
         full = self._render(probe + [{"role": "assistant", "content": _PROBE_ASSISTANT},
-                                     {"role": "user", "content": observation}], True)
+                                     {"role": self.observation_role, "content": observation}],
+                            True)
         if full[: len(base)] != base:
             raise ValueError("chat template is not prefix-stable; cannot build turn pieces")
         tail = full[len(base):]
@@ -398,7 +463,7 @@ def run_episodes(
     config = config or AgentLoopConfig()
     parser = parser or ActionParser(action_format=config.action_format)
     turns = ChatTurns(tokenizer, config.system_prompt, config.enable_thinking,
-                      config.first_turn_template)
+                      config.first_turn_template, config.observation_role)
     eps = [_Episode(s, EpisodeRecord(env_id=s.env_id, seed=s.seed)) for s in episodes]
     shard = _EnvShard(len(eps))
     with concurrent.futures.ThreadPoolExecutor(config.env_threads) as pool:
@@ -556,7 +621,7 @@ def _absorb_reset(ep: _Episode, outcome: Outcome, turns: ChatTurns) -> None:
         ep.active, ep.record.end_reason = False, error
         return
     ep.record.observations.append(observation)
-    ep.record.append(turns.first_prompt(observation), policy=False)
+    ep.record.append(turns.first_prompt(observation, ep.spec.tools), policy=False)
 
 
 def _absorb_step(ep: _Episode, outcome: Outcome, turns: ChatTurns,

@@ -45,6 +45,7 @@ class Tokenizer(Protocol):
         messages: Sequence[Message],
         add_generation_prompt: bool = False,
         enable_thinking: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> str: ...
 
     def apply_chat_template(
@@ -52,6 +53,7 @@ class Tokenizer(Protocol):
         messages: Sequence[Message],
         add_generation_prompt: bool = False,
         enable_thinking: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> list[int]: ...
 
 
@@ -68,18 +70,23 @@ class ChatTokenizerBase(abc.ABC):
         messages: Sequence[Message],
         add_generation_prompt: bool = False,
         enable_thinking: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> str:
-        """The conversation as prompt text, exactly as ``apply_chat_template(tokenize=False)``."""
-        return self.chat_template.render(messages, add_generation_prompt, enable_thinking)
+        """The conversation as prompt text, exactly as ``apply_chat_template(tokenize=False)``
+        (``tools``: the functions' JSON schemas, passed to the template)."""
+        return self.chat_template.render(messages, add_generation_prompt, enable_thinking,
+                                         tools=tools)
 
     def apply_chat_template(
         self,
         messages: Sequence[Message],
         add_generation_prompt: bool = False,
         enable_thinking: bool = True,
+        tools: Sequence[Message] | None = None,
     ) -> list[int]:
         """The conversation as token ids: render, then encode (chat markers become single ids)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, enable_thinking))
+        return self.encode(self.render_chat(messages, add_generation_prompt, enable_thinking,
+                                            tools=tools))
 
     def _check_ids(self, ids: Sequence[int], vocab_size: int) -> list[int]:
         checked = [int(i) for i in ids]

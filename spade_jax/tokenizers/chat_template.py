@@ -34,10 +34,26 @@ _REASONING_ALIASES: tuple[str, ...] = ("reasoning_content", "thinking", "reasoni
 #    message or when the reasoning is non-empty; earlier turns are rendered without it;
 #  * consecutive tool messages share one user turn, each wrapped in <tool_response> tags;
 #  * the generation prompt is ``<|im_start|>assistant\n``, plus an empty think block when
-#    ``enable_thinking`` is false.
-# Not rendered: tool definitions (``tools=``) and assistant ``tool_calls``.
+#    ``enable_thinking`` is false;
+#  * tools (``tools=``, JSON schemas in the function format) open the system turn, after
+#    the system message if there is one: a "# Tools" section listing one schema per line
+#    inside <tools></tools> and saying how to call them (the wording is this project's, the
+#    tags and layout Qwen3's); an assistant turn's ``tool_calls`` follow its content, each as
+#    <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (arguments given as a string
+#    are written as they are), separated by newlines.
+# A checkpoint's own template, when it has one, renders instead of this one.
 QWEN3_CHAT_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
 {%- if messages[0].role == 'system' %}
+{{- messages[0].content + '\n\n' }}
+{%- endif %}
+{{- '# Tools\n\nYou can call the functions described below. Their signatures are JSON schemas inside <tools></tools> tags:\n<tools>' }}
+{%- for tool in tools %}
+{{- '\n' + tool | tojson }}
+{%- endfor %}
+{{- '\n</tools>\n\nTo call a function, write one JSON object with its name and arguments inside <tool_call></tool_call> tags; use one block per call:\n<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
 {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
 {%- set query = namespace(index=messages|length - 1, found=false) %}
@@ -65,6 +81,23 @@ QWEN3_CHAT_TEMPLATE = r"""
 {{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
 {%- else %}
 {{- '<|im_start|>assistant\n' + content }}
+{%- endif %}
+{%- if message.tool_calls %}
+{%- for call in message.tool_calls %}
+{%- if not loop.first or content %}
+{{- '\n' }}
+{%- endif %}
+{%- if call.function %}
+{%- set call = call.function %}
+{%- endif %}
+{{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' }}
+{%- if call.arguments is string %}
+{{- call.arguments }}
+{%- else %}
+{{- call.arguments | tojson }}
+{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
 {%- endif %}
 {{- '<|im_end|>\n' }}
 {%- elif message.role == 'tool' %}
@@ -163,7 +196,13 @@ def _normalize_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise ValueError(f"message {i}: role {role!r} is not one of {CHAT_ROLES}")
-        if not isinstance(content, str):
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise ValueError(f"message {i} ({role}): only an assistant turn has tool_calls")
+            _check_tool_calls(calls, i)
+        # An assistant turn made of tool calls alone may have no content (None or absent).
+        if not isinstance(content, str) and not (calls and content is None):
             raise ValueError(f"message {i} ({role}): 'content' must be a str, got {content!r:.80}")
         # transformers drops None-valued keys and copies older reasoning names to
         # reasoning_content, the field templates read.
@@ -173,6 +212,44 @@ def _normalize_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             copied = {"thinking": reasoning, **copied, "reasoning_content": reasoning}
         normalized.append(copied)
     return normalized
+
+
+def _check_tool_calls(calls: Any, index: int) -> None:
+    """An assistant turn's ``tool_calls``: a list of {"function": {"name", "arguments"}}
+    (the OpenAI / transformers layout) or of {"name", "arguments"}; arguments a dict or a
+    JSON string."""
+    if isinstance(calls, str | bytes | Mapping) or not isinstance(calls, Sequence):
+        raise ValueError(f"message {index}: tool_calls must be a list, got {calls!r:.80}")
+    for k, call in enumerate(calls):
+        inner = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(inner, Mapping) or not isinstance(inner.get("name"), str):
+            raise ValueError(f"message {index}: tool call {k} needs a 'name' (str), alone or "
+                             f"under 'function', got {call!r:.80}")
+        if not isinstance(inner.get("arguments", {}), Mapping | str):
+            raise ValueError(f"message {index}: tool call {k} ({inner['name']}): 'arguments' "
+                             f"must be a dict or a JSON string")
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Tool definitions as a template receives them: None, or a list of JSON-schema dicts
+    (``{"type": "function", "function": {"name", "description", "parameters"}}``, or the
+    inner function dict alone), each with a name."""
+    if tools is None:
+        return None
+    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence):
+        raise TypeError(f"tools must be a list of JSON-schema dicts, got {tools!r:.80}")
+    checked = []
+    for k, tool in enumerate(tools):
+        inner = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(inner, Mapping) or not isinstance(inner.get("name"), str):
+            raise ValueError(f"tool {k} must be a JSON-schema dict with a 'name' (alone or "
+                             f"under 'function'), got {tool!r:.80}")
+        try:
+            json.dumps(tool)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"tool {k} ({inner['name']}) is not JSON: {err}") from err
+        checked.append(dict(tool))
+    return checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,14 +277,19 @@ class ChatTemplate:
         messages: Sequence[Message],
         add_generation_prompt: bool = False,
         enable_thinking: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
+        """The conversation as text, as transformers' ``apply_chat_template(messages,
+        tools=tools, tokenize=False, ...)`` renders it with this template. ``tools``: JSON
+        schemas of the functions the model may call (:func:`check_tools`); assistant turns
+        may carry ``tool_calls``."""
         for name, flag in (("add_generation_prompt", add_generation_prompt),
                            ("enable_thinking", enable_thinking)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         return _compile_template(self.source).render(
             messages=_normalize_messages(messages),
-            tools=None,
+            tools=check_tools(tools),
             documents=None,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,

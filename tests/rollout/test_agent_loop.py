@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import gymnasium
 import jax
 import numpy as np
@@ -309,3 +311,66 @@ def test_sampling_noise_is_keyed_by_the_batch_seed_episode_and_turn(model, token
     default = batch(None)
     assert default[0].sampler_seeds == [derive_seed(5, 0, 0), derive_seed(5, 0, 1)]
     assert len(set(default[0].sampler_seeds + default[1].sampler_seeds)) == 4
+
+
+# ---- native tool calls (issue 32) --------------------------------------------------------
+
+ROBOT_TOOLS = (
+    {"type": "function", "function": {
+        "name": "move", "description": "Move one cell.",
+        "parameters": {"type": "object", "properties": {"direction": {"type": "string"}},
+                       "required": ["direction"]}}},
+)
+
+
+def test_tool_calls_are_parsed_and_malformed_ones_are_errors():
+    from spade_jax.rollout.agent_loop import parse_tool_calls
+
+    text = ('Moving.\n<tool_call>\n{"name": "move", "arguments": {"direction": "north"}}\n'
+            '</tool_call>\n<tool_call>{"name": "look"}</tool_call>'
+            '<tool_call>{"name": "move", "arguments": "{\\"direction\\": \\"east\\"}"}</tool_call>'
+            '<tool_call>{"name": "move", "arguments": [1]}</tool_call>'
+            '<tool_call>{not json}</tool_call><tool_call>["no name"]</tool_call> done')
+    calls, errors, outside = parse_tool_calls(text)
+    assert calls == [{"name": "move", "arguments": {"direction": "north"}},
+                     {"name": "look", "arguments": {}},
+                     {"name": "move", "arguments": {"direction": "east"}}]
+    assert len(errors) == 3 and "tool call 3 (move)" in errors[0]
+    assert "tool call 4: not JSON" in errors[1] and "string 'name'" in errors[2]
+    assert outside == "Moving.\n\n done"
+    assert parse_tool_calls("<tool_call>{\"name\": \"x\"}")[1] == ["an unclosed <tool_call>"]
+    action, ok = ActionParser(action_format="tool_call")(
+        '<think>plan</think><tool_call>{"name": "move", "arguments": {"d": 1}}</tool_call>')
+    assert ok and json.loads(action) == {"content": "", "errors": [],
+                                         "tool_calls": [{"name": "move", "arguments": {"d": 1}}]}
+    action, ok = ActionParser(action_format="tool_call")("<tool_call>oops</tool_call>")
+    assert not ok and json.loads(action)["errors"]
+
+
+@pytest.mark.slow  # a sampler compile
+def test_tool_episodes_render_tools_first_and_observations_as_tool_turns(model, tokenizer):
+    """The first prompt carries the env's tools (the template's tools turn); every later
+    observation comes back as a tool response, not a user turn; the stream stays one
+    append-only sequence (each turn adds tokens), equal to the template's rendering of the
+    same conversation with tools."""
+    env = ScriptedEnv("robot", [0.0, 1.0], "terminated")
+    config = AgentLoopConfig(max_turns=2, max_turn_tokens=TURN_TOKENS, enable_thinking=False,
+                             action_format="tool_call", observation_role="tool",
+                             sampler=SamplerConfig(TURN_TOKENS, temperature=TEMPERATURE, seed=4,
+                                                   prompt_bucket_min=128, compact_batch=False))
+    rec, = run_episodes(model, tokenizer, [EpisodeSpec(env, "robot", 0, tools=ROBOT_TOOLS)],
+                        config)
+    assert rec.cost.turns == 2 and rec.end_reason == "terminated"
+    first = tokenizer.apply_chat_template(
+        [{"role": "user", "content": rec.observations[0]}], add_generation_prompt=True,
+        enable_thinking=False, tools=list(ROBOT_TOOLS))
+    assert rec.token_ids[:len(first)] == first
+    assert '"name": "move"' in tokenizer.decode(first)
+    start, end = rec.turn_spans[0]
+    between = tokenizer.decode(rec.token_ids[end:rec.turn_spans[1][0]])
+    assert f"<tool_response>\n{rec.observations[1]}\n</tool_response>" in between
+    assert "<|im_start|>user\n<tool_response>" in between
+    for action in env.actions:  # the env receives the structured reply
+        assert set(json.loads(action)) == {"content", "tool_calls", "errors"}
+    with pytest.raises(ValueError, match="observation_role"):
+        AgentLoopConfig(observation_role="system")

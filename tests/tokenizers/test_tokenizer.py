@@ -147,8 +147,10 @@ def _random_texts(count: int, seed: int) -> list[str]:
             for _ in range(count)]
 
 
-def _qwen3_reference_render(messages, add_generation_prompt, enable_thinking) -> str:
+def _qwen3_reference_render(messages, add_generation_prompt, enable_thinking,
+                            tools=None) -> str:
     """Qwen3's chat format re-derived in plain Python (no Jinja)."""
+    messages = [dict(m, content=m.get("content") or "") for m in messages]
     n = len(messages)
     last_query = n - 1
     for i in reversed(range(n)):
@@ -158,8 +160,13 @@ def _qwen3_reference_render(messages, add_generation_prompt, enable_thinking) ->
             last_query = i
             break
     parts = []
+    if tools:
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        parts.append(_qwen3_reference_tools(tools, system))
     for i, message in enumerate(messages):
         role, content = message["role"], message["content"]
+        if tools and i == 0 and role == "system":
+            continue  # inside the tools turn
         if role in ("system", "user"):  # a leading system turn renders like any other
             parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
         elif role == "assistant":
@@ -174,6 +181,7 @@ def _qwen3_reference_render(messages, add_generation_prompt, enable_thinking) ->
                 body = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
             else:
                 body = content
+            body += _reference_tool_calls(content, message.get("tool_calls") or [])
             parts.append(f"<|im_start|>assistant\n{body}<|im_end|>\n")
         elif role == "tool":
             opens = i == 0 or messages[i - 1]["role"] != "tool"
@@ -185,6 +193,69 @@ def _qwen3_reference_render(messages, add_generation_prompt, enable_thinking) ->
         parts.append("<|im_start|>assistant\n")
         if not enable_thinking:
             parts.append("<think>\n\n</think>\n\n")
+    return "".join(parts)
+
+
+# Tool definitions in the function format (one nested, one bare), and conversations with
+# tool calls: several calls in one turn, string and dict arguments, tool responses, a
+# system prompt with tools, reasoning before a call.
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "move", "description": "Move the robot one cell.",
+        "parameters": {"type": "object", "properties": {
+            "direction": {"type": "string", "enum": ["north", "south", "east", "west"]}},
+            "required": ["direction"]}}},
+    {"name": "look", "description": "Describe the cell. Größe → ünïcödé",
+     "parameters": {"type": "object", "properties": {}}},
+]
+TOOL_CONVERSATIONS = {
+    "tools_user_only": [{"role": "user", "content": "Where am I?"}],
+    "tools_with_system": [{"role": "system", "content": "You control a robot."},
+                          {"role": "user", "content": "Go north twice, then look."}],
+    "several_calls_then_responses": [
+        {"role": "system", "content": "You control a robot."},
+        {"role": "user", "content": "Go north twice, then look."},
+        {"role": "assistant", "content": "<think>two moves</think>Moving.", "tool_calls": [
+            {"type": "function", "function": {"name": "move", "arguments": {"direction": "north"}}},
+            {"type": "function", "function": {"name": "move",
+                                              "arguments": '{"direction": "north"}'}}]},
+        {"role": "tool", "content": "moved to (0, 1)"},
+        {"role": "tool", "content": "moved to (0, 2)"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"name": "look", "arguments": {}}]},
+        {"role": "tool", "content": "a red door"},
+    ],
+    "call_without_content": [
+        {"role": "user", "content": "Look around."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "look", "arguments": {}}}]},
+        {"role": "tool", "content": "grass"},
+        {"role": "assistant", "content": "<think>done</think>It is grass."},
+    ],
+}
+
+
+def _qwen3_reference_tools(tools, system: str | None) -> str:
+    """The built-in template's tools system turn, re-derived in plain Python."""
+    head = f"{system}\n\n" if system is not None else ""
+    schemas = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("<|im_start|>system\n" + head + "# Tools\n\nYou can call the functions described "
+            "below. Their signatures are JSON schemas inside <tools></tools> tags:\n<tools>"
+            + schemas + "\n</tools>\n\nTo call a function, write one JSON object with its "
+            "name and arguments inside <tool_call></tool_call> tags; use one block per call:"
+            "\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <arguments-object>}"
+            "\n</tool_call><|im_end|>\n")
+
+
+def _reference_tool_calls(content: str, calls) -> str:
+    parts = []
+    for k, call in enumerate(calls):
+        call = call.get("function", call)
+        args = call["arguments"]
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        parts.append(("\n" if k or content else "")
+                     + f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {args}}}'
+                     + "\n</tool_call>")
     return "".join(parts)
 
 
@@ -277,6 +348,54 @@ def test_chat_template_matches_transformers(hf_pair):
                                                          return_dict=False, **flags)
             assert ours.render_chat(messages, **flags) == expected_text, (name, flags)
             assert ours.apply_chat_template(messages, **flags) == expected_ids, (name, flags)
+
+
+def test_tool_rendering_matches_transformers(hf_pair):
+    """Issue 32: tools and tool calls render as transformers renders the same template
+    (several calls in one turn, string and dict arguments, tool responses, a system prompt
+    with tools, thinking on and off, a call with no content)."""
+    ours, reference = hf_pair
+    for name, messages in {**TOOL_CONVERSATIONS, **CONVERSATIONS}.items():
+        for add_generation_prompt, enable_thinking in FLAG_COMBINATIONS:
+            flags = dict(add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+            expected = reference.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                                     **flags)
+            assert ours.render_chat(messages, tools=TOOLS, **flags) == expected, (name, flags)
+            assert ours.apply_chat_template(messages, tools=TOOLS, **flags) == (
+                reference.apply_chat_template(messages, tools=TOOLS, return_dict=False,
+                                              **flags)), (name, flags)
+        if name in TOOL_CONVERSATIONS:  # without tools: calls still render, no tools turn
+            assert ours.render_chat(messages) == reference.apply_chat_template(
+                messages, tokenize=False), name
+
+
+def test_builtin_template_renders_tools_as_the_python_reference():
+    template = ChatTemplate()
+    for name, messages in TOOL_CONVERSATIONS.items():
+        for add_generation_prompt, enable_thinking in FLAG_COMBINATIONS:
+            for tools in (TOOLS, None):
+                assert template.render(messages, add_generation_prompt, enable_thinking,
+                                       tools=tools) == _qwen3_reference_render(
+                    messages, add_generation_prompt, enable_thinking, tools), name
+    text = template.render(TOOL_CONVERSATIONS["several_calls_then_responses"], tools=TOOLS)
+    assert text.count("<tool_call>") == 5  # three calls, and two in the tools turn's text
+    assert '{"name": "move", "arguments": {"direction": "north"}}' in text
+
+
+@pytest.mark.parametrize("messages, tools, error, match", [
+    ([{"role": "user", "content": "x"}], {"name": "f"}, TypeError, "list"),
+    ([{"role": "user", "content": "x"}], [{"description": "no name"}], ValueError, "name"),
+    ([{"role": "user", "content": "x"}], [{"name": "f", "x": object()}], ValueError, "JSON"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], None, ValueError, "assistant"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"arguments": {}}]}], None,
+     ValueError, "name"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"name": "f", "arguments": 3}]}],
+     None, ValueError, "arguments"),
+    ([{"role": "assistant", "content": None}], None, ValueError, "content"),
+])
+def test_bad_tools_and_tool_calls_are_named(messages, tools, error, match):
+    with pytest.raises(error, match=match):
+        ChatTemplate().render(messages, tools=tools)
 
 
 def test_special_ids_match_transformers(hf_pair):
