@@ -213,14 +213,15 @@ class SpadeLoop:
 
     def batch(self, designer: list[TrainSequence], agent: list[TrainSequence]
               ) -> tuple[list[TrainSequence], int]:
-        """The update's samples: the designer's first, then the agent's, cut to
-        ``global_batch`` when it is set (the recipe: at designer-training rounds the last
-        games' plays are not trained). Returns (samples, how many were cut)."""
-        seqs = designer + agent
+        """The update's samples and how many were cut. With ``global_batch`` (the recipe):
+        the designer's first, then the agent's, cut to that many, so at designer-training
+        rounds the last games' plays are not trained. Without: every agent sample, then
+        every designer sample."""
         limit = self.config.global_batch
-        if limit and len(seqs) > limit:
-            return seqs[:limit], len(seqs) - limit
-        return seqs, 0
+        if not limit:
+            return agent + designer, 0
+        seqs = designer + agent
+        return seqs[:limit], max(0, len(seqs) - limit)
 
     # ---- design --------------------------------------------------------------------------
     def regenerate(self, step: int) -> list[Any]:
