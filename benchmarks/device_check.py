@@ -80,7 +80,7 @@ class Shapes:
     reps: int = 3
 
 
-TINY = Shapes(batches=(2, 4), prompt_len=8, new_tokens=8, train_batch=2, train_seq=32,
+TINY = Shapes(batches=(2,), prompt_len=8, new_tokens=8, train_batch=2, train_seq=32,
               hbm_bytes=16 << 20, matmul_n=256, reps=2)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,13 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "device_check.py"
 def test_the_device_check_runs_at_tiny_shapes(tmp_path):
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     assert module.main(["--tiny", f"--out={tmp_path}", "--skip_job"]) == 0
     rows = json.loads((tmp_path / "device_check.json").read_text())
     names = [row["model"] for row in rows]
-    assert names[0] == "device" and names.count("Qwen3-1.7B") == 2
-    assert names.count("Qwen3-30B-A3B-shaped (8 layers)") == 2
+    assert names[0] == "device" and names.count("Qwen3-1.7B") == 1
+    assert names.count("Qwen3-30B-A3B-shaped (8 layers)") == 1
     assert any(n.startswith("generate (HF") for n in names)
     train = next(row for row in rows if row["model"].startswith("train step"))
     assert 0 < train["MFU"] and train["train tokens/s"] > 0
