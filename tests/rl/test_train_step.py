@@ -7,6 +7,7 @@ Compilation dominates on CPU, so one tiny model and one compiled step are shared
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import subprocess
@@ -20,7 +21,13 @@ import pytest
 from flax import nnx
 
 from spade_jax import sharding
-from spade_jax.models import ModelConfig, ModelOptions, Qwen3, load_balancing_loss
+from spade_jax.models import (
+    ModelConfig,
+    ModelOptions,
+    Qwen3,
+    abstract_model,
+    load_balancing_loss,
+)
 from spade_jax.rl.batch import PackConfig, TrainBatch, TrainSequence, pack_sequences
 from spade_jax.rl.optim import (
     OptimizerConfig,
@@ -145,24 +152,38 @@ def test_optimizer_matches_numpy_adamw():
         np.testing.assert_allclose(x, p[k], rtol=1e-5, atol=1e-6)
 
 
+DECAY_ARCHITECTURES = {  # every kind of parameter the model family has
+    "dense_o_bias": dict(architecture="Qwen3ForCausalLM", o_bias=True),
+    "qwen3_moe": {},
+    "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", qkv_bias=True, qk_norm=False,
+                      shared_expert_intermediate_size=8),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(DECAY_ARCHITECTURES))
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
-def test_weight_decay_skips_every_norm_and_bias_of_the_model(scan):
-    """Issue 30 item 15: Megatron decays no norm; with stacked layers the norm scales are
-    2-D, so a rule by dimension decayed them. Every kernel (router included) is decayed."""
-    model = Qwen3(tiny_config(), ModelOptions(scan_layers=scan), rngs=nnx.Rngs(0))
-    _, params = nnx.split(model)
+def test_weight_decay_skips_every_norm_and_bias_of_the_model(scan, arch):
+    """Issue 30 item 15: Megatron decays no norm and no bias (its rule: a bias, or a 1-D
+    parameter of a layer); with stacked layers the norm scales are 2-D, so a rule by the
+    array's dimensions decayed them. Checked against Megatron's rule on each parameter's
+    per-layer shape (the stacked layer axis dropped): every kernel, router and shared-
+    expert gate included, is decayed; every norm scale and bias is not."""
+    config = tiny_config(num_layers=2, **DECAY_ARCHITECTURES[arch])
+    _, params = nnx.split(abstract_model(config, ModelOptions(scan_layers=scan)))
     mask = decay_mask(params)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    masks = jax.tree_util.tree_leaves(mask)
-    seen_norms = 0
-    for (path, leaf), decayed in zip(leaves, masks, strict=True):
+    kinds = collections.Counter()
+    for (path, leaf), decayed in zip(leaves, jax.tree_util.tree_leaves(mask), strict=True):
         name = jax.tree_util.keystr(path)
-        is_norm = "norm" in name
-        seen_norms += is_norm
-        assert decayed == (not is_norm), name
-        if is_norm and scan and "final_norm" not in name:
-            assert leaf.ndim == 2, name  # stacked: a shape rule would have decayed it
-    assert seen_norms >= 5
+        stacked = scan and name.startswith("['layers']")
+        layer_shape = leaf.shape[1:] if stacked else leaf.shape
+        megatron = not ("bias" in name or len(layer_shape) == 1)
+        assert decayed == megatron, (name, leaf.shape)
+        kinds["norm" if "norm" in name else "bias" if "bias" in name else "decayed"] += 1
+        if stacked and not decayed:
+            assert leaf.ndim >= 2, name  # a rule by the array's dimensions decays it
+    assert kinds["norm"] >= 3 and kinds["decayed"] >= 6
+    assert (kinds["bias"] > 0) == (arch != "qwen3_moe")
 
 
 # ---- the step against a full-batch reference ---------------------------------------------
