@@ -377,29 +377,39 @@ def test_pooled_aggregation_with_tis_matches_numpy():
     assert "designer/tis/weight_mean" not in metrics
 
 
-@pytest.mark.slow  # one step compile
+@pytest.mark.slow  # three step compiles
 def test_pooled_loss_divides_by_the_floor_when_the_batch_is_short():
     """Issue 30 item 1 (the 8B recipe): slime divides the summed per-sample losses by the
     global batch even when fewer samples are real, so a short batch's loss and gradient are
-    scaled by n / floor."""
-    config = dataclasses.replace(POOLED_CONFIG, pooled_min_denominator=12)
+    scaled by n / floor. The floor applies to the step's global count, not to each
+    microbatch's: a floor under the global count but over every microbatch's changes
+    nothing (a per-microbatch floor would divide by it)."""
     model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(0))
-    graphdef, state = init_train_state(model, config)
     batch = random_batch(4)
     logits = np.asarray(model(batch.input_ids).logits, np.float64)
     logp = np.take_along_axis(log_softmax_np(logits)[:, :-1], batch.input_ids[:, 1:, None],
                               -1)[..., 0]
     logp = np.pad(logp, ((0, 0), (1, 0)))
-    scored = int(np.sum(np.asarray(batch.loss_mask).sum(1) > 0))
-    assert scored < 12
-    want = np_pooled_tis_loss(logp, batch, "pooled", floor=12)
-    assert want == pytest.approx(np_pooled_tis_loss(logp, batch, "pooled") * scored / 12)
-    _, metrics = make_train_step(graphdef, config)(state, batch)
-    assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
-    _, plain = make_train_step(graphdef, POOLED_CONFIG)(
-        init_train_state(model, POOLED_CONFIG)[1], batch)
-    assert float(metrics["grad_norm"]) == pytest.approx(
-        float(plain["grad_norm"]) * scored / 12, rel=1e-4)
+    scored_b = np.asarray(batch.loss_mask).sum(1) > 0
+    scored = int(np.sum(scored_b))
+    per_microbatch = [int(np.sum(scored_b[m::POOLED_CONFIG.microbatches]))
+                      for m in range(POOLED_CONFIG.microbatches)]
+    assert scored < 12 and max(per_microbatch) < scored - 1, per_microbatch
+
+    def step_metrics(config):
+        graphdef, state = init_train_state(model, config)
+        return make_train_step(graphdef, config)(state, batch)[1]
+
+    plain_loss, plain = np_pooled_tis_loss(logp, batch, "pooled"), step_metrics(POOLED_CONFIG)
+    assert float(plain["loss"]) == pytest.approx(plain_loss, rel=1e-5, abs=1e-6)
+    for floor, divisor in ((12, 12), (scored - 1, scored)):
+        config = dataclasses.replace(POOLED_CONFIG, pooled_min_denominator=floor)
+        want = np_pooled_tis_loss(logp, batch, "pooled", floor=floor)
+        assert want == pytest.approx(plain_loss * scored / divisor)
+        metrics = step_metrics(config)
+        assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5, abs=1e-6), floor
+        assert float(metrics["grad_norm"]) == pytest.approx(
+            float(plain["grad_norm"]) * scored / divisor, rel=1e-4), floor
 
 
 @pytest.mark.slow  # ~80 s loaded: compiles two steps
