@@ -14,7 +14,8 @@ Per microbatch m (a strided slice of the batch, accumulated with ``lax.scan``):
                  = sum_r  w_r * (n^r_m / N)   * loss^r_m  + aux_coef * aux_m / M   pooled
 
 where ``n^r`` counts role r's sequences that have policy tokens (``n^r_m`` those in m) and
-N = sum_r n^r (pooled: at least ``pooled_min_denominator``). Summed over m, this is exactly the full-batch loss of every
+N = sum_r n^r, counted over the whole step, not per microbatch (pooled: at least
+``pooled_min_denominator``). Summed over m, this is exactly the full-batch loss of every
 per-sequence-mean rule (GRPO, GSPO): per role, or one mean over both roles' sequences
 (pooled, the recipe's); for token-mean rules (DAPO, Dr.GRPO) it weights microbatches by
 sequences, not tokens. Rows of the other role are masked out, so a rule that divides by B

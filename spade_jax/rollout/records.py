@@ -39,9 +39,11 @@ class EpisodeRecord:
     logprobs: the sampler's log pi(token) (untruncated, temperature-scaled) on policy
       tokens, 0.0 elsewhere.
     turn_spans: per turn, the [start, end) slice of ``token_ids`` holding its policy tokens.
-    actions: per turn, the parsed action passed to ``env.step``.
+    actions: per turn, the parsed action passed to ``env.step`` (a turn that ended the
+      episode unplayed, "cut_reply" or "max_tokens", keeps its action, never sent).
     observations: the reset observation, then one per step.
-    step_rewards: per ``env.step`` reward; ``return_`` is their sum.
+    step_rewards: per ``env.step`` reward; ``return_`` is their sum, but 0 for a
+      "cut_reply" episode (the recipe scores it 0 whatever earlier steps paid).
     seed: the ``env.reset(seed=...)`` seed; with ``actions`` it replays the episode.
     env_id: which environment program ran.
     end_reason: "terminated", "truncated" (by the env), "max_turns", "max_tokens" (the

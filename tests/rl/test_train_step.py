@@ -7,6 +7,7 @@ Compilation dominates on CPU, so one tiny model and one compiled step are shared
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import subprocess
@@ -20,7 +21,13 @@ import pytest
 from flax import nnx
 
 from spade_jax import sharding
-from spade_jax.models import ModelConfig, ModelOptions, Qwen3, load_balancing_loss
+from spade_jax.models import (
+    ModelConfig,
+    ModelOptions,
+    Qwen3,
+    abstract_model,
+    load_balancing_loss,
+)
 from spade_jax.rl.batch import PackConfig, TrainBatch, TrainSequence, pack_sequences
 from spade_jax.rl.optim import (
     OptimizerConfig,
@@ -145,24 +152,38 @@ def test_optimizer_matches_numpy_adamw():
         np.testing.assert_allclose(x, p[k], rtol=1e-5, atol=1e-6)
 
 
+DECAY_ARCHITECTURES = {  # every kind of parameter the model family has
+    "dense_o_bias": dict(architecture="Qwen3ForCausalLM", o_bias=True),
+    "qwen3_moe": {},
+    "qwen2_moe": dict(architecture="Qwen2MoeForCausalLM", qkv_bias=True, qk_norm=False,
+                      shared_expert_intermediate_size=8),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(DECAY_ARCHITECTURES))
 @pytest.mark.parametrize("scan", [False, True], ids=["layers", "scanned"])
-def test_weight_decay_skips_every_norm_and_bias_of_the_model(scan):
-    """Issue 30 item 15: Megatron decays no norm; with stacked layers the norm scales are
-    2-D, so a rule by dimension decayed them. Every kernel (router included) is decayed."""
-    model = Qwen3(tiny_config(), ModelOptions(scan_layers=scan), rngs=nnx.Rngs(0))
-    _, params = nnx.split(model)
+def test_weight_decay_skips_every_norm_and_bias_of_the_model(scan, arch):
+    """Issue 30 item 15: Megatron decays no norm and no bias (its rule: a bias, or a 1-D
+    parameter of a layer); with stacked layers the norm scales are 2-D, so a rule by the
+    array's dimensions decayed them. Checked against Megatron's rule on each parameter's
+    per-layer shape (the stacked layer axis dropped): every kernel, router and shared-
+    expert gate included, is decayed; every norm scale and bias is not."""
+    config = tiny_config(num_layers=2, **DECAY_ARCHITECTURES[arch])
+    _, params = nnx.split(abstract_model(config, ModelOptions(scan_layers=scan)))
     mask = decay_mask(params)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    masks = jax.tree_util.tree_leaves(mask)
-    seen_norms = 0
-    for (path, leaf), decayed in zip(leaves, masks, strict=True):
+    kinds = collections.Counter()
+    for (path, leaf), decayed in zip(leaves, jax.tree_util.tree_leaves(mask), strict=True):
         name = jax.tree_util.keystr(path)
-        is_norm = "norm" in name
-        seen_norms += is_norm
-        assert decayed == (not is_norm), name
-        if is_norm and scan and "final_norm" not in name:
-            assert leaf.ndim == 2, name  # stacked: a shape rule would have decayed it
-    assert seen_norms >= 5
+        stacked = scan and name.startswith("['layers']")
+        layer_shape = leaf.shape[1:] if stacked else leaf.shape
+        megatron = not ("bias" in name or len(layer_shape) == 1)
+        assert decayed == megatron, (name, leaf.shape)
+        kinds["norm" if "norm" in name else "bias" if "bias" in name else "decayed"] += 1
+        if stacked and not decayed:
+            assert leaf.ndim >= 2, name  # a rule by the array's dimensions decays it
+    assert kinds["norm"] >= 3 and kinds["decayed"] >= 6
+    assert (kinds["bias"] > 0) == (arch != "qwen3_moe")
 
 
 # ---- the step against a full-batch reference ---------------------------------------------
@@ -356,29 +377,39 @@ def test_pooled_aggregation_with_tis_matches_numpy():
     assert "designer/tis/weight_mean" not in metrics
 
 
-@pytest.mark.slow  # one step compile
+@pytest.mark.slow  # three step compiles
 def test_pooled_loss_divides_by_the_floor_when_the_batch_is_short():
     """Issue 30 item 1 (the 8B recipe): slime divides the summed per-sample losses by the
     global batch even when fewer samples are real, so a short batch's loss and gradient are
-    scaled by n / floor."""
-    config = dataclasses.replace(POOLED_CONFIG, pooled_min_denominator=12)
+    scaled by n / floor. The floor applies to the step's global count, not to each
+    microbatch's: a floor under the global count but over every microbatch's changes
+    nothing (a per-microbatch floor would divide by it)."""
     model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(0))
-    graphdef, state = init_train_state(model, config)
     batch = random_batch(4)
     logits = np.asarray(model(batch.input_ids).logits, np.float64)
     logp = np.take_along_axis(log_softmax_np(logits)[:, :-1], batch.input_ids[:, 1:, None],
                               -1)[..., 0]
     logp = np.pad(logp, ((0, 0), (1, 0)))
-    scored = int(np.sum(np.asarray(batch.loss_mask).sum(1) > 0))
-    assert scored < 12
-    want = np_pooled_tis_loss(logp, batch, "pooled", floor=12)
-    assert want == pytest.approx(np_pooled_tis_loss(logp, batch, "pooled") * scored / 12)
-    _, metrics = make_train_step(graphdef, config)(state, batch)
-    assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
-    _, plain = make_train_step(graphdef, POOLED_CONFIG)(
-        init_train_state(model, POOLED_CONFIG)[1], batch)
-    assert float(metrics["grad_norm"]) == pytest.approx(
-        float(plain["grad_norm"]) * scored / 12, rel=1e-4)
+    scored_b = np.asarray(batch.loss_mask).sum(1) > 0
+    scored = int(np.sum(scored_b))
+    per_microbatch = [int(np.sum(scored_b[m::POOLED_CONFIG.microbatches]))
+                      for m in range(POOLED_CONFIG.microbatches)]
+    assert scored < 12 and max(per_microbatch) < scored - 1, per_microbatch
+
+    def step_metrics(config):
+        graphdef, state = init_train_state(model, config)
+        return make_train_step(graphdef, config)(state, batch)[1]
+
+    plain_loss, plain = np_pooled_tis_loss(logp, batch, "pooled"), step_metrics(POOLED_CONFIG)
+    assert float(plain["loss"]) == pytest.approx(plain_loss, rel=1e-5, abs=1e-6)
+    for floor, divisor in ((12, 12), (scored - 1, scored)):
+        config = dataclasses.replace(POOLED_CONFIG, pooled_min_denominator=floor)
+        want = np_pooled_tis_loss(logp, batch, "pooled", floor=floor)
+        assert want == pytest.approx(plain_loss * scored / divisor)
+        metrics = step_metrics(config)
+        assert float(metrics["loss"]) == pytest.approx(want, rel=1e-5, abs=1e-6), floor
+        assert float(metrics["grad_norm"]) == pytest.approx(
+            float(plain["grad_norm"]) * scored / divisor, rel=1e-4), floor
 
 
 @pytest.mark.slow  # ~80 s loaded: compiles two steps

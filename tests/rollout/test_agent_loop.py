@@ -164,6 +164,85 @@ def test_a_reply_cut_at_the_turn_cap_ends_the_episode_when_asked(model, tokenize
         assert env.actions and rec.end_reason == "terminated" and rec.return_ == 1.0
 
 
+class ScriptedReplies:
+    """Stands in for the ``SlotEngine`` (patched into ``agent_loop``): turn t of episode i,
+    known by its seed ``derive_seed(base, i, t)``, answers as ``script[i][t]`` says: "eos"
+    a closed reply (two words, then the end of turn), "cut" the turn's whole token budget
+    without an end of turn. No model, no compile: the scheduler's handling of each is
+    what runs."""
+
+    def __init__(self, tokenizer, script: list[list[str]], base_seed: int):
+        from spade_jax.seeding import derive_seed
+
+        self.word, self.eos = tokenizer.encode("alpha")[0], sorted(tokenizer.eos_ids)[0]
+        self.kind = {derive_seed(base_seed, i, t): kind
+                     for i, kinds in enumerate(script) for t, kind in enumerate(kinds)}
+        self.running, self.done, self.stats = {}, [], {}
+
+    def __call__(self, model, num_slots, config, **kwargs):  # the engine's constructor
+        self.num_slots = num_slots
+        return self
+
+    @property
+    def generating(self) -> bool:
+        return bool(self.running)
+
+    def ensure_cache(self, length: int) -> None:
+        pass
+
+    def admit(self, requests) -> None:
+        self.running.update({r.slot: r for r in requests})
+
+    def decode(self, steps: int) -> None:
+        from spade_jax.rollout.engine import Finished
+
+        for slot, request in self.running.items():
+            closed = self.kind[request.seed] == "eos"
+            tokens = [self.word] * 2 + [self.eos] if closed else [self.word] * request.limit
+            self.done.append(Finished(slot, tokens, [-1.0] * len(tokens),
+                                      "eos" if closed else "max_tokens"))
+        self.running = {}
+
+    def finished(self):
+        done, self.done = self.done, []
+        return done
+
+
+@pytest.mark.parametrize("end_on_cut_reply", [True, False], ids=["ends", "plays"])
+def test_a_cut_reply_after_a_rewarded_turn_scores_0(tokenizer, monkeypatch, end_on_cut_reply):
+    """Issue 30 item 4, the rest of the recipe's rule: the episode of a cut reply scores 0
+    even when an earlier step paid (the recipe scores an episode that did not terminate 0),
+    the cut reply is never sent, and its tokens stay in the record, trained (loss mask 1,
+    as the recipe keeps them). By default the same script plays on to the game's end."""
+    from spade_jax.rollout import agent_loop
+
+    script = [["eos", "cut", "eos"], ["cut", "eos", "eos"], ["eos", "eos", "eos"]]
+    engine = ScriptedReplies(tokenizer, script, base_seed=3)
+    monkeypatch.setattr(agent_loop, "SlotEngine", engine)
+    envs = [ScriptedEnv(f"e{k}", [0.5, 1.0], "terminated") for k in range(3)]
+    config = AgentLoopConfig(max_turns=3, max_turn_tokens=TURN_TOKENS,
+                             end_on_cut_reply=end_on_cut_reply)
+    specs = [EpisodeSpec(env, env.name, seed=k) for k, env in enumerate(envs)]
+    records = run_episodes(None, tokenizer, specs, config, seed=3)
+    for rec, env, kinds in zip(records, envs, script, strict=True):
+        assert rec.turn_done_reasons == ["eos" if k == "eos" else "max_tokens"
+                                         for k in kinds[:rec.cost.turns]]
+        if end_on_cut_reply and "cut" in kinds[:2]:
+            cut = kinds.index("cut")
+            assert (rec.end_reason, rec.truncated, rec.terminated) == ("cut_reply", True, False)
+            assert rec.return_ == 0.0 and rec.step_rewards == [0.5] * cut
+            assert rec.cost.turns == cut + 1 and len(env.actions) == cut
+            assert env.actions == rec.actions[:cut]
+            start, end = rec.turn_spans[-1]  # the cut reply closes the record, trained
+            assert end == len(rec.token_ids) and end - start == TURN_TOKENS
+            assert rec.loss_mask[start:] == [1] * TURN_TOKENS
+            assert rec.logprobs[start:] == [-1.0] * TURN_TOKENS
+        else:
+            assert (rec.end_reason, rec.return_, rec.step_rewards) == ("terminated", 1.5,
+                                                                       [0.5, 1.0])
+            assert env.actions == rec.actions and rec.cost.turns == 2
+
+
 def test_env_errors_end_the_episode(model, tokenizer):
     class Broken(ScriptedEnv):
         def step(self, action):
