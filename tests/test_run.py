@@ -81,6 +81,7 @@ def test_designer_stops_at_end_of_turn_on_a_checkpoint_whose_end_token_differs(
         assert tokens == [[im_end]] and len(logprobs[0]) == 1  # not 8 x <|im_end|>
 
 
+@pytest.mark.slow  # ~10 s: a checkpoint load and a bf16 model per layer (fast tier < 5 min)
 def test_a_checkpoint_computes_in_the_run_dtype_in_every_layer(tmp_path):
     """``build_model`` on a checkpoint: the loaders build in fp32, and the run's compute
     dtype must reach every layer (not only the top-level options): its logits equal, bit

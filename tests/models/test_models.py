@@ -180,6 +180,7 @@ def test_ragged_dispatch_equals_dense_dispatch(checkpoints, case):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # ~5 s for the first mesh shape's compiles (fast tier < 5 min)
 @pytest.mark.parametrize("shape", [(1, 2, 2, 2), (1, 1, 2, 4), (2, 2, 2, 1)])
 def test_sharded_forward_equals_single_device(checkpoints, shape):
     if jax.device_count() < 8:
@@ -199,6 +200,7 @@ def test_sharded_forward_equals_single_device(checkpoints, shape):
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # ~5.5 s: several MoE forwards with hooks
 def test_router_hook_and_replay(checkpoints):
     _, path = checkpoints["moe_norm_topk"]
     model, config = load_hf(path)

@@ -313,6 +313,7 @@ def test_env_steps_overlap_decoding_of_other_episodes(model, tokenizer, monkeypa
     assert any(0 in out for out in stepping_at_decode), stepping_at_decode
 
 
+@pytest.mark.slow  # ~5 s: two runs with slow envs
 def test_env_timing_does_not_change_the_schedule(model, tokenizer, monkeypatch):
     """The same episodes form the same engine batches whichever env answers first: with
     default numerics a row's log-probs depend on who shares its batch, so a schedule that
