@@ -44,6 +44,7 @@ def _ids(seed, shape=(3, 9)):
     return np.random.RandomState(seed).randint(0, tiny_hf.VOCAB, shape)
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_scanned_forward_equals_python_loop(kind, moe_path, dense_path):
     looped, scanned = _pair(moe_path if kind == "moe" else dense_path)

@@ -360,6 +360,7 @@ def test_env_timing_does_not_change_the_schedule(model, tokenizer, monkeypatch):
     assert records_a == records_b
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_sampling_noise_is_keyed_by_the_batch_seed_episode_and_turn(model, tokenizer):
     """Issue 16.3 / 18.3: turn t of episode i draws with derive_seed(seed, i, t). The loop
     passes one seed per (step, phase, batch), so two steps' batches of the same episodes

@@ -138,6 +138,7 @@ def test_slot_count_and_arrival_order_do_not_change_records(model, tokenizer, sl
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=LOGPROB_TOL)
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_episode_token_budget_ends_rows_mid_turn(model, tokenizer):  # noqa: F811
     """Rows that run into the episode budget end on "max_tokens", as in the reference."""
     config = _loop_config(0.9, slots=2, max_episode_tokens=40)

@@ -78,6 +78,7 @@ def test_greedy_matches_transformers_generate(checkpoint, greedy):
         assert np.abs(np.asarray(lps) - ref_lp).max() <= 1e-4
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_sampled_logprobs_and_router_record_equal_full_forward(checkpoint):
     _, _, model, prompts = checkpoint
 
@@ -263,6 +264,7 @@ def test_greedy_sampling_is_argmax_with_t1_logprob():
                                atol=1e-6)
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_after_first_answer_steering_starts_at_the_detected_token(checkpoint, greedy):
     """The steering hook's "after_first_answer" schedule driven by a device-side detector:
     rows are untouched until the trigger token is sampled, then every later input token is
@@ -302,6 +304,7 @@ def test_after_first_answer_steering_starts_at_the_detected_token(checkpoint, gr
     assert rows.tokens == out.tokens and rows.stats["prefill_calls"] == 4
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_max_rows_batches_give_the_same_samples(checkpoint):
     """Prompts generated 2 at a time (3 batches) equal one batch: same tokens, stop reasons,
     routing and log-probs, per-prompt budgets and stop lists included."""
@@ -340,6 +343,7 @@ def _spy_prefills(monkeypatch) -> list[tuple[str, int, int]]:
     return calls
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_prefill_budget_row_groups_give_the_same_samples(checkpoint, monkeypatch):
     """Six ragged prompts (an 8-row batch, 16-token bucket) prefilled 3 rows at a time
     (budget 3 x 16; the last group moved back to rows 5-7) equal one prefill: sampled
@@ -393,6 +397,7 @@ def test_prefill_chunk_rows_round_to_the_batch_shards():
     np.testing.assert_array_equal(groups[1][1], [1, 2, 3, 5, 6, 7])
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_sharded_prefill_row_groups_equal_single_device(checkpoint, monkeypatch):
     """On a data 2 x tensor 2 x expert 2 mesh (rows split 4 ways: data x expert), a budget
     of 6 rows rounds down to 4 (one row per shard a call): 8 prompts take 2 calls and

@@ -151,6 +151,7 @@ def _moe_model(seed=0) -> Qwen3:
     return Qwen3(config, rngs=nnx.Rngs(seed))
 
 
+@pytest.mark.slow  # over 5 s with a cold compile cache (fast tier < 5 min)
 def test_telemetry_counts_flips_gaps_and_clips_against_numpy():
     """Recorded routes equal the model's own except at chosen (token, layer) pairs; the
     flip rate, log-prob gaps and clip fractions match a NumPy count over the same
