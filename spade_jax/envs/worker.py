@@ -324,7 +324,6 @@ class _Program:
             "info": _info(info),
         }
 
-
     def _lenient_step(self, action: str) -> dict:
         """The recipe's play wrapper around a reference game's step(): an exception, or a
         reply that is not a 5-tuple (a list is not one: the recipe checks for a tuple),

@@ -347,7 +347,8 @@ class _Episode:
 Outcome = tuple[str | None, float, bool, bool, str | None, float]
 
 
-# End reason of an episode the sandbox's play wrapper ended on the game's own error.
+# End reason of an episode the sandbox's play wrapper ended on the game's own error, and
+# the info key the wrapper marks that step with (envs.worker.PROGRAM_ERROR_KEY).
 PROGRAM_ERROR = "program_error"
 
 
@@ -374,7 +375,7 @@ def _step(ep: _Episode) -> Outcome:
         observation, reward, terminated, truncated, info = ep.spec.env.step(ep.pending_action)
         # The sandbox's play wrapper answered a game's own error (SandboxConfig.
         # lenient_play_steps): a played step, which ends the episode as "program_error".
-        ended = PROGRAM_ERROR if isinstance(info, dict) and info.get("program_error") else None
+        ended = PROGRAM_ERROR if isinstance(info, dict) and info.get(PROGRAM_ERROR) else None
         return (str(observation), float(reward), bool(terminated), bool(truncated), ended,
                 time.perf_counter() - t0)
     except Exception as err:  # recorded as env_error (or env_limit) when absorbed

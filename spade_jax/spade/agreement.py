@@ -96,25 +96,25 @@ def agree_returns(returns: list[float]) -> list[float]:
     """Process 0's episode returns (rewards come from untrusted programs under deadlines,
     so an episode can time out on one host only). The tokens of such an episode still
     differ: the rollout would have to agree each turn's observation for those to match."""
-    if single_host():
-        return returns
-    agreed = [float(x) for x in distributed.agree_json(list(returns))]
-    failing = distributed.failing_hosts(len(agreed) != len(returns))
-    if failing:
-        raise RuntimeError(
-            f"multi-host rollout: host(s) {failing} ran a different number of episodes than "
-            f"process 0 (this host ({jax.process_index()}) {len(returns)}, process 0 "
-            f"{len(agreed)}), so their training batches would differ")
-    return agreed
+    return _per_episode(returns, float)
 
 
 def agree_drops(reasons: list[str]) -> list[str]:
     """Process 0's verdict on which plays are dropped (a play's environment time and its
     sandbox limits are measured per host)."""
+    return _per_episode(reasons, str)
+
+
+def _per_episode(values: list[Any], cast: Callable[[Any], Any]) -> list[Any]:
+    """Process 0's value for each episode of the batch; every host raises together when
+    one ran a different number of episodes."""
     if single_host():
-        return reasons
-    agreed = [str(x) for x in distributed.agree_json(list(reasons))]
-    if len(agreed) != len(reasons):
-        raise RuntimeError(f"multi-host rollout: this host ran {len(reasons)} plays, process 0 "
-                           f"{len(agreed)}")
+        return values
+    agreed = [cast(x) for x in distributed.agree_json(list(values))]
+    failing = distributed.failing_hosts(len(agreed) != len(values))
+    if failing:
+        raise RuntimeError(
+            f"multi-host rollout: host(s) {failing} ran a different number of episodes than "
+            f"process 0 (this host ({jax.process_index()}) {len(values)}, process 0 "
+            f"{len(agreed)}), so their training batches would differ")
     return agreed

@@ -23,11 +23,8 @@ HINT_MODES = ("self", "designer", "none")
 # How the designer's samples are grouped for its update rule: by skill (the recipe's
 # per-skill centring, scaled) or by designer prompt (the paper text's GRPO groups).
 DESIGNER_GROUPS = ("skill", "prompt")
-# When a game enters memory (SpadeConfig.memory_at) and how corpus documents are drawn.
+# When a game enters memory (SpadeConfig.memory_at).
 MEMORY_TIMINGS = ("scoring", "regeneration")
-CORPUS_DRAWS = ("without_replacement", "uniform")
-# How a designer reply becomes a program (spade.extraction.PROGRAM_EXTRACTIONS).
-PROGRAM_EXTRACTION_NAMES = ("last_block", "recipe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +199,8 @@ class SpadeConfig:
         if self.envs_per_round % self.designer_group_size:
             raise ValueError(f"spade.envs_per_round ({self.envs_per_round}) must be a multiple "
                              f"of spade.designer_group_size ({self.designer_group_size})")
+        from spade_jax.spade.corpus import CORPUS_DRAWS
+        from spade_jax.spade.extraction import PROGRAM_EXTRACTIONS
         from spade_jax.spade.memory import SELECTIONS
         from spade_jax.spade.skills import SKILL_SETS
 
@@ -234,9 +233,9 @@ class SpadeConfig:
             raise ValueError(f"spade.play_env_seconds must be >= 0, got {self.play_env_seconds}")
         if not 0 <= self.hint_top_p <= 1:
             raise ValueError(f"spade.hint_top_p must be in [0, 1], got {self.hint_top_p}")
-        if self.program_extraction not in PROGRAM_EXTRACTION_NAMES:
+        if self.program_extraction not in PROGRAM_EXTRACTIONS:
             raise ValueError(f"spade.program_extraction must be one of "
-                             f"{PROGRAM_EXTRACTION_NAMES}, got {self.program_extraction!r}")
+                             f"{sorted(PROGRAM_EXTRACTIONS)}, got {self.program_extraction!r}")
         if self.designer_mode not in DESIGNER_MODES:
             raise ValueError(f"spade.designer_mode must be one of {DESIGNER_MODES}")
         if self.baseline not in BASELINES:

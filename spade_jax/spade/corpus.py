@@ -333,6 +333,10 @@ class CorpusExhaustedError(RuntimeError):
     """Raised when a run asks for more unseen documents than the corpus has left."""
 
 
+# How documents are drawn (CorpusSamplerConfig.draws, SpadeConfig.corpus_draws).
+CORPUS_DRAWS = ("without_replacement", "uniform")
+
+
 @dataclasses.dataclass(frozen=True)
 class CorpusSamplerConfig:
     """Per-round corpus resampling.
@@ -343,9 +347,10 @@ class CorpusSamplerConfig:
       on_exhausted: "error" raises `CorpusExhaustedError` once fewer unseen documents
         remain than asked for (the paper's no-reuse rule); "new_epoch" drops the tail of
         the epoch and reshuffles, so documents repeat across epochs but never in a round.
-      draws: "without_replacement" (the permutation above) or "uniform" (the published
-        recipe: every document drawn independently and uniformly, repeats allowed; draw
-        number k is seeded from (seed, k), so a resumed run draws the same documents).
+      draws: one of CORPUS_DRAWS: "without_replacement" (the permutation above) or
+        "uniform" (the published recipe: every document drawn independently and uniformly,
+        repeats allowed; draw number k is seeded from (seed, k), so a resumed run draws
+        the same documents).
     """
 
     seed: int = 0
@@ -358,9 +363,9 @@ class CorpusSamplerConfig:
             raise ValueError(
                 f"CorpusSamplerConfig.documents_per_round must be >= 1, got {self.documents_per_round}"
             )
-        if self.draws not in ("without_replacement", "uniform"):
-            raise ValueError(f"CorpusSamplerConfig.draws must be 'without_replacement' or "
-                             f"'uniform', got {self.draws!r}")
+        if self.draws not in CORPUS_DRAWS:
+            raise ValueError(f"CorpusSamplerConfig.draws must be one of {CORPUS_DRAWS}, "
+                             f"got {self.draws!r}")
         if self.on_exhausted not in ("error", "new_epoch"):
             raise ValueError(
                 f"CorpusSamplerConfig.on_exhausted must be 'error' or 'new_epoch', "
@@ -373,7 +378,8 @@ UNIFORM_STREAM = 1
 
 
 class CorpusSampler:
-    """Draws documents (without replacement, or uniformly) from a seeded permutation; resumable via JSON."""
+    """Draws documents without replacement from a seeded permutation, or uniformly with
+    repeats (``draws``); resumable via JSON."""
 
     def __init__(self, corpus: Corpus, config: CorpusSamplerConfig | None = None) -> None:
         self.corpus = corpus
@@ -399,6 +405,8 @@ class CorpusSampler:
         if count < 1:
             raise ValueError(f"num_documents must be >= 1, got {count}")
         if self.config.draws == "uniform":
+            if not len(self.corpus):
+                raise ValueError(f"corpus {self.corpus.name!r} is empty: nothing to draw")
             indices = [int(np.random.Generator(np.random.PCG64(
                 [self.config.seed, UNIFORM_STREAM, self.documents_drawn + k])).integers(
                 len(self.corpus))) for k in range(count)]

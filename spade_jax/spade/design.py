@@ -237,21 +237,22 @@ class Designer:
         return verdicts
 
     def _parse(self, att: Attempt) -> Verdict:
-        if (att.parsed is None and self.config.program_extraction == "recipe"
-                and self.config.hint_mode != "designer"):
+        if att.parsed is not None:
+            return VALID
+        cfg = self.config
+        text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
+        if cfg.program_extraction == "recipe" and cfg.hint_mode != "designer":
             # The recipe's reading: the first python block or the whole reply, braces
             # repaired; every reply is a program and validation decides (extraction.py).
-            text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
             program = recipe_program(text)
             if not program.strip():
                 return Verdict(Outcome.PARSE_ERROR, "empty_program")
             att.parsed = DesignerOutput(program=program, hint="", raw=text)
-        if att.parsed is None:
-            text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
-            parsed = parse_designer_output(text, require_hint=self.config.hint_mode == "designer")
-            if not isinstance(parsed, DesignerOutput):
-                return Verdict(Outcome.PARSE_ERROR, parsed.code)
-            att.parsed = parsed
+            return VALID
+        parsed = parse_designer_output(text, require_hint=cfg.hint_mode == "designer")
+        if not isinstance(parsed, DesignerOutput):
+            return Verdict(Outcome.PARSE_ERROR, parsed.code)
+        att.parsed = parsed
         return VALID
 
     # ---- fixed pool ----------------------------------------------------------------------

@@ -316,9 +316,10 @@ class SpadeLoop:
             if isinstance(owner, Game):
                 if drop:
                     if owner.verdict.ok:
-                        log.warning("game %s blocklisted for the run: a play %s", owner.env_id,
-                                    drop)
-                    owner.verdict = Verdict(Outcome.BLOCKLISTED, drop.split(" ")[0])
+                        log.warning("game %s blocklisted for the run: a play ended %s after "
+                                    "%.0f s of environment calls", owner.env_id, drop,
+                                    rec.cost.env_seconds)
+                    owner.verdict = Verdict(Outcome.BLOCKLISTED, drop)
                     continue
                 (owner.hint_returns if hinted else owner.returns_by_offset[offset]).append(
                     float(rec.return_))
@@ -330,16 +331,16 @@ class SpadeLoop:
 
     def _drops(self, records: list[EpisodeRecord]) -> list[str]:
         """Why each play is dropped ("" = kept), process 0's verdicts on every host:
-        ``play_env_seconds`` exceeded (its environment's calls, summed), or with
-        ``drop_failed_plays`` an episode ended on a sandbox limit or an environment error."""
+        "play_timeout" (``play_env_seconds`` exceeded by its environment's calls, summed),
+        or with ``drop_failed_plays`` its end reason when it ended on a sandbox limit or an
+        environment error."""
         cfg = self.config
         reasons = []
         for rec in records:
-            seconds = float(rec.cost.env_seconds)
-            if cfg.play_env_seconds and seconds > cfg.play_env_seconds:
-                reasons.append(f"play_timeout ({seconds:.0f} s of environment calls)")
+            if cfg.play_env_seconds and rec.cost.env_seconds > cfg.play_env_seconds:
+                reasons.append("play_timeout")
             elif cfg.drop_failed_plays and rec.end_reason in DROPPED_END_REASONS:
-                reasons.append(f"{rec.end_reason} ({rec.end_reason} end)")
+                reasons.append(rec.end_reason)
             else:
                 reasons.append("")
         return agreement.agree_drops(reasons)

@@ -230,8 +230,9 @@ def reference_designer_user_prompt(
 def _avoid_note(example: Any, index: int) -> str:
     """A game to avoid as one line: too easy or too hard (its regime, else its win rate
     against one half), the agent's win rate, and the game's class name."""
-    program, win_rate, _ = _scored_program(example, index)
-    regime = str(_picker(example, f"example {index}")("regime")) if _has(example, "regime") else ""
+    pick = _picker(example, f"example {index}")
+    program, win_rate, _ = _program_scores(pick)
+    regime = str(pick("regime", default=""))
     too = {"mastered": "too easy", "intractable": "too hard"}.get(
         regime, "too easy" if win_rate >= 0.5 else "too hard")
     found = re.search(r"^class\s+(\w+)", program, flags=re.M)
@@ -239,27 +240,28 @@ def _avoid_note(example: Any, index: int) -> str:
     return f"- {too} (agent win rate {win_rate:.2f}): {name}"
 
 
-def _has(example: Any, key: str) -> bool:
-    data = example.to_json() if hasattr(example, "to_json") else example
-    return isinstance(data, Mapping) and key in data
-
-
 def _scored_program(example: Any, index: int) -> tuple[str, float, float]:
     return _program_scores(_picker(example, f"example {index}"))
 
 
+_REQUIRED = object()  # pick()'s default: the key must be there
+
+
 def _picker(example: Any, label: str) -> Callable[..., Any]:
-    """``pick(*keys)``: the value of the first of ``keys`` that ``example`` (a mapping, or a
-    record with ``to_json()``) has; errors name the example by ``label``."""
+    """``pick(*keys, default=...)``: the value of the first of ``keys`` that ``example`` (a
+    mapping, or a record with ``to_json()``) has, else ``default``; without a default,
+    errors name the example by ``label``."""
     if hasattr(example, "to_json"):
         example = example.to_json()
     if not isinstance(example, Mapping):
         raise TypeError(f"{label} must be a mapping, got {type(example).__name__}")
 
-    def pick(*keys: str) -> Any:
+    def pick(*keys: str, default: Any = _REQUIRED) -> Any:
         for key in keys:
             if key in example:
                 return example[key]
+        if default is not _REQUIRED:
+            return default
         raise ValueError(f"{label} lacks {' / '.join(keys)}")
 
     return pick
