@@ -119,15 +119,25 @@ class CorpusSpec:
 
 
 class CorpusMissing(ValueError):
-    """The experiment needs a corpus (``corpus.stand_in=False``) and none was given."""
+    """The experiment needs a corpus (``corpus.stand_in=False``) and none was given, or a
+    given corpus path names no file."""
 
 
-def require_corpus(config: ExperimentConfig) -> None:
+def require_corpus(config: ExperimentConfig, check_paths: bool = True) -> None:
     """Refuses a run that would silently fall back to the stand-in corpus when the
-    experiment asks for a real one (the recipe's launch requires its corpus file)."""
+    experiment asks for a real one (the recipe's launch requires its corpus file), and,
+    with ``check_paths``, a run whose corpus paths or globs name no file (this lists them:
+    a gs:// glob reads the bucket), before anything starts."""
     spade = config.spade
     uses_corpus = (spade.use_corpus and spade.designer_mode == "self"
                    and spade.baseline == "none")
+    if uses_corpus and check_paths and config.corpus.paths:
+        from spade_jax.spade.corpus import expand_paths
+
+        try:
+            expand_paths(list(config.corpus.paths))
+        except FileNotFoundError as err:
+            raise CorpusMissing(f"--corpus / corpus.paths: {err}") from err
     if uses_corpus and not config.corpus.paths and not config.corpus.stand_in:
         raise CorpusMissing(
             f"experiment {config.name!r} needs its grounding corpus: pass "

@@ -65,8 +65,8 @@ def main(argv: list[str]) -> int:
         return 2
     from spade_jax.experiment import CorpusMissing, require_corpus
 
-    try:
-        require_corpus(config)
+    try:  # a dry run reads no storage: the corpus files are checked by a real run only
+        require_corpus(config, check_paths=not FLAGS.dry_run)
     except CorpusMissing as e:
         if not FLAGS.dry_run:
             print(f"error: {e}", file=sys.stderr)

@@ -113,6 +113,12 @@ def test_bad_flags_get_clear_errors(tmp_path):
                        timeout=120)
     assert r.returncode == 2 and "--corpus=" in r.stderr and "corpus.stand_in=True" in r.stderr
     assert not (tmp_path / "q" / "config.json").exists()
+    missing = tmp_path / "no_such_corpus.jsonl"
+    r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=qwen3_30b_a3b",
+                        f"--corpus={missing}", f"--workdir={tmp_path / 'q'}"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and f"{missing}' does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 # A fixed pool of seed programs (no warm start needed for valid games), windows of 2 steps,

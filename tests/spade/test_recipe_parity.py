@@ -223,14 +223,18 @@ def test_uniform_corpus_draws_repeat_and_are_reproducible():
             without.sample(1)
 
 
-def test_the_recipe_experiment_refuses_to_start_without_its_corpus():
+def test_the_recipe_experiment_refuses_to_start_without_its_corpus(tmp_path):
     """Item 8: the 30B experiment names the flag instead of falling back to the stand-in."""
     config = load_experiment("qwen3_30b_a3b")
     with pytest.raises(CorpusMissing, match="--corpus=") as err:
         require_corpus(config)
     assert "corpus.stand_in=True" in str(err.value)
     require_corpus(load_experiment("qwen3_30b_a3b", ["corpus.stand_in=True"]))
-    require_corpus(load_experiment("qwen3_30b_a3b", ["corpus.paths=('c.jsonl',)"]))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"text": "a document"}\n')
+    require_corpus(load_experiment("qwen3_30b_a3b", [f"corpus.paths=('{corpus}',)"]))
+    with pytest.raises(CorpusMissing, match="'c.jsonl' does not exist"):  # checked up front
+        require_corpus(load_experiment("qwen3_30b_a3b", ["corpus.paths=('c.jsonl',)"]))
     require_corpus(load_experiment("tiny"))  # CPU experiments keep the stand-in
 
 
