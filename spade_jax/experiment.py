@@ -28,6 +28,7 @@ from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
 from spade_jax.spade.config import SpadeConfig
+from spade_jax.toy.world import ToyConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
@@ -85,6 +86,14 @@ class TokenizerSpec:
 
     path: str = ""
     vocab_size: int = 2000
+    # What a trained sentencepiece model learns from: "project" (the package's own text)
+    # or "toy" (the toy world's programs and observations only: small, and the same
+    # whatever else the checkout holds).
+    text: str = "project"
+
+    def __post_init__(self) -> None:
+        if self.text not in ("project", "toy"):
+            raise ValueError(f"tokenizer.text must be 'project' or 'toy', got {self.text!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +213,7 @@ class ExperimentConfig:
     corpus: CorpusSpec = dataclasses.field(default_factory=CorpusSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     baseline: BaselineSpec = dataclasses.field(default_factory=BaselineSpec)
+    toy: ToyConfig = dataclasses.field(default_factory=ToyConfig)
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     # Kept besides the newest keep_checkpoints: the step with the best value of this logged

@@ -57,9 +57,10 @@ from spade_jax.rl.train_step import (
     make_train_step,
     needs_reference,
 )
-from spade_jax.rollout.agent_loop import run_episodes
+from spade_jax.rollout.agent_loop import EpisodeSpec, run_episodes
 from spade_jax.rollout.routing import compact_routing
 from spade_jax.rollout.sampler import SamplerConfig, sample
+from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import seed_programs
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
 from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
@@ -111,11 +112,32 @@ def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
         return load_tokenizer(directory / "spm.model")
     # sentencepiece writes local files: train in a local mirror, then upload (gs:// workdir)
     mirror = storage.MirroredDir(directory)
-    files = project_text_files() + [_seed_program_text(mirror.local)]
-    log.info("training a %d-piece sentencepiece tokenizer on %d project files", spec.vocab_size, len(files))
+    if spec.text == "toy":
+        from spade_jax.toy.world import tokenizer_text
+
+        toy_text = mirror.local / "toy_world.txt"
+        toy_text.write_text(tokenizer_text() + "\n" + _loop_prompt_text())
+        files = [toy_text]
+    else:
+        files = project_text_files() + [_seed_program_text(mirror.local)]
+    log.info("training a %d-piece sentencepiece tokenizer on %d %s text files", spec.vocab_size,
+             len(files), spec.text)
     tokenizer = train_sentencepiece(files, str(mirror.local / "spm"), vocab_size=spec.vocab_size)
     mirror.sync()
     return tokenizer
+
+
+def _loop_prompt_text() -> str:
+    """The fixed prompt texts of the loop's roles (designer, hint writer, agent)."""
+    from spade_jax.spade.prompts import (
+        COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT,
+        HINT_WRITER_SYSTEM_PROMPT,
+        reference_designer_user_prompt,
+    )
+    from spade_jax.toy.family import SKILL
+
+    return "\n".join([COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT, HINT_WRITER_SYSTEM_PROMPT,
+                      reference_designer_user_prompt(SKILL, [], max_doc_chars=64)])
 
 
 def _seed_program_text(directory: Path) -> Path:
@@ -254,9 +276,14 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
     spade = config.spade
     fixed_pool = []
     if spade.designer_mode == "fixed_pool":
-        programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
-                    else seed_programs.SEED_PROGRAMS)
-        fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
+        if config.toy.enabled and not spade.pool_dir:  # the toy's fixed curriculum
+            from spade_jax.toy.world import fixed_curriculum
+
+            fixed_pool = fixed_curriculum()
+        else:
+            programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
+                        else seed_programs.SEED_PROGRAMS)
+            fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
     corpus_sampler = build_corpus_sampler(config)
     _check_corpus_agrees(corpus_sampler)
     generate_fn, episodes_fn = loop_sampling(config, policy, tokenizer, mesh)
@@ -365,7 +392,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     mcfg = model.config
     pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways,
                       moe_layers=tuple(i for i in range(mcfg.num_layers) if mcfg.is_moe_layer(i)),
-                      num_layers=mcfg.num_layers)
+                      num_layers=mcfg.num_layers, row_buckets=config.train.row_buckets)
     telemetry = (ReplayTelemetry(graphdef, train_config, mesh)
                  if records_routing(config) and mcfg.is_moe else None)
 
@@ -376,7 +403,10 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
             batch = reference.annotate(batch)
         # Routing-mismatch telemetry at the weights the step differentiates (before it).
         extra = telemetry(holder["state"].params, batch) if telemetry is not None else {}
-        holder["state"], metrics = step_fn(holder["state"], batch)
+        # update_epochs > 1: PPO's reuse of one batch (CleanRL's update_epochs); the ratio
+        # against the sampler's log-probs grows each pass and the clip bounds it.
+        for _ in range(config.train.update_epochs):
+            holder["state"], metrics = step_fn(holder["state"], batch)
         return {**{k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0},
                 **extra}
 
@@ -403,7 +433,8 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         # Nothing to save before the first round of a fresh run without a warm start.
         saved = restored is not None or not config.warm_start.steps
         _train_rounds(config, loop, ckpt, holder, start_round, workdir,
-                      evaluate=lambda r: _held_out_eval(config, policy(), tokenizer, r),
+                      evaluate=(lambda r: _toy_eval(config, loop, pool, r)) if config.toy.enabled
+                      else (lambda r: _held_out_eval(config, policy(), tokenizer, r)),
                       saved=saved)
     finally:
         pool.close()
@@ -527,6 +558,8 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
     like the loop's: same system prompt and skill text, real corpus documents (from a
     sampler of its own, so the run's corpus cursor is untouched), and none."""
     spade_cfg, ws = config.spade, config.warm_start
+    if config.toy.enabled:
+        return _toy_warm_start(config, tokenizer, graphdef, state, loop)
     programs = [p for p in seed_programs.SEED_PROGRAMS if not ws.programs or p.name in ws.programs]
     if not programs:
         raise ValueError(f"warm_start.programs {ws.programs} names no seed program")
@@ -554,6 +587,45 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
                                 seed=config.seed, pad_id=tokenizer.pad_id)
     log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
     return dataclasses.replace(state, params=params)
+
+
+def _toy_warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop) -> TrainState:
+    """The toy world's warm start (``spade_jax.toy.world``): designer programs across the
+    levels, hints, and the agent's level-1 answers, in one supervised pass."""
+    from spade_jax.toy import world
+
+    toy, ws = config.toy, config.warm_start
+    pairs = (world.designer_pairs(toy, loop.designer._messages, config.seed)
+             + world.hint_pairs(toy, config.seed)
+             + world.agent_pairs(toy, config.seed, config.agent.system_prompt,
+                                 config.agent.first_turn_template))
+    seqs = supervised_pairs(tokenizer, pairs)
+    log.info("toy warm start: %d steps on %d examples", ws.steps, len(seqs))
+    params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
+                                batch_size=ws.batch_size, learning_rate=ws.learning_rate,
+                                seed=config.seed, pad_id=tokenizer.pad_id)
+    log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
+    return dataclasses.replace(state, params=params)
+
+
+def _toy_eval(config, loop: SpadeLoop, pool, round_index: int) -> dict[str, float]:
+    """The toy world's held-out grid (``eval/toy/...``): fixed levels and seeds, played
+    with the loop's own episode runner, never trained on."""
+    from spade_jax.envs import make_env
+    from spade_jax.toy import world
+    from spade_jax.toy.family import render_program
+
+    grid = world.heldout_grid(config.toy, config.seed)
+    specs = [EpisodeSpec(env=make_env(render_program(level, rule), pool, contract="reference",
+                                      max_turns=config.agent.max_turns),
+                         env_id=f"heldout_L{level}_{rule}", seed=seed)
+             for level, rule, seed in grid]
+    try:
+        records = loop.run_episodes(specs, seed=derive_seed(config.seed, round_index, Phase.EVAL))
+    finally:
+        for spec in specs:
+            spec.env.close()
+    return world.heldout_metrics(grid, [float(r.return_) for r in records])
 
 
 def _held_out_eval(config, model, tokenizer, round_index) -> dict[str, float]:

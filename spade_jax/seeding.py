@@ -33,6 +33,7 @@ class Phase(enum.IntEnum):
     CREDIT = 11  # update-rule draws (forked continuations, judge replies, turn choices)
     REFILL = 12  # a group filter's replacement plays (DAPO dynamic sampling's refill)
     REPLAY_AUDIT = 13  # which finished sandbox episodes are replayed to check determinism
+    WARM_START = 14  # supervised warm-start examples (the toy world's levels, digits)
 
 
 def _entropy(parts: tuple[int, ...]) -> list[int]:

@@ -22,14 +22,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "spade_jax"
 LAYERS: tuple[frozenset[str], ...] = (
     # foundations: no model, no RL
     frozenset({"seeding", "sharding", "distributed", "storage", "metrics", "plot",
-               "overrides", "checkpoint", "preemption"}),
+               "compare", "overrides", "checkpoint", "preemption"}),
     frozenset({"models", "tokenizers"}),
     frozenset({"rollout", "envs"}),
     frozenset({"rl", "evaluation", "steering"}),
     frozenset({"spade"}),
     # composition: experiments configure every layer below; the hint filter runs SPADE's
-    # designer over evaluation tasks
-    frozenset({"experiment", "hint_filter"}),
+    # designer over evaluation tasks; the toy world builds a run's warm start and evaluation
+    frozenset({"experiment", "hint_filter", "toy"}),
     # entry points (and the package itself)
     frozenset({"", "train", "evaluate", "steer", "filter", "convert", "aot", "export", "run"}),
 )

@@ -126,6 +126,9 @@ class PackConfig:
         microbatches x data-parallel devices).
       moe_layers, num_layers: the model layers the L axis of a ``[T, L, X]`` routing
         recording refers to, and the model's layer count (needed only for recordings).
+      row_buckets: allowed B (``TrainConfig.row_buckets``): B is the smallest that holds
+        the sequences (rounded up to ``batch_multiple``); past the largest, B is the
+        ``batch_multiple`` multiple alone.
     """
 
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
@@ -133,6 +136,7 @@ class PackConfig:
     batch_multiple: int = 1
     moe_layers: tuple[int, ...] = ()
     num_layers: int = 0
+    row_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.buckets or any(b <= 1 for b in self.buckets):
@@ -241,6 +245,8 @@ def pack_sequences(
     sequences = _per_layer(sequences, config)
     length = bucket_length(max(lengths), config.buckets)
     rows = -(-len(sequences) // config.batch_multiple) * config.batch_multiple
+    rows = next((-(-b // config.batch_multiple) * config.batch_multiple
+                 for b in config.row_buckets if b >= rows), rows)
     per_token_adv = any(np.ndim(s.advantage) == 1 for s in sequences)
     has_ref = [s.ref_logprobs is not None for s in sequences]
     if any(has_ref) and not all(has_ref):

@@ -99,6 +99,12 @@ class TrainConfig:
         recipe's slime divides the summed per-sample losses by the global batch (192)
         when a batch falls short and its rewards are not rescaled (the 8B launch, whose
         KL term turns the rescaling off: docs/reference_parity.md).
+      update_epochs: optimizer steps taken on each batch (1 = on-policy, the recipe; more
+        = PPO's reuse of a batch, bounded by the ratio clip).
+      row_buckets: allowed batch sizes B (increasing); a batch is padded with empty rows
+        (loss mask 0) up to the smallest that fits, so a run whose sequence count varies
+        from step to step compiles a handful of step shapes, not one per count (() = pad
+        to the microbatch multiple only).
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -113,8 +119,15 @@ class TrainConfig:
     skip_nonfinite: bool = True
     loss_aggregation: str = "per_role"
     pooled_min_denominator: int = 0
+    row_buckets: tuple[int, ...] = ()
+    update_epochs: int = 1
 
     def __post_init__(self) -> None:
+        if self.update_epochs < 1:
+            raise ValueError(f"update_epochs must be >= 1, got {self.update_epochs}")
+        if any(b < 1 for b in self.row_buckets) or \
+                tuple(sorted(set(self.row_buckets))) != tuple(self.row_buckets):
+            raise ValueError(f"row_buckets must be increasing sizes >= 1, got {self.row_buckets}")
         if self.pooled_min_denominator < 0:
             raise ValueError(f"pooled_min_denominator must be >= 0, got "
                              f"{self.pooled_min_denominator}")

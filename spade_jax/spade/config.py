@@ -94,8 +94,8 @@ class SpadeConfig:
       memory_train_envs: memory games replayed for agent training every round.
       learnable_window: rounds in the learnable-share window (the paper: 16).
       eval_every: run the held-out suites every N rounds (0 = never).
-      prompt_style: designer system prompt of the paper contract, "full" or "compact"
-        (CPU-sized policies); the reference contract has one prompt family (no hint asked).
+      prompt_style: designer system prompt, "full" or "compact" (CPU-sized policies), of
+        either contract (the reference contract's asks for no hint).
       designer_thinking: the chat template's thinking switch for designer prompts (the
         recipe: on for Qwen3-8B's designer only; the agent's is ``agent.enable_thinking``).
       probe_episodes / probe_time_budget_s: scripted sandbox episodes per new program (and

@@ -31,6 +31,7 @@ from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels
 from spade_jax.spade.extraction import recipe_program
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import (
+    COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT,
     DESIGNER_SYSTEM_PROMPTS,
     DesignerOutput,
     designer_user_prompt,
@@ -134,7 +135,8 @@ class Designer:
         if cfg.contract == "reference":
             good = [e for e in examples if e["build_on"]]
             bad = [e for e in examples if not e["build_on"]]
-            system = reference_designer_system_prompt(self.max_turns)
+            system = (COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT if cfg.prompt_style == "compact"
+                      else reference_designer_system_prompt(self.max_turns))
             user = reference_designer_user_prompt(skill, documents, good, bad,
                                                   max_doc_chars=cfg.max_doc_chars,
                                                   max_doc_words=cfg.max_doc_words,

@@ -458,3 +458,13 @@ def _levels_result(
     levels = tuple(sorted(set(np.round(returns, config.decimals).tolist())))
     partial = sum(1 for v in levels if 0.0 < v < 1.0)
     return ProgramLevels(levels, float(len(levels)), float(partial), len(returns), opening, reason)
+
+
+_STATED_LEVEL = re.compile(r"^LEVEL\s*=\s*(\d+)\s*$", re.M)
+
+
+def stated_level(source: str) -> int | None:
+    """The difficulty a program states with a top-level ``LEVEL = n`` line (the toy
+    world's programs do: ``spade_jax.toy.family``), None when it states none."""
+    match = _STATED_LEVEL.search(source)
+    return int(match.group(1)) if match else None

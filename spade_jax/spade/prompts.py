@@ -180,6 +180,15 @@ Reply with the whole game in one fenced python block and nothing after it.
 
 REFERENCE_DESIGNER_SYSTEM_PROMPT: str = reference_designer_system_prompt()
 
+# The reference contract's prompt for CPU-sized policies (prompt_style "compact"), as
+# COMPACT_DESIGNER_SYSTEM_PROMPT is the paper contract's.
+COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT: str = """\
+You design a text game in Python: a class named ...Env with reset(self, seed=None) ->
+(observation, info) and step(self, action) -> (observation, reward, terminated,
+truncated, info). Actions are \\boxed{...}; the last reward is the score.
+Reply with the whole game in one ```python block.
+"""
+
 
 def reference_designer_user_prompt(
     skill: str | Skill,

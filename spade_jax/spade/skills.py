@@ -99,11 +99,19 @@ RECIPE_SKILLS: tuple[Skill, ...] = (
     OPTIMIZATION, CAUSAL_INFERENCE)
 RECIPE_TWO_SKILL: tuple[Skill, ...] = (MATHEMATICAL_REASONING, PATTERN_RECOGNITION)
 
+# The toy world's one skill (spade_jax/toy/family.py): the designer's choice is the level.
+KEY_DIGIT = Skill(
+    "key_digit",
+    "find the key digit among shown digits; choose how many digits (LEVEL) and whether "
+    "the key is the largest or the smallest (RULE)",
+)
+
 SKILL_SETS: dict[str, tuple[Skill, ...]] = {
     "main": RECIPE_SKILLS,
     "two_skill": RECIPE_TWO_SKILL,
     "project": MAIN_SKILLS,
     "project_two_skill": TWO_SKILL_CURRICULUM,
+    "toy": (KEY_DIGIT,),
 }
 
 

@@ -57,6 +57,11 @@ def design_metrics(attempts: Sequence[Any], window: Window, regeneration: bool) 
     levels = [g.reward_levels for g in window.games if math.isfinite(g.reward_levels)]
     partial = [g.strict_partial_levels for g in window.games
                if math.isfinite(g.strict_partial_levels)]
+    # The level a program states (a ``LEVEL = n`` line, as every toy-world program does):
+    # whether the designer follows the agent shows in this mean rising with it.
+    stated = [env_stats.stated_level(g.program) for g in window.games if g.verdict.ok]
+    stated = [lv for lv in stated if lv is not None]
+    m["designer/difficulty_mean"] = _mean(stated)
     m["program_reward_levels_mean"] = _mean(levels)
     m["program_strict_partial_levels_mean"] = _mean(partial)
     sources = [g.program for g in window.games]
@@ -105,10 +110,17 @@ def play_metrics(records: Sequence[Any]) -> dict[str, float]:
     }
 
 
-def scored_metrics(scored: Sequence[Any]) -> dict[str, float]:
-    """The designer reward rule's parts, averaged over the games scored this round."""
+def scored_metrics(scored: Sequence[Any], classify: Any = None) -> dict[str, float]:
+    """The designer reward rule's parts, averaged over the games scored this round, and
+    (with ``classify(regret, hint_mean, mean_return)``) how many of them fell in each
+    regime (``regime/<name>``, 0 for a regime with none when any game was scored)."""
     m = {"designer/scored_games": float(len(scored)),
          "designer/total_mean": _mean([float(s.result.total) for s in scored])}
+    if classify is not None and scored:
+        counts = collections.Counter(str(classify(s.stats.regret, s.stats.hint_mean,
+                                                  s.stats.mean_return)) for s in scored)
+        for regime in ("frontier", "mastered", "intractable"):
+            m[f"regime/{regime}"] = float(counts.get(regime, 0))
     parts: dict[str, list[float]] = collections.defaultdict(list)
     for s in scored:
         for key, value in s.result.as_metrics().items():
@@ -126,7 +138,7 @@ def round_metrics(loop: Any, *, step: int, window: Window, attempts: Sequence[An
     m.update(design_metrics(attempts, window, cfg.is_regeneration(step)))
     m.update(window_metrics(window, step))
     m.update(play_metrics(records))
-    m.update(scored_metrics(scored))
+    m.update(scored_metrics(scored, loop.memory.classify))
     # Win rate of a game in this round = its mean episode score (the recipe's); the logged
     # share pools the last ``learnable_window`` rounds.
     offset = step - window.start

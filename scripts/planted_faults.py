@@ -1,0 +1,66 @@
+"""Runs the toy world's learning check clean and under each planted fault, and prints
+which claims each run passes (issue 29: the check must fail under every fault).
+
+    python scripts/planted_faults.py --workdir runs/faults            # ~3 min a run
+    python scripts/planted_faults.py --workdir runs/faults --faults hint_swap --seed 1
+
+The runs are ``toy:check`` (the CI learning check's run), one per fault, in this process
+(the faults patch the loop and the trainer in memory: ``spade_jax.toy.faults``).
+Exit status 0 when the clean run passes every claim and every faulted run fails one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+
+from spade_jax.experiment import load_experiment
+from spade_jax.metrics import read_metrics
+from spade_jax.run import run_experiment
+from spade_jax.toy.check import check_run
+from spade_jax.toy.faults import FAULTS, planted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--faults", default=",".join(("none",) + FAULTS),
+                        help="comma-separated: 'none' (the clean run) and fault names")
+    parser.add_argument("--experiment", default="toy:check")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = [f for f in faults if f != "none" and f not in FAULTS]
+    if unknown:
+        parser.error(f"unknown fault(s) {unknown}; known: none, {', '.join(FAULTS)}")
+    logging.basicConfig(level=logging.WARNING)
+    verdicts = {}
+    for fault in faults:
+        workdir = args.workdir / f"seed{args.seed}_{fault}"
+        if not (workdir / "metrics.jsonl").exists():
+            config = load_experiment(args.experiment, [f"seed={args.seed}"])
+            start = time.time()
+            with planted(fault) if fault != "none" else contextlib.nullcontext():
+                run_experiment(config, workdir)
+            print(f"[{fault}] ran in {time.time() - start:.0f} s", flush=True)
+        findings = check_run(read_metrics(workdir))
+        verdicts[fault] = findings
+        print(f"\n[{fault}]\n" + "\n".join(f.line() for f in findings), flush=True)
+    names = [f.name for f in next(iter(verdicts.values()))]
+    print("\n| run | " + " | ".join(names) + " | check |")
+    print("|---|" + "---|" * (len(names) + 1))
+    for fault, findings in verdicts.items():
+        cells = [("pass" if f.ok else "**FAIL**") + f" ({f.value:.2f})" for f in findings]
+        print(f"| {fault} | " + " | ".join(cells)
+              + f" | {'passes' if all(f.ok for f in findings) else 'fails'} |")
+    clean_ok = all(f.ok for f in verdicts.get("none", []))
+    faults_caught = all(not all(f.ok for f in v) for k, v in verdicts.items() if k != "none")
+    return 0 if clean_ok and faults_caught else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

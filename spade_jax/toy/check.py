@@ -1,0 +1,111 @@
+"""The toy world's learning check: does a run's metrics show SPADE working?
+
+``check_run(metrics)`` reads a run's ``metrics.jsonl`` curves and returns one finding per
+claim, each with the measured value and the bar it had to clear:
+
+agent_return_rises     mean of the last third of ``return_no_hint_mean`` above the first
+                       third's by ``min_return_rise``
+heldout_rises          the last held-out ``eval/toy/pass@1`` above the first one by
+                       ``min_heldout_rise`` (the grid is fixed and never trained on)
+validity_floor         every regeneration's ``validity_rate`` at or above ``validity_floor``
+regret_positive        ``regret_raw_mean`` above 0 in at least ``min_positive_regret_share``
+                       of the windows (the hint helps where the designer puts the games)
+designer_follows_agent the designer's mean level (``designer/difficulty_mean``) over the
+                       last third within ``max_frontier_gap`` levels of the agent's frontier
+                       at the end (the highest held-out level it solves at least
+                       ``frontier_pass`` of the time)
+
+Used by the CI learning check (``tests/toy/test_learning_check.py``, a shortened run) and by
+``scripts/planted_faults.py``, which shows each finding failing under a planted fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+
+import numpy as np
+
+Curves = Mapping[str, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckConfig:
+    """The bars of :func:`check_run` (module docstring)."""
+
+    min_return_rise: float = 0.05
+    min_heldout_rise: float = 0.05
+    validity_floor: float = 0.5
+    min_positive_regret_share: float = 0.5
+    frontier_pass: float = 0.5
+    max_frontier_gap: float = 1.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    name: str
+    ok: bool
+    value: float
+    bar: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.value:.3f} ({self.bar})"
+
+
+def _finite(curves: Curves, key: str) -> tuple[np.ndarray, np.ndarray]:
+    if key not in curves:
+        return np.zeros(0), np.zeros(0)
+    steps, values = (np.asarray(a, np.float64) for a in curves[key])
+    keep = np.isfinite(values)
+    return steps[keep], values[keep]
+
+
+def thirds(values: np.ndarray) -> tuple[float, float]:
+    """Means of the first and the last third of ``values`` (by position; NaN if < 3)."""
+    if len(values) < 3:
+        return float("nan"), float("nan")
+    parts = np.array_split(np.asarray(values, np.float64), 3)
+    return float(parts[0].mean()), float(parts[-1].mean())
+
+
+def agent_frontier(curves: Curves, frontier_pass: float) -> float:
+    """The highest held-out level whose last ``eval/toy/level_<L>/pass@1`` is at least
+    ``frontier_pass`` (1 if none: level 1 is always within reach), NaN without evals."""
+    levels = {}
+    for key in curves:
+        match = re.fullmatch(r"eval/toy/level_(\d+)/pass@1", key)
+        _, values = _finite(curves, key)
+        if match and len(values):
+            levels[int(match.group(1))] = float(values[-1])
+    if not levels:
+        return float("nan")
+    return float(max([1] + [lv for lv, p in levels.items() if p >= frontier_pass]))
+
+
+def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Finding]:
+    """One :class:`Finding` per claim of the module docstring."""
+    findings = []
+    first, last = thirds(_finite(curves, "return_no_hint_mean")[1])
+    rise = last - first
+    findings.append(Finding("agent_return_rises", bool(rise > config.min_return_rise), rise,
+                            f"last third - first third > {config.min_return_rise}"))
+    _, heldout = _finite(curves, "eval/toy/pass@1")
+    rise = float(heldout[-1] - heldout[0]) if len(heldout) >= 2 else float("nan")
+    findings.append(Finding("heldout_rises", bool(rise > config.min_heldout_rise), rise,
+                            f"last eval - first eval > {config.min_heldout_rise}"))
+    _, validity = _finite(curves, "validity_rate")
+    low = float(validity.min()) if len(validity) else float("nan")
+    findings.append(Finding("validity_floor", bool(low >= config.validity_floor), low,
+                            f"lowest >= {config.validity_floor}"))
+    _, regret = _finite(curves, "regret_raw_mean")
+    share = float(np.mean(regret > 0)) if len(regret) else float("nan")
+    findings.append(Finding("regret_positive", bool(share >= config.min_positive_regret_share),
+                            share, f"share of rounds > 0 >= {config.min_positive_regret_share}"))
+    _, difficulty = _finite(curves, "designer/difficulty_mean")
+    frontier = agent_frontier(curves, config.frontier_pass)
+    gap = abs(thirds(difficulty)[1] - frontier)
+    findings.append(Finding("designer_follows_agent", bool(gap <= config.max_frontier_gap), gap,
+                            f"|last-third level - agent frontier {frontier:g}| <= "
+                            f"{config.max_frontier_gap}"))
+    return findings

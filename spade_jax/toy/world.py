@@ -1,0 +1,180 @@
+"""The toy world of an experiment: warm-start data, tokenizer text, the fixed-curriculum
+pool and the held-out grid, all over the key-digit family (``toy/family.py``).
+
+``ExperimentConfig.toy`` (a :class:`ToyConfig`) switches a run to it. What the warm start
+teaches, and what it leaves to RL:
+
+- the designer role: the family's program at levels drawn from ``designer_level_weights``
+  (every level appears; easy ones more often), for the loop's own designer prompts, with
+  and without memory examples; the level it writes is independent of any example shown,
+  so following the agent is left to the designer's RL and the memory;
+- the hint writer: a program -> the hint its RULE implies (the rule, in the feedback's
+  words);
+- the agent role: the answer format, and a correct answer at level 1 only (one digit:
+  copy it); above level 1 its targets are shown digits drawn at random, so it starts as
+  the random-copy policy (1/L at level L).
+  It never sees a second turn, a hint, or an instance with more than one digit, so finding
+  an extreme, reading the rule from feedback or hint, and not repeating a wrong answer are
+  left to RL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from spade_jax.seeding import Phase, derive_seed, rng
+from spade_jax.spade.prompts import hint_writer_messages
+from spade_jax.toy.family import LEVELS, RULES, SKILL, hint_for, observation, render_program
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    """The toy world (``enabled=False``: a normal run).
+
+    Attributes:
+      enabled: build the warm start, tokenizer, fixed pool and held-out evaluation from
+        the key-digit family.
+      designer_level_weights: relative frequency of each level 1..9 in the designer's
+        warm-start programs (every level must appear: > 0).
+      designer_examples: designer warm-start pairs (prompt -> program).
+      hint_examples: hint-writer warm-start pairs (program -> hint).
+      agent_examples: agent warm-start pairs (``agent_pairs``).
+      heldout_levels: the held-out grid's levels (``eval/toy/...``); its episodes are
+        seeded from Phase.EVAL and never trained on.
+      heldout_episodes: held-out episodes per level (half per rule).
+    """
+
+    enabled: bool = False
+    designer_level_weights: tuple[float, ...] = (4, 4, 3, 3, 2, 2, 1, 1, 1)
+    designer_examples: int = 96
+    hint_examples: int = 24
+    agent_examples: int = 96
+    heldout_levels: tuple[int, ...] = (2, 3, 4, 6, 8)
+    heldout_episodes: int = 16
+
+    def __post_init__(self) -> None:
+        if len(self.designer_level_weights) != len(LEVELS) or \
+                min(self.designer_level_weights) <= 0:
+            raise ValueError(f"toy.designer_level_weights must be {len(LEVELS)} weights > 0 "
+                             f"(one per level {LEVELS[0]}..{LEVELS[-1]}), got "
+                             f"{self.designer_level_weights}")
+        for name in ("heldout_levels",):
+            bad = [lv for lv in getattr(self, name) if lv not in LEVELS]
+            if bad or not getattr(self, name):
+                raise ValueError(f"toy.{name} must be non-empty levels from {LEVELS}, got "
+                                 f"{getattr(self, name)}")
+        for name in ("designer_examples", "hint_examples", "agent_examples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"toy.{name} must be >= 1, got {getattr(self, name)}")
+        if self.heldout_episodes < 2 or self.heldout_episodes % 2:
+            raise ValueError(f"toy.heldout_episodes must be even and >= 2 (half per rule), "
+                             f"got {self.heldout_episodes}")
+
+
+Messages = list[dict[str, str]]
+
+
+def designer_pairs(config: ToyConfig, designer_messages: Any, seed: int) -> list[tuple[Messages, str]]:
+    """(designer chat -> program reply) pairs. ``designer_messages(skill, documents,
+    examples)`` is the loop's own prompt builder (``Designer._messages``); half the
+    prompts carry one memory example (a random level, regime and win rate, as the loop
+    shows them), whose level the target does not follow."""
+    draw = rng(seed, 0, Phase.WARM_START, 0)
+    weights = np.asarray(config.designer_level_weights, np.float64)
+    weights /= weights.sum()
+    pairs = []
+    for i in range(config.designer_examples):
+        level = int(draw.choice(LEVELS, p=weights))
+        rule = RULES[int(draw.integers(len(RULES)))]
+        examples = []
+        if i % 2:
+            example_level = int(draw.choice(LEVELS))
+            build_on = bool(draw.integers(2))
+            examples = [{"program": render_program(example_level, RULES[int(draw.integers(2))]),
+                         "hint": "", "regime": "frontier" if build_on else "mastered",
+                         "win_rate": float(draw.uniform()), "regret": float(draw.uniform(-.2, .6)),
+                         "build_on": build_on}]
+        pairs.append((designer_messages(SKILL, [], examples),
+                      f"```python\n{render_program(level, rule)}```"))
+    return pairs
+
+
+def hint_pairs(config: ToyConfig, seed: int) -> list[tuple[Messages, str]]:
+    """(hint-writer chat on a program -> its hint) pairs over every level and rule."""
+    draw = rng(seed, 0, Phase.WARM_START, 1)
+    pairs = []
+    for _ in range(config.hint_examples):
+        level, rule = int(draw.choice(LEVELS)), RULES[int(draw.integers(len(RULES)))]
+        pairs.append((hint_writer_messages(render_program(level, rule)), hint_for(rule)))
+    return pairs
+
+
+def agent_pairs(config: ToyConfig, seed: int, system_prompt: str | None,
+                first_turn_template: str) -> list[tuple[Messages, str]]:
+    """The agent's answer format, with no information about the key above level 1.
+
+    A third of the pairs are level-1 first turns whose target is the one digit (the
+    level the agent is competent at). The rest are at random levels, first turns and
+    second turns (after the family's "Wrong." and the rule), whose target is a shown
+    digit drawn uniformly: the format of an answer, and the random-copy policy (1/L at
+    level L), not which digit is the key."""
+    draw = rng(seed, 0, Phase.WARM_START, 2)
+    head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    pairs = []
+    for i in range(config.agent_examples):
+        level = 1 if i % 3 == 0 else int(draw.choice(LEVELS))
+        digits = [int(d) for d in draw.integers(10, size=level)]
+        user = first_turn_template.format(observation=observation(digits))
+        messages = head + [{"role": "user", "content": user}]
+        if i % 3 == 2:  # a second turn, after the rule
+            rule = RULES[int(draw.integers(len(RULES)))]
+            messages += [{"role": "assistant", "content": f"\\boxed{{{draw.choice(digits)}}}"},
+                         {"role": "user", "content": f"Wrong.\n\nHINT: {hint_for(rule)}"}]
+        pairs.append((messages, f"\\boxed{{{draw.choice(digits)}}}"))
+    return pairs
+
+
+def tokenizer_text() -> str:
+    """Text the toy tokenizer is trained on: every program, hint and observation shape."""
+    parts = [render_program(level, rule) for level in LEVELS for rule in RULES]
+    parts += [hint_for(rule) for rule in RULES]
+    parts += [observation(list(range(n))) for n in LEVELS]
+    parts += [f"Wrong.\n\nHINT: {hint_for(rule)}" for rule in RULES] + ["Correct."]
+    parts += [f"\\boxed{{{d}}}" for d in range(10)]
+    return "\n".join(parts)
+
+
+def fixed_curriculum() -> list[tuple[str, str | None, str]]:
+    """The fixed-curriculum baseline's pool: every level and rule once (drawn uniformly,
+    without replacement per pass); hints are written by the policy (hint_mode "self")."""
+    return [(render_program(level, rule), None, SKILL) for level in LEVELS for rule in RULES]
+
+
+def heldout_grid(config: ToyConfig, seed: int) -> list[tuple[int, str, int]]:
+    """(level, rule, episode seed) of the held-out evaluation: a fixed grid, the same at
+    every evaluation of a run, seeded from Phase.EVAL (training plays are seeded from
+    other phases)."""
+    grid = []
+    for level in config.heldout_levels:
+        for i in range(config.heldout_episodes):
+            rule = RULES[i % len(RULES)]
+            grid.append((level, rule, derive_seed(seed, 0, Phase.EVAL, level, i)))
+    return grid
+
+
+def heldout_metrics(grid: Sequence[tuple[int, str, int]], returns: Sequence[float]
+                    ) -> dict[str, float]:
+    """``eval/toy/pass@1`` (share of held-out episodes solved: a positive score), the
+    first-try share, the mean score, and pass@1 per level."""
+    returns_arr = np.asarray(returns, np.float64)
+    levels = np.asarray([lv for lv, _, _ in grid])
+    out = {"eval/toy/pass@1": float(np.mean(returns_arr > 0)),
+           "eval/toy/first_try": float(np.mean(returns_arr >= 1.0)),
+           "eval/toy/return_mean": float(np.mean(returns_arr))}
+    for level in sorted(set(levels.tolist())):
+        out[f"eval/toy/level_{level}/pass@1"] = float(np.mean(returns_arr[levels == level] > 0))
+    return out

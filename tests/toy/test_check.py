@@ -1,0 +1,59 @@
+"""The learning check's verdicts on synthetic curves: each claim passes when it holds and
+fails, alone, when it does not."""
+
+import numpy as np
+
+from spade_jax.toy.check import CheckConfig, agent_frontier, check_run, thirds
+
+NAN = float("nan")
+
+
+def _curves(**overrides):
+    steps = np.arange(12, dtype=float)
+    regen = np.where(steps % 2 == 0, 1.0, NAN)
+    curves = {
+        "return_no_hint_mean": (steps, np.linspace(0.2, 0.5, 12)),
+        "validity_rate": (steps, 0.9 * regen),
+        "regret_raw_mean": (steps, np.full(12, 0.1)),
+        "designer/difficulty_mean": (steps, np.linspace(2.0, 4.0, 12) * regen),
+        "eval/toy/pass@1": (steps, np.where(steps % 4 == 3, np.linspace(0.2, 0.6, 12), NAN)),
+        "eval/toy/level_2/pass@1": (steps, np.where(steps % 4 == 3, 0.9, NAN)),
+        "eval/toy/level_4/pass@1": (steps, np.where(steps % 4 == 3, 0.6, NAN)),
+        "eval/toy/level_6/pass@1": (steps, np.where(steps % 4 == 3, 0.2, NAN)),
+    }
+    curves.update({k: (steps, np.asarray(v, float)) for k, v in overrides.items()})
+    return curves
+
+
+def _failed(curves, config=CheckConfig()):
+    return {f.name for f in check_run(curves, config) if not f.ok}
+
+
+def test_a_run_that_learns_passes_every_claim():
+    findings = check_run(_curves())
+    assert all(f.ok for f in findings), [f.line() for f in findings]
+    assert agent_frontier(_curves(), 0.5) == 4.0
+
+
+def test_each_claim_fails_alone():
+    flat = np.full(12, 0.3)
+    assert _failed(_curves(return_no_hint_mean=flat)) == {"agent_return_rises"}
+    assert _failed(_curves(**{"eval/toy/pass@1": np.where(np.arange(12) % 4 == 3, 0.3, NAN)})
+                   ) == {"heldout_rises"}
+    low = np.where(np.arange(12) % 2 == 0, 0.4, NAN)
+    assert _failed(_curves(validity_rate=low)) == {"validity_floor"}
+    assert _failed(_curves(regret_raw_mean=np.full(12, -0.1))) == {"regret_positive"}
+    far = np.where(np.arange(12) % 2 == 0, 8.0, NAN)
+    assert _failed(_curves(**{"designer/difficulty_mean": far})) == {"designer_follows_agent"}
+
+
+def test_missing_curves_fail_rather_than_pass():
+    assert _failed({}) == {"agent_return_rises", "heldout_rises", "validity_floor",
+                           "regret_positive", "designer_follows_agent"}
+
+
+def test_thirds_match_numpy():
+    values = np.arange(10.0)
+    first, last = thirds(values)
+    assert first == np.mean(values[:4]) and last == np.mean(values[7:])
+    assert np.isnan(thirds(np.arange(2.0))[0])

@@ -1,0 +1,86 @@
+"""The toy world's warm-start data teaches formats, not answers; the held-out grid and
+its metrics (checked against a plain NumPy computation)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from spade_jax.spade.extraction import recipe_program
+from spade_jax.toy.family import LEVELS, key_digit, program_level, program_rule, render_program
+from spade_jax.toy.world import (
+    ToyConfig,
+    agent_pairs,
+    designer_pairs,
+    heldout_grid,
+    heldout_metrics,
+    hint_pairs,
+)
+
+CONFIG = ToyConfig(enabled=True)
+
+
+def _prompt(skill, documents, examples):
+    return [{"role": "user", "content": f"{skill} {examples}"}]
+
+
+def test_designer_targets_are_the_family_at_every_level_independent_of_the_example():
+    pairs = designer_pairs(CONFIG, _prompt, seed=0)
+    assert len(pairs) == CONFIG.designer_examples
+    levels = []
+    for _, target in pairs:
+        program = recipe_program(target)
+        level, rule = program_level(program), program_rule(program)
+        assert program.strip() == render_program(level, rule).strip()
+        levels.append(level)
+    assert set(levels) == set(LEVELS)
+    # Easy levels more often, as designer_level_weights says.
+    assert np.mean(np.array(levels) <= 2) > np.mean(np.array(levels) >= 8)
+    assert designer_pairs(CONFIG, _prompt, seed=0) == pairs  # seeded
+    assert designer_pairs(CONFIG, _prompt, seed=1) != pairs
+
+
+def test_hint_targets_state_the_programs_rule():
+    for messages, hint in hint_pairs(CONFIG, seed=0):
+        assert hint == f"The key digit is the {program_rule(messages[-1]['content'])}."
+
+
+def test_agent_targets_carry_no_information_about_the_key_above_level_one():
+    config = ToyConfig(enabled=True, agent_examples=3000)
+    hits, total = 0, 0
+    for messages, target in agent_pairs(config, 0, None, "{observation}"):
+        digits = [int(d) for d in re.findall(r"\d", messages[0]["content"])]
+        answer = int(re.fullmatch(r"\\boxed\{(\d)\}", target).group(1))
+        assert answer in digits
+        if len(digits) == 1:
+            continue
+        rule = re.search(r"the (first|last)\.$", messages[-1]["content"])
+        hits += answer == key_digit(digits, rule.group(1) if rule else "last")
+        total += 1
+    # Uniform over the shown digits: the key is hit about as often as a random copy hits
+    # it (digits repeat, so a little more than 1/L), far from a taught answer.
+    assert hits / total < 0.45
+
+
+def test_heldout_grid_is_fixed_and_metrics_match_numpy():
+    grid = heldout_grid(CONFIG, seed=3)
+    assert grid == heldout_grid(CONFIG, seed=3)
+    assert len(grid) == len(CONFIG.heldout_levels) * CONFIG.heldout_episodes
+    assert len({seed for _, _, seed in grid}) == len(grid)
+    returns = np.random.default_rng(0).choice([0.0, 0.5, 1.0], size=len(grid))
+    m = heldout_metrics(grid, returns)
+    levels = np.array([lv for lv, _, _ in grid])
+    assert m["eval/toy/pass@1"] == pytest.approx(np.mean(returns > 0))
+    assert m["eval/toy/first_try"] == pytest.approx(np.mean(returns == 1.0))
+    for level in CONFIG.heldout_levels:
+        assert m[f"eval/toy/level_{level}/pass@1"] == pytest.approx(
+            np.mean(returns[levels == level] > 0))
+
+
+@pytest.mark.parametrize("field,value", [("designer_level_weights", (1, 2)),
+                                         ("heldout_levels", (0, 3)),
+                                         ("heldout_episodes", 3),
+                                         ("agent_examples", 0)])
+def test_bad_toy_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"toy.{field}"):
+        ToyConfig(**{field: value})
