@@ -32,8 +32,11 @@ from spade_jax.toy.world import ToyConfig
 
 
 def get_config(variant: str = "") -> ExperimentConfig:
-    """``variant`` "check": the shortened run of the CI learning check
-    (tests/toy/test_learning_check.py): a shorter warm start and 16 rounds."""
+    """``variant`` "check": the agent-path learning check of CI
+    (tests/toy/test_learning_check.py, ~2 min): the same policy, warm start and agent loop
+    on the family's constant-key games (the key is always 7), from a fixed pool with no
+    designer, 16 rounds. Its return rises within a dozen updates unless the agent's
+    signal path is broken (scripts/planted_faults.py)."""
     if variant not in ("", "check"):
         raise ValueError(f"toy variants: '' or 'check', got {variant!r}")
     config = _toy()
@@ -41,7 +44,10 @@ def get_config(variant: str = "") -> ExperimentConfig:
         config = dataclasses.replace(
             config, name="toy:check",
             warm_start=dataclasses.replace(config.warm_start, steps=150),
-            spade=dataclasses.replace(config.spade, rounds=16))
+            toy=dataclasses.replace(config.toy, pool="constant_key"),
+            spade=dataclasses.replace(
+                config.spade, rounds=16, designer_mode="fixed_pool", hint_mode="none",
+                regeneration_interval=1, designer_delay=0, use_memory=False, eval_every=0))
     return config
 
 

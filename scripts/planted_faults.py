@@ -1,11 +1,14 @@
 """Runs the toy world's learning check clean and under each planted fault, and prints
 which claims each run passes (issue 29: the check must fail under every fault).
 
-    python scripts/planted_faults.py --workdir runs/faults            # ~3 min a run
-    python scripts/planted_faults.py --workdir runs/faults --faults hint_swap --seed 1
+    python scripts/planted_faults.py --workdir runs/faults            # ~2 min a run
+    python scripts/planted_faults.py --workdir runs/faults --faults none,advantage_sign --seed 1
+    python scripts/planted_faults.py --workdir runs/faults --experiment toy --check full
 
-The runs are ``toy:check`` (the CI learning check's run), one per fault, in this process
-(the faults patch the loop and the trainer in memory: ``spade_jax.toy.faults``).
+By default the runs are ``toy:check`` (the CI learning check's run: the agent's signal
+path), one per fault, in this process (the faults patch the loop and the trainer in
+memory: ``spade_jax.planted_faults``). The designer faults cannot show there (it has no
+designer): they need ``--experiment toy --check full``.
 Exit status 0 when the clean run passes every claim and every faulted run fails one.
 """
 
@@ -20,9 +23,9 @@ from pathlib import Path
 
 from spade_jax.experiment import load_experiment
 from spade_jax.metrics import read_metrics
+from spade_jax.planted_faults import FAULTS, planted
 from spade_jax.run import run_experiment
-from spade_jax.toy.check import check_run
-from spade_jax.toy.faults import FAULTS, planted
+from spade_jax.toy.check import check_agent_path, check_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: 'none' (the clean run) and fault names")
     parser.add_argument("--experiment", default="toy:check")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", choices=("agent_path", "full"), default="agent_path",
+                        help="agent_path: toy:check's claim (check_agent_path); full: the "
+                        "toy world's five claims (check_run), for --experiment=toy")
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f != "none" and f not in FAULTS]
@@ -42,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     for fault in faults:
         workdir = args.workdir / f"seed{args.seed}_{fault}"
         if not (workdir / "metrics.jsonl").exists():
+            workdir.mkdir(parents=True, exist_ok=True)
             config = load_experiment(args.experiment, [f"seed={args.seed}"])
             start = time.time()
             with planted(fault) if fault != "none" else contextlib.nullcontext():
                 run_experiment(config, workdir)
             print(f"[{fault}] ran in {time.time() - start:.0f} s", flush=True)
-        findings = check_run(read_metrics(workdir))
+        curves = read_metrics(workdir)
+        findings = check_agent_path(curves) if args.check == "agent_path" else check_run(curves)
         verdicts[fault] = findings
         print(f"\n[{fault}]\n" + "\n".join(f.line() for f in findings), flush=True)
     names = [f.name for f in next(iter(verdicts.values()))]

@@ -276,10 +276,10 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
     spade = config.spade
     fixed_pool = []
     if spade.designer_mode == "fixed_pool":
-        if config.toy.enabled and not spade.pool_dir:  # the toy's fixed curriculum
-            from spade_jax.toy.world import fixed_curriculum
+        if config.toy.enabled and not spade.pool_dir:  # the toy world's fixed pool
+            from spade_jax.toy.world import fixed_pool as toy_pool
 
-            fixed_pool = fixed_curriculum()
+            fixed_pool = toy_pool(config.toy)
         else:
             programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
                         else seed_programs.SEED_PROGRAMS)
@@ -596,10 +596,9 @@ def _toy_warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeL
 
     toy, ws = config.toy, config.warm_start
     pairs = (world.designer_pairs(toy, loop.designer._messages, config.seed)
-             + world.hint_pairs(toy, config.seed)
-             + world.agent_pairs(toy, config.seed, config.agent.system_prompt,
-                                 config.agent.first_turn_template))
-    seqs = supervised_pairs(tokenizer, pairs)
+             + world.hint_pairs(toy, config.seed))
+    seqs = (supervised_pairs(tokenizer, pairs)
+            + world.agent_sequences(toy, config.seed, tokenizer, config.agent))
     log.info("toy warm start: %d steps on %d examples", ws.steps, len(seqs))
     params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
                                 batch_size=ws.batch_size, learning_rate=ws.learning_rate,

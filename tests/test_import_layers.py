@@ -31,7 +31,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     # designer over evaluation tasks; the toy world builds a run's warm start and evaluation
     frozenset({"experiment", "hint_filter", "toy"}),
     # entry points (and the package itself)
-    frozenset({"", "train", "evaluate", "steer", "filter", "convert", "aot", "export", "run"}),
+    frozenset({"", "train", "evaluate", "steer", "filter", "convert", "aot", "export", "run",
+               "planted_faults"}),
 )
 
 # The packages held to short functions (issue 21), and how short.

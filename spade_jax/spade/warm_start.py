@@ -26,16 +26,28 @@ from spade_jax.rollout.sampler import round_up
 log = logging.getLogger(__name__)
 
 
+def turn_end_id(tokenizer) -> int:
+    """The token that closes an assistant turn in the chat template (``<|im_end|>`` when it
+    is one of the tokenizer's stop tokens): a reply taught to end with it continues into
+    the next turn as the template renders a conversation."""
+    ids = list(tokenizer.encode("<|im_end|>"))
+    if len(ids) == 1 and ids[0] in tokenizer.eos_ids:
+        return ids[0]
+    return min(tokenizer.eos_ids)
+
+
 def supervised_pairs(tokenizer, pairs: Sequence[tuple[list[dict], str]]) -> list[TrainSequence]:
     """(chat messages, target text) -> sequences whose loss mask covers the target only."""
-    seqs = []
-    for messages, target in pairs:
-        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                    enable_thinking=False))
-        answer = tokenizer.encode(target) + [min(tokenizer.eos_ids)]
-        seqs.append(TrainSequence(prompt + answer, [0] * len(prompt) + [1] * len(answer),
-                                  [0.0] * (len(prompt) + len(answer)), 0.0))
-    return seqs
+    return [supervised_sequence(list(tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=False)),
+        tokenizer.encode(target) + [turn_end_id(tokenizer)]) for messages, target in pairs]
+
+
+def supervised_sequence(prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> TrainSequence:
+    """A prompt and its target as one sequence whose loss mask covers the target only."""
+    prompt, answer = list(prompt_ids), list(answer_ids)
+    return TrainSequence(prompt + answer, [0] * len(prompt) + [1] * len(answer),
+                         [0.0] * (len(prompt) + len(answer)), 0.0)
 
 
 def _loss_positions(loss_mask_bt: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:

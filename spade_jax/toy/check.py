@@ -15,8 +15,9 @@ designer_follows_agent the designer's mean level (``designer/difficulty_mean``) 
                        at the end (the highest held-out level it solves at least
                        ``frontier_pass`` of the time)
 
-Used by the CI learning check (``tests/toy/test_learning_check.py``, a shortened run) and by
-``scripts/planted_faults.py``, which shows each finding failing under a planted fault.
+``check_agent_path`` is the CI learning check's claim (``toy:check``: the agent's return
+on constant-key games rises); ``scripts/planted_faults.py`` runs either check clean and
+under each planted fault.
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def agent_frontier(curves: Curves, frontier_pass: float) -> float:
     if not levels:
         return float("nan")
     return float(max([1] + [lv for lv, p in levels.items() if p >= frontier_pass]))
+
+
+def check_agent_path(curves: Curves, min_rise: float = 0.2) -> list[Finding]:
+    """``toy:check``'s claim: the agent's return on the constant-key games rises by
+    ``min_rise`` (last third over first third of ``return_no_hint_mean``)."""
+    first, last = thirds(_finite(curves, "return_no_hint_mean")[1])
+    return [Finding("agent_return_rises", bool(last - first > min_rise), last - first,
+                    f"last third - first third > {min_rise}")]
 
 
 def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Finding]:

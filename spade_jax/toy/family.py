@@ -56,7 +56,7 @@ class KeyDigitEnv:
 
     def step(self, action):
         self.turn += 1
-        key = self.digits[0] if RULE == "first" else self.digits[-1]
+        key = {key}
         if action.strip() == "\\\\boxed{{%d}}" % key:
             return "Correct.", 1.5 - 0.5 * self.turn, True, False, {{}}
         hint = "HINT: The key digit is the " + RULE + "."
@@ -66,13 +66,22 @@ class KeyDigitEnv:
 _RULE_LINE = re.compile(r"^RULE\s*=\s*[\"'](\w+)[\"']\s*$", re.M)
 
 
-def render_program(level: int, rule: str) -> str:
-    """The family's program at ``level`` (1..9) with ``rule`` ("first"/"last")."""
+_KEY = 'self.digits[0] if RULE == "first" else self.digits[-1]'
+
+
+def render_program(level: int, rule: str, constant_key: int | None = None) -> str:
+    """The family's program at ``level`` (1..9) with ``rule`` ("first"/"last").
+
+    ``constant_key``: the agent-path check's variant, whose key is this digit whatever is
+    shown (a preference RL finds in a dozen updates; ``toy:check``)."""
     if level not in LEVELS:
         raise ValueError(f"toy level must be one of {LEVELS}, got {level!r}")
     if rule not in RULES:
         raise ValueError(f"toy rule must be one of {RULES}, got {rule!r}")
-    return _PROGRAM.format(level=level, rule=rule)
+    if constant_key is not None and constant_key not in range(10):
+        raise ValueError(f"constant_key must be a digit, got {constant_key!r}")
+    key = _KEY if constant_key is None else str(constant_key)
+    return _PROGRAM.format(level=level, rule=rule, key=key)
 
 
 def program_level(source: str) -> int | None:

@@ -42,10 +42,13 @@ class ToyConfig:
         warm-start programs (every level must appear: > 0).
       designer_examples: designer warm-start pairs (prompt -> program).
       hint_examples: hint-writer warm-start pairs (program -> hint).
-      agent_examples: agent warm-start pairs (``agent_pairs``).
+      agent_examples: agent warm-start examples (``agent_sequences``).
       heldout_levels: the held-out grid's levels (``eval/toy/...``); its episodes are
         seeded from Phase.EVAL and never trained on.
       heldout_episodes: held-out episodes per level (half per rule).
+      pool: the fixed pool of a ``designer_mode="fixed_pool"`` run: "curriculum" (every
+        level and rule: the fixed-curriculum baseline) or "constant_key" (the agent-path
+        check's games, whose key is always 7: ``toy:check``).
     """
 
     enabled: bool = False
@@ -55,8 +58,11 @@ class ToyConfig:
     agent_examples: int = 96
     heldout_levels: tuple[int, ...] = (2, 3, 4, 6, 8)
     heldout_episodes: int = 16
+    pool: str = "curriculum"
 
     def __post_init__(self) -> None:
+        if self.pool not in ("curriculum", "constant_key"):
+            raise ValueError(f"toy.pool must be 'curriculum' or 'constant_key', got {self.pool!r}")
         if len(self.designer_level_weights) != len(LEVELS) or \
                 min(self.designer_level_weights) <= 0:
             raise ValueError(f"toy.designer_level_weights must be {len(LEVELS)} weights > 0 "
@@ -113,29 +119,45 @@ def hint_pairs(config: ToyConfig, seed: int) -> list[tuple[Messages, str]]:
     return pairs
 
 
-def agent_pairs(config: ToyConfig, seed: int, system_prompt: str | None,
-                first_turn_template: str) -> list[tuple[Messages, str]]:
-    """The agent's answer format, with no information about the key above level 1.
+def agent_sequences(config: ToyConfig, seed: int, tokenizer: Any, agent: Any) -> list[Any]:
+    """The agent's answer format, with no information about the key above level 1, as
+    token sequences laid out exactly as the agent loop lays out an episode (its
+    ``ChatTurns``: the first prompt, a reply closed by the turn-end token, the feedback
+    turn), so a second turn is in the distribution the warm start taught.
 
-    A third of the pairs are level-1 first turns whose target is the one digit (the
+    A third of the examples are level-1 first turns whose target is the one digit (the
     level the agent is competent at). The rest are at random levels, first turns and
-    second turns (after the family's "Wrong." and the rule), whose target is a shown
-    digit drawn uniformly: the format of an answer, and the random-copy policy (1/L at
-    level L), not which digit is the key."""
+    second turns (after the family's "Wrong." and the rule), whose target is a shown digit
+    drawn uniformly: the format of an answer and the random-copy policy (1/L at level L),
+    not which digit is the key. ``agent``: the run's ``AgentLoopConfig``."""
+    from spade_jax.rollout.agent_loop import ChatTurns
+    from spade_jax.spade.warm_start import supervised_sequence, turn_end_id
+
+    turns = ChatTurns(tokenizer, agent.system_prompt, agent.enable_thinking,
+                      agent.first_turn_template, agent.observation_role)
+    end = turn_end_id(tokenizer)
+    out = []
+    for prompt, answer in _agent_examples(config, seed):
+        ids = turns.first_prompt(prompt[0])
+        if len(prompt) == 3:  # a second turn: the first reply, then the feedback
+            ids = ids + tokenizer.encode(prompt[1]) + [end] + turns.after_policy(prompt[2], True)
+        out.append(supervised_sequence(ids, tokenizer.encode(answer) + [end]))
+    return out
+
+
+def _agent_examples(config: ToyConfig, seed: int) -> list[tuple[tuple[str, ...], str]]:
+    """(observation[, first reply, feedback]) -> answer, as text (``agent_sequences``)."""
     draw = rng(seed, 0, Phase.WARM_START, 2)
-    head = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    pairs = []
+    examples = []
     for i in range(config.agent_examples):
         level = 1 if i % 3 == 0 else int(draw.choice(LEVELS))
         digits = [int(d) for d in draw.integers(10, size=level)]
-        user = first_turn_template.format(observation=observation(digits))
-        messages = head + [{"role": "user", "content": user}]
-        if i % 3 == 2:  # a second turn, after the rule
+        turns: tuple[str, ...] = (observation(digits),)
+        if i % 3 == 2:
             rule = RULES[int(draw.integers(len(RULES)))]
-            messages += [{"role": "assistant", "content": f"\\boxed{{{draw.choice(digits)}}}"},
-                         {"role": "user", "content": f"Wrong.\n\nHINT: {hint_for(rule)}"}]
-        pairs.append((messages, f"\\boxed{{{draw.choice(digits)}}}"))
-    return pairs
+            turns += (f"\\boxed{{{draw.choice(digits)}}}", f"Wrong.\n\nHINT: {hint_for(rule)}")
+        examples.append((turns, f"\\boxed{{{draw.choice(digits)}}}"))
+    return examples
 
 
 def tokenizer_text() -> str:
@@ -148,10 +170,16 @@ def tokenizer_text() -> str:
     return "\n".join(parts)
 
 
-def fixed_curriculum() -> list[tuple[str, str | None, str]]:
-    """The fixed-curriculum baseline's pool: every level and rule once (drawn uniformly,
-    without replacement per pass); hints are written by the policy (hint_mode "self")."""
-    return [(render_program(level, rule), None, SKILL) for level in LEVELS for rule in RULES]
+CONSTANT_KEY = 7
+
+
+def fixed_pool(config: ToyConfig) -> list[tuple[str, str | None, str]]:
+    """A fixed-pool run's programs: every level and rule once (drawn uniformly, without
+    replacement per pass), of the family or (``pool="constant_key"``) of its
+    constant-key variant; hints are written by the policy (hint_mode "self")."""
+    key = CONSTANT_KEY if config.pool == "constant_key" else None
+    return [(render_program(level, rule, key), None, SKILL) for level in LEVELS
+            for rule in RULES]
 
 
 def heldout_grid(config: ToyConfig, seed: int) -> list[tuple[int, str, int]]:

@@ -84,3 +84,14 @@ def test_difficulty_grows_with_the_level_and_no_digit_value_is_a_good_guess():
             nine_wins += key == 9
         assert abs(copy_wins / 900 - 1 / level) < 0.06
         assert abs(nine_wins / 900 - 1 / 10) < 0.04
+
+
+def test_the_constant_key_variant_rewards_its_digit_whatever_is_shown():
+    namespace = {"random": random, "re": re}
+    exec(render_program(5, "first", constant_key=7), namespace)  # noqa: S102
+    game = namespace["KeyDigitEnv"]()
+    for seed in range(10):
+        game.reset(seed=seed)
+        assert game.step("\\boxed{7}")[1] == 1.0
+    with pytest.raises(ValueError, match="constant_key"):
+        render_program(3, "last", constant_key=12)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from spade_jax import run as run_module
+from spade_jax.planted_faults import FAULTS, planted
 from spade_jax.rl.batch import TrainSequence
 from spade_jax.spade.loop import SpadeLoop
-from spade_jax.toy.faults import FAULTS, planted
 
 
 def test_unknown_fault_is_refused():

@@ -10,7 +10,7 @@ from spade_jax.spade.extraction import recipe_program
 from spade_jax.toy.family import LEVELS, key_digit, program_level, program_rule, render_program
 from spade_jax.toy.world import (
     ToyConfig,
-    agent_pairs,
+    _agent_examples,
     designer_pairs,
     heldout_grid,
     heldout_metrics,
@@ -48,18 +48,41 @@ def test_hint_targets_state_the_programs_rule():
 def test_agent_targets_carry_no_information_about_the_key_above_level_one():
     config = ToyConfig(enabled=True, agent_examples=3000)
     hits, total = 0, 0
-    for messages, target in agent_pairs(config, 0, None, "{observation}"):
-        digits = [int(d) for d in re.findall(r"\d", messages[0]["content"])]
+    for turns, target in _agent_examples(config, 0):
+        digits = [int(d) for d in re.findall(r"\d", turns[0])]
         answer = int(re.fullmatch(r"\\boxed\{(\d)\}", target).group(1))
         assert answer in digits
         if len(digits) == 1:
             continue
-        rule = re.search(r"the (first|last)\.$", messages[-1]["content"])
+        rule = re.search(r"the (first|last)\.$", turns[-1])
         hits += answer == key_digit(digits, rule.group(1) if rule else "last")
         total += 1
     # Uniform over the shown digits: the key is hit about as often as a random copy hits
     # it (digits repeat, so a little more than 1/L), far from a taught answer.
     assert hits / total < 0.45
+
+
+def test_agent_examples_are_laid_out_as_the_agent_loop_lays_out_an_episode(tmp_path):
+    from spade_jax.rollout.agent_loop import AgentLoopConfig, ChatTurns
+    from spade_jax.spade.warm_start import turn_end_id
+    from spade_jax.tokenizers import train_sentencepiece
+    from spade_jax.toy.world import agent_sequences, tokenizer_text
+
+    (tmp_path / "text.txt").write_text(tokenizer_text())
+    tokenizer = train_sentencepiece([tmp_path / "text.txt"], str(tmp_path / "spm"),
+                                    vocab_size=400)
+    agent = AgentLoopConfig(max_turns=2)
+    config = ToyConfig(enabled=True, agent_examples=6)
+    turns = ChatTurns(tokenizer, None, False)
+    end = turn_end_id(tokenizer)
+    for seq, (text, answer) in zip(agent_sequences(config, 0, tokenizer, agent),
+                                   _agent_examples(config, 0), strict=True):
+        prompt = turns.first_prompt(text[0])
+        if len(text) == 3:
+            prompt += tokenizer.encode(text[1]) + [end] + turns.after_policy(text[2], True)
+        target = tokenizer.encode(answer) + [end]
+        assert seq.token_ids == prompt + target
+        assert seq.loss_mask == [0] * len(prompt) + [1] * len(target)
 
 
 def test_heldout_grid_is_fixed_and_metrics_match_numpy():
@@ -84,3 +107,15 @@ def test_heldout_grid_is_fixed_and_metrics_match_numpy():
 def test_bad_toy_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"toy.{field}"):
         ToyConfig(**{field: value})
+
+
+def test_fixed_pools_hold_every_level_and_rule():
+    from spade_jax.toy.world import CONSTANT_KEY, fixed_pool
+
+    curriculum = fixed_pool(ToyConfig(enabled=True))
+    constant = fixed_pool(ToyConfig(enabled=True, pool="constant_key"))
+    assert {(program_level(p), program_rule(p)) for p, _, _ in curriculum} == {
+        (level, rule) for level in LEVELS for rule in ("first", "last")}
+    assert all(f"key = {CONSTANT_KEY}" in p for p, _, _ in constant)
+    with pytest.raises(ValueError, match="toy.pool"):
+        ToyConfig(pool="easy")
