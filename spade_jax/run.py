@@ -614,6 +614,9 @@ def _toy_eval(config, loop: SpadeLoop, pool, round_index: int) -> dict[str, floa
     from spade_jax.toy import world
     from spade_jax.toy.family import render_program
 
+    if jax.process_count() > 1:  # every host would open every copy (the loop splits them)
+        raise ValueError("the toy world's held-out grid runs in one process; run toy "
+                         "experiments single-host")
     grid = world.heldout_grid(config.toy, config.seed)
     specs = [EpisodeSpec(env=make_env(render_program(level, rule), pool, contract="reference",
                                       max_turns=config.agent.max_turns),
