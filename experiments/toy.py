@@ -42,7 +42,7 @@ def get_config(variant: str = "") -> ExperimentConfig:
     config = _toy()
     if variant == "check":
         config = dataclasses.replace(
-            config, name="toy:check",
+            config,
             warm_start=dataclasses.replace(config.warm_start, steps=150),
             toy=dataclasses.replace(config.toy, pool="constant_key"),
             spade=dataclasses.replace(
