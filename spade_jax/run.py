@@ -559,7 +559,9 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
     sampler of its own, so the run's corpus cursor is untouched), and none."""
     spade_cfg, ws = config.spade, config.warm_start
     if config.toy.enabled:
-        return _toy_warm_start(config, tokenizer, graphdef, state, loop)
+        seqs = _toy_warm_start_sequences(config, tokenizer, loop)
+        log.info("toy warm start: %d steps on %d examples", ws.steps, len(seqs))
+        return _supervised_pass(config, tokenizer, graphdef, state, seqs)
     programs = [p for p in seed_programs.SEED_PROGRAMS if not ws.programs or p.name in ws.programs]
     if not programs:
         raise ValueError(f"warm_start.programs {ws.programs} names no seed program")
@@ -582,24 +584,24 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
         pairs = [(messages, target) for messages, target in distributed.agree_json(pairs)]
     seqs = supervised_pairs(tokenizer, pairs)
     log.info("warm start: %d steps on %d designer examples", ws.steps, len(seqs))
-    params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
-                                batch_size=ws.batch_size, learning_rate=ws.learning_rate,
-                                seed=config.seed, pad_id=tokenizer.pad_id)
-    log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
-    return dataclasses.replace(state, params=params)
+    return _supervised_pass(config, tokenizer, graphdef, state, seqs)
 
 
-def _toy_warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop) -> TrainState:
-    """The toy world's warm start (``spade_jax.toy.world``): designer programs across the
-    levels, hints, and the agent's level-1 answers, in one supervised pass."""
+def _toy_warm_start_sequences(config, tokenizer, loop: SpadeLoop) -> list:
+    """The toy world's warm-start examples (``spade_jax.toy.world``): designer programs
+    across the levels, hints, and the agent's answer format."""
     from spade_jax.toy import world
 
-    toy, ws = config.toy, config.warm_start
+    toy = config.toy
     pairs = (world.designer_pairs(toy, loop.designer._messages, config.seed)
              + world.hint_pairs(toy, config.seed))
-    seqs = (supervised_pairs(tokenizer, pairs)
+    return (supervised_pairs(tokenizer, pairs)
             + world.agent_sequences(toy, config.seed, tokenizer, config.agent))
-    log.info("toy warm start: %d steps on %d examples", ws.steps, len(seqs))
+
+
+def _supervised_pass(config, tokenizer, graphdef, state: TrainState, seqs) -> TrainState:
+    """``warm_start.steps`` of masked NLL on ``seqs``; the state with the new params."""
+    ws = config.warm_start
     params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
                                 batch_size=ws.batch_size, learning_rate=ws.learning_rate,
                                 seed=config.seed, pad_id=tokenizer.pad_id)
