@@ -27,19 +27,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with the most slow tests run first, the rest in their usual order. The suite
-    runs on two worker processes, one file at a time each (``-n 2 --dist loadfile``); a
-    long file started last would leave one worker idle for minutes at the end."""
-    slow_count: dict[str, int] = {}
-    first_seen: dict[str, int] = {}
-    for index, item in enumerate(items):
-        path = str(item.path)
-        first_seen.setdefault(path, index)
-        slow_count[path] = slow_count.get(path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: (-slow_count[str(item.path)], first_seen[str(item.path)]))
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drops JAX's compiled programs after each test file. Every XLA:CPU executable maps
