@@ -131,7 +131,7 @@ class _LoggedChannel:
         return getattr(self._channel, attr)
 
 
-def test_step_many_runs_workers_concurrently(pool):
+def test_step_many_runs_workers_concurrently(pool, monkeypatch):
     """Both calls are in flight before either reply is read, each in its own worker
     process: the schedule is checked, not how long it took (no timing in tests)."""
     handles = pool.open_many([SPIN] * 2)
@@ -141,7 +141,7 @@ def test_step_many_runs_workers_concurrently(pool):
     pool.reset_many([(h, 0) for h in handles])
     events: list = []
     for name, h in zip("ab", handles, strict=True):
-        h.worker.channel = _LoggedChannel(h.worker.channel, name, events)
+        monkeypatch.setattr(h.worker, "channel", _LoggedChannel(h.worker.channel, name, events))
     both = pool.step_many([(h, work) for h in handles])
     assert (
         single.observation
@@ -155,7 +155,6 @@ def test_step_many_runs_workers_concurrently(pool):
     assert {name for name, _ in events} == {"a", "b"}
     assert handles[0].worker.pid != handles[1].worker.pid
     for h in handles:
-        h.worker.channel = h.worker.channel._channel
         h.close()
 
 
