@@ -330,6 +330,16 @@ class Zygote:
             reply = self._request({"op": "usage", "pids": [int(p) for p in pids]})
         return {int(p): u for p, u in reply["usage"].items()}
 
+    def check_memory(self, pids: list[int]) -> dict[int, tuple[str, str]]:
+        """Checks the per-worker memory budget of `pids` now, from /proc in the zygote:
+        per worker over it (killed), its (reason code, detail). The zygote's 0.1 s poll
+        can miss memory taken in a short call; this runs when a call ends."""
+        if not pids:
+            return {}
+        with self._lock:
+            reply = self._request({"op": "check", "pids": [int(p) for p in pids]})
+        return {int(p): (str(code), str(detail)) for p, (code, detail) in reply["over"].items()}
+
     def death_reason(self, pid: int) -> tuple[str, str] | None:
         """Why the zygote itself killed worker `pid` (a memory budget): (reason code,
         detail), or None."""

@@ -165,7 +165,30 @@ def exchange(
             results[index] = reply
             poller.unregister(fd)
             del pending[fd]
+    _memory_check(calls, results)
     return results  # type: ignore[return-value]
+
+
+def _memory_check(calls: list[tuple[WorkerProcess, dict, float]],
+                  results: list[dict | SandboxError | None]) -> None:
+    """Fails the calls whose worker holds more than its memory budget when it replied
+    (checked by the zygote from /proc, outside the worker): memory taken in a call shorter
+    than the zygote's 0.1 s poll is caught at its end, not left to chance."""
+    by_zygote: dict[int, list[int]] = {}
+    for index, (worker, _, _) in enumerate(calls):
+        if isinstance(results[index], dict) and worker.dead is None:
+            by_zygote.setdefault(id(worker.zygote), []).append(index)
+    for indices in by_zygote.values():
+        zygote = calls[indices[0]][0].zygote
+        try:
+            over = zygote.check_memory([calls[i][0].pid for i in indices])
+        except ZygoteError:
+            continue  # the zygote is gone: the workers' next calls say so
+        for i in indices:
+            worker = calls[i][0]
+            if worker.pid in over:
+                worker.kill(SandboxError(*over[worker.pid]))
+                results[i] = worker.dead
 
 
 def _cpu_check(

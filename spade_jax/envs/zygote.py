@@ -16,6 +16,11 @@ Control channel: an AF_UNIX SOCK_SEQPACKET socket, one JSON object per packet.
                                                        worker's interpreter
   {"op": "why", "pid": P}                           -> {"code", "reason"}: why the zygote
                                                        killed P (a memory budget) or nulls
+  {"op": "check", "pids": [P, ...]}                 -> {"over": {"P": [code, reason]}}: the
+                                                       per-worker memory budget checked now
+                                                       (at the end of a call, which the
+                                                       0.1 s poll can miss); those over it
+                                                       are killed
   {"op": "ping"}                                    -> {"pong": true, "pid": ...}
 End of file on the control channel (the trainer died or closed) ends the zygote.
 """
@@ -172,6 +177,23 @@ class _Workers:
         self.reasons[pid] = (code, detail)
         _kill(pid, self.live)
 
+    def over_worker_budget(self, pid: int, used: int | None = None) -> tuple[str, str] | None:
+        """Kills worker `pid` if it holds more than its own budget (`used`: KiB it holds
+        above the zygote's baseline, read now if None); returns (code, detail) then."""
+        if not self.worker_kb or pid not in self.live:
+            return None
+        if used is None:
+            held = _held_kb(pid)
+            if held is None:
+                return None
+            used = max(0, held - self.baseline_kb)
+        if used <= self.worker_kb:
+            return None
+        self._stop(pid, "memory_limit", (
+            f"the worker held {used >> 10} MiB (anonymous and shared memory), over its "
+            f"budget of {self.worker_kb >> 10} MiB"))
+        return self.reasons[pid]
+
     def enforce_budget(self) -> None:
         """Kills every worker over its own memory budget, then, while the workers together
         use more than the pool budget, the largest; records why (the supervisor asks when
@@ -184,10 +206,7 @@ class _Workers:
             if held is not None:
                 own[pid] = max(0, held - self.baseline_kb)
         for pid, used in list(own.items()):
-            if self.worker_kb and used > self.worker_kb:
-                self._stop(pid, "memory_limit", (
-                    f"the worker held {used >> 10} MiB (anonymous and shared memory), over "
-                    f"its budget of {self.worker_kb >> 10} MiB"))
+            if self.over_worker_budget(pid, used):
                 del own[pid]
         total = sum(own.values())
         while self.budget_kb and own and total > self.budget_kb:
@@ -286,6 +305,14 @@ def _serve_one(control: socket.socket, request: dict, fds: list[int], workers: _
     if op == "usage":
         pids = [int(p) for p in request["pids"]]
         return {"usage": {str(p): proc_usage(p) if p in live else None for p in pids}}
+    if op == "check":
+        over = {}
+        for pid in (int(p) for p in request["pids"]):
+            reason = workers.over_worker_budget(pid)
+            if reason is not None:
+                workers.reasons.pop(pid, None)  # told now: the caller marks it dead
+                over[str(pid)] = list(reason)
+        return {"over": over}
     if op == "why":
         code, detail = workers.reasons.pop(int(request["pid"]), (None, None))
         return {"code": code, "reason": detail}
