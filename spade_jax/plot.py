@@ -37,6 +37,15 @@ def _file_name(group: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", group) + ".png"
 
 
+def _fixed_margins(fig, rows: int, columns: int) -> None:
+    """Margins in inches for a grid of same-sized panels (a title above and an axis label
+    below each): what `tight_layout` would settle on, without measuring every tick label
+    (that measuring was half of a run's report time)."""
+    width, height = 4.5 * columns, 3.2 * rows
+    fig.subplots_adjust(left=0.55 / width, right=1 - 0.15 / width, bottom=0.45 / height,
+                        top=1 - 0.3 / height, wspace=0.3, hspace=0.55)
+
+
 def plot_run(run_dir: storage.PathLike, out_dir: storage.PathLike | None = None,
              smooth: int = 1) -> list[epath.Path]:
     """Writes one PNG per metric group and returns their paths."""
@@ -66,10 +75,11 @@ def plot_run(run_dir: storage.PathLike, out_dir: storage.PathLike | None = None,
                 ax.plot(steps[smooth - 1 :], np.convolve(values, kernel, mode="valid"))
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
+            ax.locator_params(nbins=4)  # fewer tick labels: most of a panel's drawing time
             ax.grid(alpha=0.3)
         for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
-        fig.tight_layout()
+        _fixed_margins(fig, rows, columns)
         path = out_dir / _file_name(group)
         png = io.BytesIO()  # rendered in memory: the target may be an object store
         fig.savefig(png, format="png", dpi=90)

@@ -124,7 +124,7 @@ def test_bad_flags_get_clear_errors(tmp_path):
 # A fixed pool of seed programs (no warm start needed for valid games), windows of 2 steps,
 # memory and replays on: a kill mid-window leaves games, cached hint returns, window
 # returns, pending scores and memory in flight.
-KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=5", "--set", "spade.eval_every=0",
+KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=4", "--set", "spade.eval_every=0",
             "--set", "spade.designer_mode='fixed_pool'", "--set", "spade.hint_mode='designer'",
             "--set", "agent.max_turn_tokens=8", "--set", "spade.memory_train_envs=1"]
 
@@ -162,10 +162,10 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(straight, tmp
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from round" in (killed / "train.log").read_text()
     want, got = _last_rows(straight), _last_rows(killed)
-    assert sorted(got) == list(range(5))
-    for step in range(5):
+    assert sorted(got) == list(range(4))
+    for step in range(4):
         assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
-    _assert_same_final_checkpoint(straight, killed, 5)
+    _assert_same_final_checkpoint(straight, killed, 4)
 
 
 @pytest.mark.slow
@@ -205,10 +205,10 @@ def test_sigterm_mid_window_drops_the_round_saves_and_resumes_from_there(straigh
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from round 2" in log.read_text()
     want, got = _last_rows(straight), _last_rows(preempted)
-    assert sorted(got) == list(range(5))
-    for step in range(5):
+    assert sorted(got) == list(range(4))
+    for step in range(4):
         assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
-    _assert_same_final_checkpoint(straight, preempted, 5)
+    _assert_same_final_checkpoint(straight, preempted, 4)
 
 
 # Router replay across a kill (issue 22): the designer role on (no fixed pool), no warm
@@ -216,7 +216,7 @@ def test_sigterm_mid_window_drops_the_round_saves_and_resumes_from_there(straigh
 # trains them, one step after they were drawn (tiny: designer_delay=1, windows of 2 steps,
 # router_replay=True), so step 0's designer samples and their recorded routing sit in the
 # checkpoint written after step 0 (checkpoint 1) and are replayed at step 1.
-REPLAY_KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=4",
+REPLAY_KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=3",
                    "--set", "spade.eval_every=0", "--set", "agent.max_turn_tokens=8",
                    "--set", "spade.invalid_penalty=0.0", "--set", "keep_checkpoints=10"]
 
@@ -258,13 +258,13 @@ def test_kill_9_with_pending_designer_routing_then_resume_equals_an_uninterrupte
     log = (killed / "train.log").read_text()
     assert "resumed from round 0" in log, "the resume did not start after step 0"
     want, got = _last_rows(straight), _last_rows(killed)
-    assert sorted(got) == list(range(4))
+    assert sorted(got) == list(range(3))
     # The designer trained on step 0's samples at step 1 (after the resume), with replay.
     assert got[1]["batch/designer"] > 0 and "train/replay/designer/flip_rate" in got[1]
     assert math.isfinite(got[1]["train/replay/designer/logp_gap_replay"])
-    for step in range(4):
+    for step in range(3):
         assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
-    _assert_same_final_checkpoint(straight, killed, 4)
+    _assert_same_final_checkpoint(straight, killed, 3)
 
 
 def _kill_after_checkpoint(workdir, run: list[str], step: int) -> None:
