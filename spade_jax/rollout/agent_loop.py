@@ -30,7 +30,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -38,7 +38,7 @@ from flax import nnx
 
 from spade_jax import distributed, preemption
 from spade_jax.rollout.engine import Finished, Request, SlotEngine
-from spade_jax.rollout.records import EpisodeRecord
+from spade_jax.rollout.records import EndReason, EpisodeRecord
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.seeding import derive_seed
 
@@ -341,45 +341,58 @@ class _Episode:
     pending_action: str | None = None
 
 
-# What one env call produced, as plain JSON values, so the host that stepped an episode can
-# send it to the others: (observation or None on an error, reward, terminated, truncated,
-# the end reason of a failed call or None, seconds spent).
-Outcome = tuple[str | None, float, bool, bool, str | None, float]
+class EnvReply(NamedTuple):
+    """What one env call produced, as plain JSON values, so the host that stepped an
+    episode can send it to the others (a list on the wire, rebuilt with `from_wire`)."""
+
+    observation: str | None  # None when the call failed
+    reward: float
+    terminated: bool
+    truncated: bool
+    end_reason: EndReason | None  # the failed call's (or PROGRAM_ERROR's) end, else None
+    seconds: float
+
+    @classmethod
+    def from_wire(cls, values: Sequence[Any]) -> EnvReply:
+        observation, reward, terminated, truncated, reason, seconds = values
+        return cls(observation, reward, terminated, truncated,
+                   None if reason is None else EndReason(reason), seconds)
 
 
-# End reason of an episode the sandbox's play wrapper ended on the game's own error, and
-# the info key the wrapper marks that step with (envs.worker.PROGRAM_ERROR_KEY).
-PROGRAM_ERROR = "program_error"
+# The end of an episode the sandbox's play wrapper ended on the game's own error, and the
+# info key the wrapper marks that step with (envs.worker.PROGRAM_ERROR_KEY).
+PROGRAM_ERROR = EndReason.PROGRAM_ERROR
+_PROGRAM_ERROR_KEY = "program_error"
 
 
-def _failure(err: Exception) -> str:
+def _failure(err: Exception) -> EndReason:
     """The end reason of an episode whose env call raised: the exception's own
     ``end_reason`` when it names one (the sandbox's "env_limit": the program broke a
-    run-time limit and is blocklisted), else "env_error"."""
+    run-time limit and is blocklisted), else ENV_ERROR."""
     reason = getattr(err, "end_reason", None)
-    return reason if reason in ("env_error", "env_limit") else "env_error"
+    return EndReason.ENV_LIMIT if reason == EndReason.ENV_LIMIT else EndReason.ENV_ERROR
 
 
-def _reset(ep: _Episode) -> Outcome:
+def _reset(ep: _Episode) -> EnvReply:
     t0 = time.perf_counter()
     try:
         observation, _ = ep.spec.env.reset(seed=ep.spec.seed)
-        return str(observation), 0.0, False, False, None, time.perf_counter() - t0
+        return EnvReply(str(observation), 0.0, False, False, None, time.perf_counter() - t0)
     except Exception as err:  # an env program may fail anywhere; the episode ends
-        return None, 0.0, False, False, _failure(err), time.perf_counter() - t0
+        return EnvReply(None, 0.0, False, False, _failure(err), time.perf_counter() - t0)
 
 
-def _step(ep: _Episode) -> Outcome:
+def _step(ep: _Episode) -> EnvReply:
     t0 = time.perf_counter()
     try:
         observation, reward, terminated, truncated, info = ep.spec.env.step(ep.pending_action)
         # The sandbox's play wrapper answered a game's own error (SandboxConfig.
-        # lenient_play_steps): a played step, which ends the episode as "program_error".
-        ended = PROGRAM_ERROR if isinstance(info, dict) and info.get(PROGRAM_ERROR) else None
-        return (str(observation), float(reward), bool(terminated), bool(truncated), ended,
-                time.perf_counter() - t0)
+        # lenient_play_steps): a played step, which ends the episode as PROGRAM_ERROR.
+        ended = PROGRAM_ERROR if isinstance(info, dict) and info.get(_PROGRAM_ERROR_KEY) else None
+        return EnvReply(str(observation), float(reward), bool(terminated), bool(truncated),
+                        ended, time.perf_counter() - t0)
     except Exception as err:  # recorded as env_error (or env_limit) when absorbed
-        return None, 0.0, False, False, _failure(err), time.perf_counter() - t0
+        return EnvReply(None, 0.0, False, False, _failure(err), time.perf_counter() - t0)
 
 
 def episode_owner(index: int, count: int, processes: int) -> int:
@@ -412,14 +425,14 @@ class _EnvShard:
     def mine(self, indexed: Sequence[tuple[int, _Episode]]) -> list[tuple[int, _Episode]]:
         return [(i, ep) for i, ep in indexed if owns_episode(i, self.count)]
 
-    def exchange(self, outcomes: dict[int, Outcome]) -> dict[int, Outcome]:
+    def exchange(self, outcomes: dict[int, EnvReply]) -> dict[int, EnvReply]:
         """Every host's outcomes merged (a collective: every host calls it at the same
         point of the loop, with its own, possibly empty, share)."""
         if self.processes == 1:
             return outcomes
-        merged: dict[int, Outcome] = {}
+        merged: dict[int, EnvReply] = {}
         for part in distributed.all_gather_json({str(i): list(o) for i, o in outcomes.items()}):
-            merged.update({int(i): tuple(o) for i, o in part.items()})
+            merged.update({int(i): EnvReply.from_wire(o) for i, o in part.items()})
         return merged
 
 
@@ -430,7 +443,7 @@ def _run_envs(pool, fn, indexed, shard: _EnvShard) -> dict[int, concurrent.futur
 
 
 def _outcomes(futures: dict[int, concurrent.futures.Future], shard: _EnvShard
-              ) -> dict[int, Outcome]:
+              ) -> dict[int, EnvReply]:
     return shard.exchange({i: f.result() for i, f in futures.items()})
 
 
@@ -536,7 +549,7 @@ class _Scheduler:
         for i in self.ready:
             rec = self.eps[i].record
             if len(rec.token_ids) >= config.max_episode_tokens:
-                self._end(i, "max_tokens", truncated=True)
+                self._end(i, EndReason.MAX_TOKENS, truncated=True)
                 continue
             fresh = i not in self.slot_of
             if fresh and not self.free:
@@ -554,7 +567,7 @@ class _Scheduler:
         self.ready = waiting
         self.engine.admit(requests)
 
-    def _end(self, i: int, reason: str, truncated: bool = False) -> None:
+    def _end(self, i: int, reason: EndReason, truncated: bool = False) -> None:
         ep = self.eps[i]
         ep.active, ep.record.end_reason = False, reason
         ep.record.truncated = ep.record.truncated or truncated
@@ -581,11 +594,11 @@ class _Scheduler:
         rec.actions.append(action)
         ep.pending_action = action
         if done.reason != "eos" and len(rec.token_ids) >= config.max_episode_tokens:
-            self._end(i, "max_tokens", truncated=True)
+            self._end(i, EndReason.MAX_TOKENS, truncated=True)
             return
         if config.end_on_cut_reply and done.reason == "max_tokens":
             rec.return_ = 0.0  # the recipe scores a cut reply's episode 0
-            self._end(i, "cut_reply", truncated=True)
+            self._end(i, EndReason.CUT_REPLY, truncated=True)
             return
         self.stepping.add(i)
         self.launched[i] = self.ticks
@@ -615,36 +628,36 @@ class _Scheduler:
                 self._release(i)
 
 
-def _absorb_reset(ep: _Episode, outcome: Outcome, turns: ChatTurns) -> None:
-    observation, _, _, _, error, seconds = outcome
-    ep.record.cost.env_seconds += seconds
-    if error is not None:
-        ep.active, ep.record.end_reason = False, error
+def _absorb_reset(ep: _Episode, reply: EnvReply, turns: ChatTurns) -> None:
+    ep.record.cost.env_seconds += reply.seconds
+    if reply.end_reason is not None:
+        ep.active, ep.record.end_reason = False, reply.end_reason
         return
-    ep.record.observations.append(observation)
-    ep.record.append(turns.first_prompt(observation, ep.spec.tools), policy=False)
+    ep.record.observations.append(reply.observation)
+    ep.record.append(turns.first_prompt(reply.observation, ep.spec.tools), policy=False)
 
 
-def _absorb_step(ep: _Episode, outcome: Outcome, turns: ChatTurns,
+def _absorb_step(ep: _Episode, reply: EnvReply, turns: ChatTurns,
                  config: AgentLoopConfig) -> None:
     rec = ep.record
-    observation, reward, terminated, truncated, error, seconds = outcome
-    rec.cost.env_seconds += seconds
-    if error is not None and error != PROGRAM_ERROR:
-        ep.active, rec.end_reason = False, error
+    rec.cost.env_seconds += reply.seconds
+    if reply.end_reason is not None and reply.end_reason != PROGRAM_ERROR:
+        ep.active, rec.end_reason = False, reply.end_reason
         return
-    rec.step_rewards.append(reward)
+    observation = reply.observation
+    rec.step_rewards.append(reply.reward)
     rec.return_ = float(sum(rec.step_rewards))
     rec.observations.append(observation)
-    rec.terminated, rec.truncated = terminated, truncated
-    if error == PROGRAM_ERROR:  # the game failed: the agent saw the error, scored -1
+    rec.terminated, rec.truncated = reply.terminated, reply.truncated
+    if reply.end_reason == PROGRAM_ERROR:  # the game failed: the agent saw it, scored -1
         ep.active, rec.end_reason = False, PROGRAM_ERROR
         return
-    if terminated or truncated:
-        ep.active, rec.end_reason = False, "terminated" if terminated else "truncated"
+    if reply.terminated or reply.truncated:
+        ep.active = False
+        rec.end_reason = EndReason.TERMINATED if reply.terminated else EndReason.TRUNCATED
         return
     if rec.cost.turns >= config.max_turns:
-        ep.active, rec.end_reason, rec.truncated = False, "max_turns", True
+        ep.active, rec.end_reason, rec.truncated = False, EndReason.MAX_TURNS, True
         return
     closed = bool(rec.token_ids) and rec.token_ids[-1] in turns.eos_ids
     piece = turns.after_policy(observation, closed)
@@ -652,6 +665,6 @@ def _absorb_step(ep: _Episode, outcome: Outcome, turns: ChatTurns,
     # appended: the record stays within the budget (which may equal the largest pack
     # bucket), and router replay keeps one routing row per fed token (it was never fed).
     if len(rec.token_ids) + len(piece) >= config.max_episode_tokens:
-        ep.active, rec.end_reason, rec.truncated = False, "max_tokens", True
+        ep.active, rec.end_reason, rec.truncated = False, EndReason.MAX_TOKENS, True
         return
     rec.append(piece, policy=False)

@@ -8,8 +8,28 @@ sampled log-probability, and router replay / snapshot replay line up with it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
+
+
+class EndReason(enum.StrEnum):
+    """Why an episode ended: the one list of `EpisodeRecord.end_reason` values (a StrEnum,
+    so a value compares equal to its string and is written to JSON as one)."""
+
+    TERMINATED = "terminated"  # the env ended it (won or lost)
+    TRUNCATED = "truncated"  # the env cut it (its own turn limit)
+    MAX_TURNS = "max_turns"  # AgentLoopConfig.max_turns policy turns were taken
+    MAX_TOKENS = "max_tokens"  # the episode's token budget ran out
+    CUT_REPLY = "cut_reply"  # a reply cut at the turn's token cap (end_on_cut_reply)
+    ENV_ERROR = "env_error"  # an env call raised
+    # The sandboxed program broke a run-time limit (per-call CPU budget or deadline,
+    # memory, a replay that did not reproduce it) and is blocklisted: `EnvPool.blocked`.
+    # The sandbox names it by this string (`envs.SandboxError.end_reason`).
+    ENV_LIMIT = "env_limit"
+    # The game's step() raised or answered badly and the sandbox's play wrapper answered
+    # for it, reward -1 (``SandboxConfig.lenient_play_steps``).
+    PROGRAM_ERROR = "program_error"
 
 
 @dataclasses.dataclass
@@ -46,13 +66,7 @@ class EpisodeRecord:
       "cut_reply" episode (the recipe scores it 0 whatever earlier steps paid).
     seed: the ``env.reset(seed=...)`` seed; with ``actions`` it replays the episode.
     env_id: which environment program ran.
-    end_reason: "terminated", "truncated" (by the env), "max_turns", "max_tokens" (the
-      episode token budget), "env_error" or "env_limit" (the sandboxed program broke a
-      run-time limit: over the per-call CPU budget or deadline, over its memory budget,
-      or a replay did not reproduce it; the pool blocklists it: `EnvPool.blocked`),
-      "program_error" (the game's step() raised or answered badly and the sandbox's play
-      wrapper answered for it, reward -1: ``SandboxConfig.lenient_play_steps``), "cut_reply"
-      (a reply cut at the turn's token cap: ``AgentLoopConfig.end_on_cut_reply``).
+    end_reason: an `EndReason` ("" while the episode runs).
     turn_done_reasons: the sampler's done reason per turn ("eos", "stop_string", "max_tokens").
     sampler_seeds: the generate() seed of each turn's call (with the row order, reproduces it).
     routing: with ``SamplerConfig.return_router``, the experts each fed token was routed to
@@ -72,7 +86,7 @@ class EpisodeRecord:
     return_: float = 0.0
     terminated: bool = False
     truncated: bool = False
-    end_reason: str = ""
+    end_reason: EndReason | str = ""
     turn_done_reasons: list[str] = dataclasses.field(default_factory=list)
     sampler_seeds: list[int] = dataclasses.field(default_factory=list)
     cost: EpisodeCost = dataclasses.field(default_factory=EpisodeCost)

@@ -45,7 +45,7 @@ from spade_jax.rl.episodes import GroupRequest, StepContext
 from spade_jax.rl.forks import PolicyRollouts
 from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, apply_rule
 from spade_jax.rollout.agent_loop import EpisodeSpec
-from spade_jax.rollout.records import EpisodeRecord
+from spade_jax.rollout.records import EndReason, EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_copies, env_stats, step_metrics
 from spade_jax.spade.config import SpadeConfig
@@ -606,7 +606,7 @@ class ScoredGame:
 ROLE_INDEX = {"agent": 0, "designer": 1}
 # End reasons of a play dropped under SpadeConfig.drop_failed_plays: a sandbox limit (a
 # call over the play deadline or CPU budget) or an environment error.
-DROPPED_END_REASONS = ("env_limit", "env_error")
+DROPPED_END_REASONS = (EndReason.ENV_LIMIT, EndReason.ENV_ERROR)
 
 
 def _play_metrics(records: list[EpisodeRecord]) -> dict[str, float]:
