@@ -542,11 +542,21 @@ def _loop_samplers(config: ExperimentConfig) -> dict[str, SamplerConfig]:
 
 def _with_sampler_temperatures(config: ExperimentConfig):
     """Each role's log-probs in training use the temperature that role sampled at, so the
-    sampler's old_logp and the trainer's logp are of the same distribution."""
+    sampler's old_logp and the trainer's logp are of the same distribution. The sampler
+    config is the one place for it: a role temperature set to anything else is an error."""
     def temp(sampler):
         return sampler.temperature if sampler.temperature > 0 else 1.0  # greedy: T = 1
 
     train = train_config_for_run(config)  # optimizer.total_steps from the run length
+    roles = {"agent": (train.agent, config.agent.sampler, "agent.sampler.temperature"),
+             "designer": (train.designer, config.designer_sampler,
+                          "designer_sampler.temperature")}
+    for name, (role, sampler, where) in roles.items():
+        if role.temperature is not None and role.temperature != temp(sampler):
+            raise ValueError(
+                f"train.{name}.temperature={role.temperature} differs from the temperature "
+                f"that role samples at ({where}={sampler.temperature}); the trainer scores "
+                f"each role at its sampler's temperature: set {where} instead")
     return dataclasses.replace(
         train,
         agent=dataclasses.replace(train.agent, temperature=temp(config.agent.sampler)),

@@ -16,6 +16,7 @@ replay, and ``ReplayTelemetry`` measures the same batch. Prints one JSON object.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from spade_jax.models import ModelConfig, ModelOptions, Qwen3
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
 from spade_jax.rl.replay_stats import ReplayTelemetry
 from spade_jax.rl.train_step import TrainConfig, policy_logprobs
+from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, RoleConfig
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.agent_loop import AgentLoopConfig, EpisodeSpec, run_episodes
 from spade_jax.rollout.routing import compact_routing
@@ -117,7 +119,10 @@ def measure(model, seqs: list[TrainSequence]) -> dict:
     for name, replay in (("replay", True), ("free", False)):
         gap = np.abs(np.asarray(rescore(params, batch, replay))[mask] - old)
         out[f"differing_{name}"], out[f"max_gap_{name}"] = int((gap > 0).sum()), float(gap.max())
-    telemetry = ReplayTelemetry(graphdef, TrainConfig(temperature=TEMPERATURE))(params, batch)
+    roles = TrainConfig(
+        agent=RoleConfig(temperature=TEMPERATURE),
+        designer=dataclasses.replace(DEFAULT_DESIGNER_RULE, temperature=TEMPERATURE))
+    telemetry = ReplayTelemetry(graphdef, roles)(params, batch)
     out["telemetry"] = {k.split("/", 1)[1]: v for k, v in telemetry.items()}
     fed = np.asarray(batch.attention_mask)[:, 1:] > 0  # positions that feed a next token
     routes = [np.asarray(batch.routing_replay[layer])[:, :-1][fed] for layer in moe]

@@ -86,8 +86,6 @@ class TrainConfig:
         weights and moments). Must equal the model's ``ModelOptions.dtype``.
       router_replay: run MoE layers on the experts recorded at rollout time.
       logit_chunk: time-chunk length for the log-prob computation (0 = all at once).
-      temperature: the sampler's temperature; log-probs are of softmax(logits / temperature)
-        so they match the sampler's (temperature-scaled) ``old_logp``.
       aux_loss_coef: weight of the MoE load-balancing loss (0 = off).
       skip_nonfinite: leave the state unchanged when the loss or gradient is not finite.
       loss_aggregation: how the two roles' losses combine. "per_role": each role's rule
@@ -114,7 +112,6 @@ class TrainConfig:
     compute_dtype: str = "float32"
     router_replay: bool = False
     logit_chunk: int = 0
-    temperature: float = 1.0
     aux_loss_coef: float = 0.0
     skip_nonfinite: bool = True
     loss_aggregation: str = "per_role"
@@ -142,8 +139,6 @@ class TrainConfig:
             )
         if self.logit_chunk < 0:
             raise ValueError(f"logit_chunk must be >= 0 (0 = no chunking), got {self.logit_chunk}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
@@ -293,10 +288,10 @@ def role_loss(
 
 
 def _row_temperatures(config: TrainConfig, batch: TrainBatch) -> float | Array:
-    """The temperature each row was sampled at: one float, or [B] when the roles differ."""
-    role_temps = [config.temperature if r.temperature is None else r.temperature
-                  for r in config.roles]
-    if len(set(role_temps)) == 1:  # both roles' own temperature, not TrainConfig's
+    """The temperature each row was sampled at (its role's; 1.0 when unset): one float, or
+    [B] when the roles differ."""
+    role_temps = [1.0 if r.temperature is None else r.temperature for r in config.roles]
+    if len(set(role_temps)) == 1:
         return role_temps[0]
     return jnp.asarray(role_temps, jnp.float32)[batch.role_id]
 

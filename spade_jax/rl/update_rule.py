@@ -85,8 +85,10 @@ class RoleConfig:
         "gmc" (GMC-GRPO group-wise shrinkage of the ratios).
       policy_loss, loss: "grpo", "dr_grpo", "dapo", "gspo", "cispo", ...
       weight: w_r, this role's weight in the summed loss (0 trains the role not at all).
-      temperature: this role's sampling temperature when it differs from
-        ``TrainConfig.temperature`` (None): log-probs are of softmax(logits / T_role).
+      temperature: the temperature this role sampled at: log-probs are of
+        softmax(logits / T_role), the sampler's distribution. A run sets it from the role's
+        sampler (one place for the setting: the sampler config); None called directly
+        means 1.0.
 
     Changing a part's name with ``--set`` resets that part's config to the new rule's
     defaults (``OVERRIDE_RESETS``: one rule's settings mean nothing to another); set

@@ -65,8 +65,6 @@ class AgentLoopConfig:
       sampler: temperature / top-p / top-k / buckets; its max_new_tokens is replaced by the
         per-turn budget, and its seed is the base of the batch's sampler calls when
         ``run_episodes`` gets no ``seed`` (call i draws with ``derive_seed(base, i)``).
-      overlap_env_steps: no effect, kept so old configs load: env steps always overlap
-        the decoding of the other slots (the slot engine replaced the two half-batches).
       env_threads: host threads stepping environments.
       decode_slots: decode slots of the engine (0 = one per episode). Fewer slots bound
         the KV cache; an episode waits for a free slot (one whose episode ended).
@@ -98,7 +96,6 @@ class AgentLoopConfig:
     enable_thinking: bool = False
     sampler: SamplerConfig = dataclasses.field(
         default_factory=lambda: SamplerConfig(max_new_tokens=256, temperature=1.0))
-    overlap_env_steps: bool = True
     env_threads: int = 8
     action_format: str = "text"
     first_turn_template: str = "{observation}"

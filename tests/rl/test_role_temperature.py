@@ -33,9 +33,9 @@ def test_per_row_temperature_matches_reference():
 
 @pytest.mark.slow  # > 5 s quiet (fast-tier budget)
 def test_step_uses_the_roles_temperature_when_both_roles_agree():
-    """Both roles sampled at 0.5 (TrainConfig.temperature left at 1): the step's log-probs
-    are of softmax(logits / 0.5), so the logged gap to the sampler's is ~0. (Regression:
-    equal role temperatures used to fall back to TrainConfig.temperature.)"""
+    """Both roles sampled at 0.5: the step's log-probs are of softmax(logits / 0.5), so the
+    logged gap to the sampler's is ~0. (Regression: equal role temperatures used to fall
+    back to a TrainConfig-wide temperature, since removed.)"""
     from spade_jax.rl.train_step import RoleConfig, TrainConfig, init_train_state, make_train_step
 
     cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,

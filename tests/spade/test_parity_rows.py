@@ -31,14 +31,17 @@ def test_recipe_experiments_set_the_recipes_prompt_and_memory_settings(name):
 @pytest.mark.parametrize("name", RECIPES)
 def test_each_role_is_scored_at_the_temperature_it_sampled_at(name):
     """The recipe samples at 0.6 and (likely) scores log-probs at 1.0; the run scores each
-    role at its own sampler's temperature (TrainConfig's default would be 1.0)."""
+    role at its own sampler's temperature; a role temperature set against it is refused."""
     from spade_jax import run
 
     config = load_experiment(name)
     assert (config.train.agent.temperature, config.train.designer.temperature) == (None, None)
     train = run._with_sampler_temperatures(config)
     assert (train.agent.temperature, train.designer.temperature) == (0.6, 0.6)
-    assert config.train.temperature == 1.0  # what a role without its own would use
+    clash = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, designer=dataclasses.replace(config.train.designer, temperature=1.0)))
+    with pytest.raises(ValueError, match="designer_sampler.temperature"):
+        run._with_sampler_temperatures(clash)
 
 
 def test_fixed_pool_games_are_drawn_without_replacement_across_the_run():
