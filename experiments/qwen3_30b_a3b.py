@@ -55,7 +55,7 @@ def get_config() -> ExperimentConfig:
                               # 256 rows per batch bounds the KV cache per chip (README
                               # AOT table: re-run `python -m spade_jax.aot` for 32k context).
                               # Prefill budget of one call, the engine's admits included
-                              # (`prefill_budget`): 8 rows x 32768 tokens. docs/scale_out.md
+                              # (the engine reads it here): 8 rows x 32768 tokens. docs/scale_out.md
                               # ("prefill:auto" table): on the decode layout the prefill
                               # temporaries grow ~18.8 GiB per 32k-token row per chip, and
                               # beside the 256 slots' 40960-slot cache about 8 such rows fit

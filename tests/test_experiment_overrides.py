@@ -173,11 +173,11 @@ def test_recipe_samplers_prefill_within_the_engines_budget():
     for name in ("qwen3_30b_a3b", "qwen3_4b", "qwen3_8b"):
         config = load_experiment(name)
         budgets = (config.designer_sampler.max_prefill_tokens,
-                   config.agent.sampler.max_prefill_tokens, config.agent.prefill_budget)
-        assert budgets == (8 * 32768,) * 3
-    # The loop's own budget wins over its sampler's; 0 falls back to the sampler's.
-    agent = load_experiment("qwen3_30b_a3b", ["agent.max_prefill_tokens=4096"]).agent
-    assert (agent.prefill_budget, agent.sampler.max_prefill_tokens) == (4096, 8 * 32768)
+                   config.agent.sampler.max_prefill_tokens)
+        assert budgets == (8 * 32768,) * 2
+    # One place for the agent's budget (its sampler's): the loop has no field of its own.
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        load_experiment("qwen3_30b_a3b", ["agent.max_prefill_tokens=4096"])
     tiny = load_experiment("tiny", ["designer_sampler.max_prefill_tokens=4096"])
     assert load_experiment("tiny").designer_sampler.max_prefill_tokens == 0
     assert tiny.designer_sampler.max_prefill_tokens == 4096

@@ -381,7 +381,7 @@ def _sampler_replay_note(s: _Setting) -> str:
 def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     """The agent sampler's prefill of the last turn's prompt and one decode step, per
     decode layout. The prefill is one call's: within the agent loop's prefill budget
-    (``AgentLoopConfig.prefill_budget``, what the engine's admits take) a row group of the
+    (the agent sampler's ``max_prefill_tokens``, what the engine's admits take too) a row group of the
     batch, written into the full batch's decode state (``sampler.lower_prefill``)."""
     from spade_jax.rollout.sampler import next_pow2, round_up
 
@@ -396,8 +396,7 @@ def _sampler_programs(config: AotConfig, s: _Setting) -> list[ProgramCost]:
     # so the decode state here carries that [B, N, L, X] buffer too.
     record = "experts" if s.train.router_replay or s.experiment.record_routing else False
     sampler = dataclasses.replace(
-        agent.sampler, max_new_tokens=n, top_k=0, return_router=record,
-        max_prefill_tokens=agent.prefill_budget)
+        agent.sampler, max_new_tokens=n, top_k=0, return_router=record)
     programs = []
     for layout in config.decode_layouts:
         programs += _layout_programs(config, s, sampler, layout, rows=b, prompt_len=p)

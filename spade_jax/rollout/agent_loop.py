@@ -68,13 +68,6 @@ class AgentLoopConfig:
       env_threads: host threads stepping environments.
       decode_slots: decode slots of the engine (0 = one per episode). Fewer slots bound
         the KV cache; an episode waits for a free slot (one whose episode ended).
-      max_prefill_tokens: prefill budget of one engine admit call (0 = unlimited): the
-        turns ready at a tick are prefilled in consecutive calls of at most this many
-        padded rows x prompt-bucket tokens (``SlotEngine.prefill_size``), bounding the
-        prefill's activations beside the resident KV cache; plays sharing an opening stay
-        in one call where they fit, and one turn over the budget is prefilled alone.
-        Records do not depend on it. 0 falls back to ``sampler.max_prefill_tokens``, so one
-        budget set on the sampler bounds both the engine and `sample` (``prefill_budget``).
       action_format: how the default `ActionParser` reads a reply: "text" (the visible
         reply) or "boxed" (the content of the last ``\\boxed{...}``, sent re-wrapped as
         ``\\boxed{...}``, as the recipe's games expect).
@@ -100,7 +93,6 @@ class AgentLoopConfig:
     action_format: str = "text"
     first_turn_template: str = "{observation}"
     decode_slots: int = 0
-    max_prefill_tokens: int = 0
     end_on_cut_reply: bool = False
     observation_role: str = "user"
 
@@ -111,9 +103,6 @@ class AgentLoopConfig:
         if self.decode_slots < 0:
             raise ValueError(f"decode_slots must be >= 0 (0 = one per episode), "
                              f"got {self.decode_slots}")
-        if self.max_prefill_tokens < 0:
-            raise ValueError(f"max_prefill_tokens must be >= 0 (0 = unlimited), "
-                             f"got {self.max_prefill_tokens}")
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens", "env_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -123,12 +112,6 @@ class AgentLoopConfig:
             )
         if "{observation}" not in self.first_turn_template:
             raise ValueError("first_turn_template must contain the placeholder {observation}")
-
-    @property
-    def prefill_budget(self) -> int:
-        """Tokens one prefill call may take (0 = unlimited): ``max_prefill_tokens``, else
-        the sampler's. The engine's admits and the AOT plan's prefill both read this."""
-        return self.max_prefill_tokens or self.sampler.max_prefill_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,7 +473,7 @@ def run_episodes(
                                                   max_new_tokens=config.max_turn_tokens),
                 stop_tokens=sorted(turns.eos_ids), router_hook=router_hook, mesh=mesh,
                 cache_len=longest + config.max_turn_tokens,
-                max_prefill_tokens=config.prefill_budget)
+                max_prefill_tokens=config.sampler.max_prefill_tokens)
             _Scheduler(eps, engine, pool, shard, turns, config, parser, tokenizer,
                        config.sampler.seed if seed is None else seed).run()
     for ep in eps:

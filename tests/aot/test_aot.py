@@ -242,7 +242,7 @@ def test_every_program_lowers_for_a_tpu_topology_with_a_row_group_prefill():
     TPU topology fails on a CPU-committed scalar (the 30B plan did)."""
     config = aot.AotConfig(experiment="tiny", topology="v4-8", sample_batch=8, prompt_len=32,
                            new_tokens=8, programs=("prefill",),
-                           overrides=("agent.max_prefill_tokens=64",))
+                           overrides=("agent.sampler.max_prefill_tokens=64",))
     result = aot.plan(config)
     prefill = next(p for p in result.programs if p.name == "prefill")
     assert prefill.tokens < 8 * 32  # a row group, not the whole batch

@@ -127,17 +127,17 @@ def test_prefill_layout_rows_and_round_trip(cpu_plan, tmp_path):
 
 @pytest.mark.slow  # compiles the tiny prefill row group and decode on the decode mesh
 def test_planned_prefill_is_one_row_group_within_the_budget():
-    """With a prefill budget of 2 rows x 16 tokens (the agent sampler's, else the engine's),
-    the plan's prefill of 8 rows is the 2-row group ``sample`` compiles (the decode mesh
-    splits rows 2 ways), writing into the 8-row decode state; the decode step stays at 8."""
-    for budget in ("agent.sampler.max_prefill_tokens=32", "agent.max_prefill_tokens=32"):
-        config = dataclasses.replace(_config(programs=("prefill", "decode"), sample_batch=8,
-                                             decode_layouts=("auto",)),
-                                     overrides=(*_OVERRIDES, budget))
-        prefill, decode = aot.plan(config, devices=jax.devices()[:4]).programs
-        slots = int(decode.shape.split("S=")[1].split()[0])
-        assert prefill.shape == f"B=2 of 8 P=16 S={slots}" and prefill.tokens == 2 * 16
-        assert decode.shape.startswith(f"B=8 S={slots}") and decode.tokens == 8
+    """With a prefill budget of 2 rows x 16 tokens (the agent sampler's, which the engine
+    reads too), the plan's prefill of 8 rows is the 2-row group ``sample`` compiles (the
+    decode mesh splits rows 2 ways), writing into the 8-row decode state; the decode step
+    stays at 8."""
+    config = dataclasses.replace(_config(programs=("prefill", "decode"), sample_batch=8,
+                                         decode_layouts=("auto",)),
+                                 overrides=(*_OVERRIDES, "agent.sampler.max_prefill_tokens=32"))
+    prefill, decode = aot.plan(config, devices=jax.devices()[:4]).programs
+    slots = int(decode.shape.split("S=")[1].split()[0])
+    assert prefill.shape == f"B=2 of 8 P=16 S={slots}" and prefill.tokens == 2 * 16
+    assert decode.shape.startswith(f"B=8 S={slots}") and decode.tokens == 8
     s = planner._setting(config, jax.devices()[:4])
     sampler = dataclasses.replace(s.experiment.agent.sampler, max_new_tokens=8)
     mesh = planner._decode_mesh(s, "auto")

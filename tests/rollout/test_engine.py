@@ -391,8 +391,9 @@ def test_row_bucket_leaves_at_most_a_third_of_the_rows_idle():
 @pytest.mark.slow
 def test_a_prefill_budget_splits_admits_without_changing_records(model, tokenizer,  # noqa: F811
                                                                  monkeypatch):
-    """A prefill budget of two first-prompt rows (``max_prefill_tokens`` of the loop, or of
-    its sampler: ``prefill_budget``): the first tick's six openings (and
+    """A prefill budget of two first-prompt rows (the loop's sampler's
+    ``max_prefill_tokens``, which bounds the engine's admits and `sample` alike): the first
+    tick's six openings (and
     later turns) are prefilled in several calls, each within the budget (rows x prompt
     bucket of the jitted call, read off its mask), the twins' openings still shared, and
     the records equal the unlimited one-slot-per-episode run's (greedy and sampled; with 3
@@ -419,12 +420,8 @@ def test_a_prefill_budget_splits_admits_without_changing_records(model, tokenize
             stats: dict = {}
             calls.clear()
             config = _loop_config(temperature, slots)
-            if slots:  # the budget set on the sampler reaches the engine too
-                config = dataclasses.replace(config, sampler=dataclasses.replace(
-                    config.sampler, max_prefill_tokens=budget))
-            else:
-                config = dataclasses.replace(config, max_prefill_tokens=budget)
-            assert config.prefill_budget == budget
+            config = dataclasses.replace(config, sampler=dataclasses.replace(
+                config.sampler, max_prefill_tokens=budget))
             got = run_episodes(model, tokenizer, _specs(delay_seed=slots), config, seed=3,
                                stats=stats)
             for a, b in zip(base, got, strict=True):

@@ -577,7 +577,7 @@ def test_paper_scale_experiments_set_the_recipes_numbers(name):
     for sampler in (config.designer_sampler, agent.sampler):
         assert (sampler.temperature, sampler.top_p, sampler.top_k) == (0.6, 0.95, 20)
     assert (agent.max_turns, agent.max_turn_tokens, agent.max_episode_tokens) == (25, 8192, 32768)
-    assert agent.prefill_budget == 8 * 32768  # docs/scale_out.md: prefill on the decode layout
+    assert agent.sampler.max_prefill_tokens == 8 * 32768  # docs/scale_out.md: decode layout
     assert (agent.action_format, agent.first_turn_template, agent.system_prompt,
             agent.enable_thinking) == ("boxed", REFERENCE_AGENT_FIRST_TURN_TEMPLATE, None, False)
     # The second audit (issue 30, docs/reference_parity.md): the authors' code paths.
