@@ -27,12 +27,7 @@ import numpy as np
 from flax import nnx
 
 from spade_jax import distributed, sharding, storage
-from spade_jax.checkpoint import (
-    CheckpointConfig,
-    CheckpointManager,
-    named_arrays,
-    state_from_named,
-)
+from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
 from spade_jax.envs import EnvPool
 from spade_jax.envs.preflight import require_isolation
 from spade_jax.experiment import (
@@ -45,18 +40,12 @@ from spade_jax.experiment import (
     train_config_for_run,
 )
 from spade_jax.metrics import MetricsWriter, Progress
-from spade_jax.models import ModelOptions, Qwen3, abstract_model, load_hf, preset
+from spade_jax.models import Qwen3, abstract_model, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.preemption import Preempted, PreemptionGuard
-from spade_jax.rl.batch import PackConfig, pack_sequences
-from spade_jax.rl.replay_stats import ReplayTelemetry
-from spade_jax.rl.train_step import (
-    ReferencePolicy,
-    TrainState,
-    init_train_state,
-    make_train_step,
-    needs_reference,
-)
+from spade_jax.rl.batch import PackConfig
+from spade_jax.rl.train_step import TrainState
+from spade_jax.rl.trainer import Trainer
 from spade_jax.rollout.agent_loop import EpisodeSpec, run_episodes
 from spade_jax.rollout.routing import compact_routing
 from spade_jax.rollout.sampler import SamplerConfig, sample
@@ -297,55 +286,6 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
         max_turns=config.agent.max_turns, rules=(config.train.agent, config.train.designer))
 
 
-def decode_cast_dtype(model: Qwen3, mesh_config: sharding.MeshConfig) -> Any | None:
-    """The dtype the decode copy casts to (``sharding.cast_for_decode``), None to keep the
-    master dtype. ``decode_param_dtype="compute"``: the compute dtype when every module of
-    ``model`` casts its weights to that one dtype before use (so the activations, and the
-    norms that read their weight in the activations' dtype, are in it too) and the copy
-    changes no number. A model whose modules differ (one built in fp32 whose top-level
-    ``options.dtype`` was set to bf16 afterwards: its layers still compute in fp32) keeps
-    the master dtype."""
-    if mesh_config.decode_param_dtype == "master":
-        return None
-    dtypes = set()
-    for _, node in nnx.iter_graph(model):
-        if not isinstance(node, nnx.Module):
-            continue
-        for options in (getattr(node, "options", None), getattr(node, "opts", None)):
-            if isinstance(options, ModelOptions):
-                dtypes.add(jnp.dtype(options.compute_dtype))
-        if getattr(node, "dtype", None) is not None:
-            dtypes.add(jnp.dtype(node.dtype))
-    return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def decode_policy(mesh_config: sharding.MeshConfig, mesh: Any, graphdef: Any,
-                  holder: dict[str, Any], arch: Any) -> tuple[Callable[[], Qwen3], Any]:
-    """The samplers' policy and mesh under ``mesh_config.decode_layout``: the trained
-    parameters (``holder["state"].params``) resharded onto the decode mesh
-    (:func:`sharding.decode_mesh`) once per train state, i.e. once per step, never per
-    token, in ``mesh_config.decode_param_dtype`` (see :class:`sharding.MeshConfig`); the
-    previous copy is dropped first. "train" (or no FSDP axis to re-purpose, or no mesh): the
-    trainer's own parameters on its mesh, as before."""
-    sample_mesh = None if mesh is None else sharding.decode_mesh(mesh, mesh_config, arch)
-    if sample_mesh is mesh:
-        return (lambda: nnx.merge(graphdef, holder["state"].params)), mesh
-    compute_dtype = decode_cast_dtype(nnx.merge(graphdef, holder["state"].params), mesh_config)
-    copy: dict[str, Any] = {"of": None, "params": None, "copy": None}
-
-    def policy() -> Qwen3:
-        state = holder["state"]
-        if copy["of"] is not state:
-            copy["of"] = copy["params"] = None  # free the old copy before the new one
-            copy["copy"] = copy["copy"] or sharding.resharder(state.params, sample_mesh,
-                                                              compute_dtype=compute_dtype)
-            copy["params"] = copy["copy"](state.params)
-            copy["of"] = state
-        return nnx.merge(graphdef, copy["params"])
-
-    return policy, sample_mesh
-
-
 # ---- the run -----------------------------------------------------------------------------
 def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     """Runs (or resumes) ``config`` in ``workdir``: a local directory or ``gs://...``."""
@@ -374,44 +314,11 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         write_model_spec(workdir, model)
     log.info("policy: %s, %s parameters", model.config.architecture,
              f"{model.config.param_count():,}")
-    train_config = _with_sampler_temperatures(config)
-    graphdef, state = init_train_state(model, train_config, seed=config.seed, mesh=mesh)
-    step_fn = make_train_step(graphdef, train_config, mesh)
-    # KL to the initial policy (8B recipe): its log-probs from a frozen copy of it.
-    reference = (ReferencePolicy(graphdef, train_config, state.params, mesh)
-                 if needs_reference(train_config) else None)
-    holder = {"state": state}
-
-    def policy() -> Qwen3:
-        return nnx.merge(graphdef, holder["state"].params)
-
-    sampling_policy, sample_mesh = decode_policy(config.mesh, mesh, graphdef, holder,
-                                                 model.config)
-
-    data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
-    mcfg = model.config
-    pack = PackConfig(pad_id=tokenizer.pad_id, batch_multiple=config.train.microbatches * data_ways,
-                      moe_layers=tuple(i for i in range(mcfg.num_layers) if mcfg.is_moe_layer(i)),
-                      num_layers=mcfg.num_layers, row_buckets=config.train.row_buckets)
-    telemetry = (ReplayTelemetry(graphdef, train_config, mesh)
-                 if records_routing(config) and mcfg.is_moe else None)
-
-    def update_fn(seqs):
-        guard.commit()  # from here the step changes the weights: a stop waits for its end
-        batch = pack_sequences(seqs, pack)
-        if reference is not None:
-            batch = reference.annotate(batch)
-        # Routing-mismatch telemetry at the weights the step differentiates (before it).
-        extra = telemetry(holder["state"].params, batch) if telemetry is not None else {}
-        # update_epochs > 1: PPO's reuse of one batch (CleanRL's update_epochs); the ratio
-        # against the sampler's log-probs grows each pass and the clip bounds it.
-        for _ in range(config.train.update_epochs):
-            holder["state"], metrics = step_fn(holder["state"], batch)
-        return {**{k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0},
-                **extra}
-
-    loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=sampling_policy,
-                      update=update_fn, mesh=sample_mesh)
+    trainer = Trainer(model, _with_sampler_temperatures(config), pack=_pack_config(
+        config, tokenizer, model, mesh), seed=config.seed, mesh=mesh, mesh_config=config.mesh,
+        routing_telemetry=records_routing(config), guard=guard)
+    loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=trainer.sampling_policy,
+                      update=trainer.update, mesh=trainer.sample_mesh)
 
     ckpt = CheckpointManager(
         CheckpointConfig(workdir / "checkpoints", save_every_steps=config.checkpoint_every,
@@ -420,21 +327,21 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
                          best_mode=config.best_checkpoint_mode),
         guard=guard, config_hash=config_hash(config))
     start_round = 0
-    restored = ckpt.restore_latest(_abstract(named_arrays(holder["state"])))
+    restored = ckpt.restore_latest(_abstract(trainer.named_arrays()))
     if restored is not None:
-        holder["state"] = state_from_named(restored.state, holder["state"])
+        trainer.restore(restored.state)
         loop.load_state_dict(restored.run_state["loop"])
         start_round = restored.run_state["round"] + 1
         log.info("resumed from round %d", restored.run_state["round"])  # -1: the warm start
     elif config.warm_start.steps:
-        holder["state"] = _warm_start(config, tokenizer, graphdef, holder["state"], loop)
+        trainer.state = _warm_start(config, tokenizer, trainer.graphdef, trainer.state, loop)
 
     try:
         # Nothing to save before the first round of a fresh run without a warm start.
         saved = restored is not None or not config.warm_start.steps
-        _train_rounds(config, loop, ckpt, holder, start_round, workdir,
+        _train_rounds(config, loop, ckpt, trainer, start_round, workdir,
                       evaluate=(lambda r: _toy_eval(config, loop, pool, r)) if config.toy.enabled
-                      else (lambda r: _held_out_eval(config, policy(), tokenizer, r)),
+                      else (lambda r: _held_out_eval(config, trainer.policy(), tokenizer, r)),
                       saved=saved)
     finally:
         pool.close()
@@ -444,8 +351,21 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         write_report(workdir, title=f"SPADE run: {config.name}")
 
 
+def _pack_config(config: ExperimentConfig, tokenizer: Any, model: Qwen3, mesh: Any
+                 ) -> PackConfig:
+    """How a step's sequences are packed: rows a multiple of the microbatches times the
+    mesh's data-parallel ways, routing kept for the MoE layers."""
+    data_ways = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in
+                                                    ("data", "fsdp", "expert")]))
+    arch = model.config
+    return PackConfig(pad_id=tokenizer.pad_id,
+                      batch_multiple=config.train.microbatches * data_ways,
+                      moe_layers=tuple(i for i in range(arch.num_layers) if arch.is_moe_layer(i)),
+                      num_layers=arch.num_layers, row_buckets=config.train.row_buckets)
+
+
 def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointManager,
-                  holder: dict[str, Any], start_round: int, workdir: Any,
+                  trainer: Trainer, start_round: int, workdir: Any,
                   evaluate: Callable[[int], dict[str, float]], saved: bool) -> None:
     """The rounds from ``start_round``: one loop round each, held-out evaluation every
     ``eval_every``, metrics, and checkpoints (every ``checkpoint_every``, the last, a new
@@ -469,7 +389,7 @@ def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointMan
                 with _interruptible(ckpt):
                     metrics = loop.run_round(round_index)
             except Preempted:
-                _save_dropped_round(ckpt, round_index, holder, resume_point)
+                _save_dropped_round(ckpt, round_index, trainer, resume_point)
                 break
             if config.spade.eval_every and (round_index + 1) % config.spade.eval_every == 0:
                 try:
@@ -489,7 +409,7 @@ def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointMan
             score = distributed.agree_json(ckpt.score(metrics))
             saved = ckpt.should_save(round_index + 1) or last or ckpt.is_new_best(score)
             if saved:
-                ckpt.save(round_index + 1, named_arrays(holder["state"]),
+                ckpt.save(round_index + 1, trainer.named_arrays(),
                           {"round": round_index, "loop": loop.state_dict()}, score=score)
             if ckpt.preempted:
                 log.warning("preempted: checkpoint saved after round %d, exiting", round_index)
@@ -503,7 +423,7 @@ def _interruptible(ckpt: CheckpointManager):
     return ckpt.guard.interruptible() if ckpt.guard is not None else contextlib.nullcontext()
 
 
-def _save_dropped_round(ckpt: CheckpointManager, round_index: int, holder: dict[str, Any],
+def _save_dropped_round(ckpt: CheckpointManager, round_index: int, trainer: Trainer,
                         resume_point: str | None) -> None:
     """A preemption dropped ``round_index`` before its update: saves the state after the
     previous round as checkpoint ``round_index`` (unless it is saved already)."""
@@ -512,7 +432,7 @@ def _save_dropped_round(ckpt: CheckpointManager, round_index: int, holder: dict[
         log.warning("preempted during round %d: the round is dropped; nothing new to save "
                     "since the last checkpoint (or the start), exiting", round_index)
         return
-    ckpt.save(round_index, named_arrays(holder["state"]), json.loads(resume_point))
+    ckpt.save(round_index, trainer.named_arrays(), json.loads(resume_point))
     log.warning("preempted during round %d: the round is dropped; saved the state after "
                 "round %d as checkpoint %d, exiting", round_index, round_index - 1, round_index)
 

@@ -268,7 +268,7 @@ def _setting(config: AotConfig, devices: Sequence | None) -> _Setting:
     from spade_jax.models import abstract_model, preset
     from spade_jax.rl.optim import MASTER_DTYPES, make_optimizer
     from spade_jax.rl.train_step import TrainState
-    from spade_jax.run import decode_cast_dtype
+    from spade_jax.rl.trainer import decode_cast_dtype
 
     topology = parse_topology(config.topology)
     experiment = load_experiment(config.experiment, list(config.overrides))
@@ -474,7 +474,7 @@ def _decode_mesh(s: _Setting, layout: str):
 
 def _decode_params(s: _Setting, mesh) -> Any:
     """The abstract parameters the sampler reads on ``mesh``: the master parameters on the
-    trainer's mesh, else the run's copy (``run.decode_policy``: cast by
+    trainer's mesh, else the run's copy (``rl.trainer.DecodeCopy``: cast by
     ``sharding.cast_for_decode``, placed for ``mesh``)."""
     import jax
 

@@ -3,7 +3,7 @@
 Two CPU processes with four devices each form one distributed system over gloo. Each
 builds a tiny random Qwen3-MoE (a transformers checkpoint) with the recipes' options (bf16
 compute, fp32 master weights, the expert-parallel dispatch) on the trainer's mesh, FSDP 4
-x expert 2 spanning both processes; ``run.decode_policy`` reshards the parameters
+x expert 2 spanning both processes; ``rl.trainer.DecodeCopy`` reshards the parameters
 (``sharding.resharder``: one SPMD program over the global arrays, cast to the compute
 dtype) onto the decode mesh (data 2 x tensor 2 x expert 2, no FSDP) and the sampler draws
 from that copy. A third, single process with eight devices runs the same script: the
@@ -36,13 +36,9 @@ def _worker(checkpoint: Path, out_dir: Path) -> None:
 
     from spade_jax import sharding
     from spade_jax.models import ModelOptions, abstract_model, load_hf
+    from spade_jax.rl.trainer import DecodeCopy
     from spade_jax.rollout import SamplerConfig
     from spade_jax.rollout.sampler import sample
-    from spade_jax.run import decode_policy
-
-    class State:  # a train state: only .params is read
-        def __init__(self, params):
-            self.params = params
 
     assert jax.device_count() == NUM_HOSTS * DEVICES_PER_HOST
     train = sharding.MeshConfig(data=1, fsdp=4, tensor=1, expert=2)
@@ -51,7 +47,12 @@ def _worker(checkpoint: Path, out_dir: Path) -> None:
     model, cfg = load_hf(checkpoint, mesh=train_mesh, options=options)  # fp32 weights
     graphdef = nnx.graphdef(abstract_model(cfg, options))
     params = nnx.split(model)[1]
-    policy, mesh = decode_policy(train, train_mesh, graphdef, {"state": State(params)}, cfg)
+    decode = DecodeCopy(train, train_mesh, graphdef, params, cfg)
+    mesh = decode.mesh
+
+    def policy():
+        return decode.policy(params)
+
     copy = nnx.split(policy())[1]
     leaves = jax.tree.leaves(copy)
     out = {

@@ -16,10 +16,10 @@ from flax import nnx
 
 from spade_jax import sharding
 from spade_jax.models import ModelOptions, abstract_model, load_hf, preset
+from spade_jax.rl.trainer import DecodeCopy, decode_cast_dtype
 from spade_jax.rollout import SamplerConfig
 from spade_jax.rollout.engine import Request, SlotEngine
 from spade_jax.rollout.sampler import sample
-from spade_jax.run import decode_cast_dtype, decode_policy
 
 needs_8 = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -148,28 +148,22 @@ def test_slot_engine_is_the_same_under_both_layouts(placed):
 
 
 @needs_8
-def test_decode_policy_reshards_once_per_train_state(placed):
+def test_decode_copy_reshards_once_per_train_state(placed):
     graphdef, params, train_mesh, _, mesh = placed
-
-    class State:  # a train state: only .params is read
-        def __init__(self, p):
-            self.params = p
-
-    holder = {"state": State(params)}
     cfg = nnx.merge(graphdef, params).config
-    policy, sample_mesh = decode_policy(TRAIN, train_mesh, graphdef, holder, cfg)
-    assert dict(sample_mesh.shape) == dict(mesh.shape)
-    first = nnx.split(policy())[1]
-    again = nnx.split(policy())[1]
+    copy = DecodeCopy(TRAIN, train_mesh, graphdef, params, cfg)
+    assert dict(copy.mesh.shape) == dict(mesh.shape)
+    first = nnx.split(copy.policy(params))[1]
+    again = nnx.split(copy.policy(params))[1]
     leaf = jax.tree.leaves(first)[0]
     assert leaf is jax.tree.leaves(again)[0]  # no reshard within a step
-    assert leaf.sharding.mesh.shape == sample_mesh.shape
-    holder["state"] = State(params)  # the next step's state
-    assert jax.tree.leaves(nnx.split(policy())[1])[0] is not leaf
-    same, same_mesh = decode_policy(dataclasses.replace(TRAIN, decode_layout="train"),
-                                    train_mesh, graphdef, holder, cfg)
-    assert same_mesh is train_mesh
-    assert jax.tree.leaves(nnx.split(same())[1])[0] is jax.tree.leaves(params)[0]
+    assert leaf.sharding.mesh.shape == copy.mesh.shape
+    next_params = jax.tree.map(lambda x: x, params)  # the next step's parameters
+    assert jax.tree.leaves(nnx.split(copy.policy(next_params))[1])[0] is not leaf
+    same = DecodeCopy(dataclasses.replace(TRAIN, decode_layout="train"), train_mesh, graphdef,
+                      params, cfg)
+    assert same.mesh is train_mesh
+    assert jax.tree.leaves(nnx.split(same.policy(params))[1])[0] is jax.tree.leaves(params)[0]
 
 
 def _tiny_on_train_mesh(kind: str, tmp_path, options: ModelOptions):
@@ -181,11 +175,6 @@ def _tiny_on_train_mesh(kind: str, tmp_path, options: ModelOptions):
     return graphdef, nnx.split(model)[1], train_mesh, cfg
 
 
-class _State:  # a train state: only .params is read
-    def __init__(self, params):
-        self.params = params
-
-
 @pytest.mark.slow  # ~30 s per model: compiles the sampler twice on the decode mesh
 @needs_8
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -195,11 +184,16 @@ def test_compute_dtype_copy_samples_exactly_as_the_master(kind, tmp_path):
     same log-probs, bit for bit, as the fp32 master parameters on the same decode mesh."""
     options = ModelOptions(dtype="bfloat16", param_dtype="float32", moe_impl="expert_parallel")
     graphdef, params, train_mesh, cfg = _tiny_on_train_mesh(kind, tmp_path, options)
-    holder = {"state": _State(params)}
-    policies = {name: decode_policy(dataclasses.replace(TRAIN, decode_param_dtype=name),
-                                    train_mesh, graphdef, holder, cfg)
-                for name in ("compute", "master")}
-    (compute, mesh), (master, master_mesh) = policies["compute"], policies["master"]
+    copies = {name: DecodeCopy(dataclasses.replace(TRAIN, decode_param_dtype=name),
+                               train_mesh, graphdef, params, cfg)
+              for name in ("compute", "master")}
+    mesh, master_mesh = copies["compute"].mesh, copies["master"].mesh
+
+    def compute():
+        return copies["compute"].policy(params)
+
+    def master():
+        return copies["master"].policy(params)
     assert dict(mesh.shape) == dict(master_mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2,
                                                            "expert": 2}
     copy = _dtypes(nnx.split(compute())[1])
@@ -234,8 +228,7 @@ def test_mixed_or_fp32_compute_model_keeps_the_master_dtype(tmp_path):
     assert decode_cast_dtype(mixed, TRAIN) is None
     assert decode_cast_dtype(nnx.merge(graphdef, params), TRAIN) == np.dtype("float32")
     for graph in (graphdef, nnx.graphdef(mixed)):
-        policy, _ = decode_policy(TRAIN, train_mesh, graph, {"state": _State(params)}, cfg)
-        copy = nnx.split(policy())[1]
+        copy = nnx.split(DecodeCopy(TRAIN, train_mesh, graph, params, cfg).policy(params))[1]
         assert set(_dtypes(copy).values()) == {"float32"}
         for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(params), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
