@@ -138,8 +138,7 @@ def require_corpus(config: ExperimentConfig, check_paths: bool = True) -> None:
     with ``check_paths``, a run whose corpus paths or globs name no file (this lists them:
     a gs:// glob reads the bucket), before anything starts."""
     spade = config.spade
-    uses_corpus = (spade.use_corpus and spade.designer_mode == "self"
-                   and spade.baseline == "none")
+    uses_corpus = spade.use_corpus and spade.game_source == "self_design"
     if uses_corpus and check_paths and config.corpus.paths:
         from spade_jax.spade.corpus import expand_paths
 

@@ -27,7 +27,7 @@ from unittest import mock
 
 import numpy as np
 
-from spade_jax import run as run_module
+from spade_jax.rl import trainer as trainer_module
 from spade_jax.spade.loop import SpadeLoop
 
 FAULTS = ("advantage_sign", "loss_mask_shift", "designer_reward_permutation", "hint_swap")
@@ -52,7 +52,7 @@ def planted(fault: str) -> Iterator[None]:
 
         patch = mock.patch.object(SpadeLoop, "apply_rule", apply_rule)
     elif fault == "loss_mask_shift":
-        original_pack = run_module.pack_sequences
+        original_pack = trainer_module.pack_sequences
 
         def pack_sequences(sequences, config=None):
             batch = original_pack(sequences, config)
@@ -61,7 +61,7 @@ def planted(fault: str) -> Iterator[None]:
             shifted[:, 1:] = mask[:, :-1]
             return dataclasses.replace(batch, loss_mask=shifted)
 
-        patch = mock.patch.object(run_module, "pack_sequences", pack_sequences)
+        patch = mock.patch.object(trainer_module, "pack_sequences", pack_sequences)
     elif fault == "designer_reward_permutation":
         original_designer = SpadeLoop.designer_sequences
 

@@ -53,6 +53,7 @@ from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import seed_programs
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
 from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
+from spade_jax.spade.game_source import FixedEnv, FixedPool, GameSource, SelfDesign
 from spade_jax.spade.loop import SpadeLoop
 from spade_jax.spade.memory import EnvironmentMemory, MemoryConfig
 from spade_jax.spade.prompts import (
@@ -209,7 +210,9 @@ def build_corpus(config: ExperimentConfig):
 
 
 def build_corpus_sampler(config: ExperimentConfig, seed_offset: int = 0) -> CorpusSampler | None:
-    if not config.spade.use_corpus or config.spade.designer_mode != "self":
+    # Built for a baseline too (designer_mode keeps its "self" default there): its cursor is
+    # part of that run's state, though no document is read.
+    if not config.spade.use_corpus or config.spade.game_source == "fixed_pool":
         return None
     return CorpusSampler(build_corpus(config), CorpusSamplerConfig(
         seed=config.seed + seed_offset, documents_per_round=config.spade.docs_per_prompt,
@@ -263,16 +266,6 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
                policy: Callable[[], Qwen3], update: Callable, mesh: Any) -> SpadeLoop:
     """The SPADE loop of an experiment over the current policy and the train step."""
     spade = config.spade
-    fixed_pool = []
-    if spade.designer_mode == "fixed_pool":
-        if config.toy.enabled and not spade.pool_dir:  # the toy world's fixed pool
-            from spade_jax.toy.world import fixed_pool as toy_pool
-
-            fixed_pool = toy_pool(config.toy)
-        else:
-            programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
-                        else seed_programs.SEED_PROGRAMS)
-            fixed_pool = [(p.source, p.hint, p.skill) for p in programs]
     corpus_sampler = build_corpus_sampler(config)
     _check_corpus_agrees(corpus_sampler)
     generate_fn, episodes_fn = loop_sampling(config, policy, tokenizer, mesh)
@@ -282,7 +275,7 @@ def build_loop(config: ExperimentConfig, *, tokenizer: Any, pool: EnvPool,
         memory=EnvironmentMemory(MemoryConfig(capacity=spade.memory_capacity, seed=config.seed,
                                              selection=spade.memory_selection)),
         reward_rule=make_designer_reward(spade.designer_reward, spade.designer_reward_config),
-        fixed_pool=fixed_pool, baseline=_baseline(config), seed=config.seed,
+        source=build_game_source(config), seed=config.seed,
         max_turns=config.agent.max_turns, rules=(config.train.agent, config.train.designer))
 
 
@@ -298,7 +291,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     guard = PreemptionGuard.install()
     pool = build_pool(config)
     log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
-    if config.spade.baseline == "none":  # the baselines run no designer-written programs
+    if config.spade.game_source != "fixed_env":  # baselines run no designer-written programs
         try:
             require_isolation(pool.isolation_report(),
                               allow_weak=config.sandbox.allow_weak_isolation)
@@ -576,9 +569,21 @@ def _held_out_eval(config, model, tokenizer, round_index) -> dict[str, float]:
     return {f"eval/{k}": float(v) for k, v in results.items()}
 
 
-def _baseline(config: ExperimentConfig):
-    if config.spade.baseline == "none":
-        return None
-    from spade_jax.spade.baselines import make_baseline
+def build_game_source(config: ExperimentConfig) -> GameSource:
+    """Where the run's games come from (``spade.game_source``, from ``spade.baseline`` and
+    ``spade.designer_mode``): a fixed-environment baseline, a fixed pool (``spade.pool_dir``,
+    the toy world's pool, else the seed programs), or the policy's own designs."""
+    spade = config.spade
+    if spade.game_source == "fixed_env":
+        from spade_jax.spade.baselines import make_baseline
 
-    return make_baseline(config)
+        return FixedEnv(make_baseline(config))
+    if spade.game_source == "fixed_pool":
+        if config.toy.enabled and not spade.pool_dir:  # the toy world's fixed pool
+            from spade_jax.toy.world import fixed_pool as toy_pool
+
+            return FixedPool(toy_pool(config.toy))
+        programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
+                    else seed_programs.SEED_PROGRAMS)
+        return FixedPool([(p.source, p.hint, p.skill) for p in programs])
+    return SelfDesign()

@@ -95,13 +95,14 @@ def test_a_checkpoint_computes_in_the_run_dtype_in_every_layer(tmp_path):
     tiny_hf = pytest.importorskip("tiny_hf")
     from spade_jax.experiment import ModelSpec
     from spade_jax.models import Qwen3, load_hf
+    from spade_jax.rl.trainer import decode_cast_dtype
     from spade_jax.sharding import MeshConfig
 
     tiny_hf.make_hf_model("moe", tmp_path / "hf")
     spec = ModelSpec(hf_checkpoint=str(tmp_path / "hf"), dtype="bfloat16")
     tokenizer = SimpleNamespace(vocab_size=tiny_hf.VOCAB, eos_ids=frozenset({1}), pad_id=1)
     model = run.build_model(spec, tokenizer, seed=0, mesh=None)
-    assert run.decode_cast_dtype(model, MeshConfig()) == jnp.dtype("bfloat16")
+    assert decode_cast_dtype(model, MeshConfig()) == jnp.dtype("bfloat16")
     loaded, config = load_hf(tmp_path / "hf")
     reference = Qwen3(config, spec.options(), rngs=nnx.Rngs(0))
     nnx.update(reference, nnx.state(loaded, nnx.Param))

@@ -14,14 +14,13 @@ from spade_jax.spade import agreement
 from spade_jax.spade.step_metrics import PhaseTimer
 
 
-def run_baseline_round(loop: Any, step: int) -> dict[str, float]:
-    """``loop`` is the SpadeLoop (its baseline, run_episodes, update, agent_sequences)."""
+def run_baseline_round(loop: Any, baseline: Any, step: int) -> dict[str, float]:
+    """One step of ``baseline`` (a `game_source.FixedEnvBaseline`); ``loop`` is the
+    SpadeLoop (its run_episodes, update, agent_sequences, learnable tracker)."""
     cfg = loop.config
-    if loop.baseline is None:
-        raise ValueError(f"baseline {cfg.baseline!r} needs a FixedEnvBaseline")
     timer = PhaseTimer()
     with timer("rollout"):
-        specs = loop.baseline.episodes(step, cfg.plays_per_game)  # seeded by the baseline
+        specs = baseline.episodes(step, cfg.plays_per_game)  # seeded by the baseline
         try:
             records = loop.run_episodes(specs, seed=derive_seed(loop.seed, step, Phase.BASELINE))
         finally:
@@ -36,7 +35,7 @@ def run_baseline_round(loop: Any, step: int) -> dict[str, float]:
     by_env: dict[str, list[float]] = collections.defaultdict(list)
     for rec in records:
         by_env[rec.env_id].append(rec.return_)
-    loop.baseline.feedback(by_env)
+    baseline.feedback(by_env)
     share = loop.learnable.record_step([float(np.mean(v)) for v in by_env.values()])
     return {
         "return_no_hint_mean": float(np.mean([r.return_ for r in records])) if records else 0.0,

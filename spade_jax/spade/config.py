@@ -249,6 +249,15 @@ class SpadeConfig:
                              "hint (use hint_mode='self')")
 
     @property
+    def game_source(self) -> str:
+        """Where the games come from, read once by the run builder (`run.build_game_source`
+        makes the strategy object): "fixed_env" (a baseline), "fixed_pool" or
+        "self_design"."""
+        if self.baseline != "none":
+            return "fixed_env"
+        return "fixed_pool" if self.designer_mode == "fixed_pool" else "self_design"
+
+    @property
     def num_slots(self) -> int:
         """Designer prompts per regeneration (one GRPO group each)."""
         return self.envs_per_round // self.designer_group_size

@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import gymnasium
@@ -51,6 +51,7 @@ from spade_jax.spade import agreement, env_copies, env_stats, step_metrics
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, Generate
+from spade_jax.spade.game_source import GameSource, SelfDesign
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import agent_first_observation
 from spade_jax.spade.reward import (
@@ -95,19 +96,6 @@ class RunEpisodes(Protocol):
 Update = Callable[[list[TrainSequence]], dict[str, float]]
 
 
-class FixedEnvBaseline(Protocol):
-    """The fixed-environment baselines: this round's episodes (one env each), and what the
-    agent's returns on them were (adaptive-difficulty baselines use it)."""
-
-    def episodes(self, round_index: int, plays_per_task: int) -> list[EpisodeSpec]: ...
-
-    def feedback(self, returns_by_env: dict[str, list[float]]) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
 class SpadeLoop:
     """Run state of self-play (windows, pending designer samples, memory, corpus cursor,
     trackers) and the rounds. ``state_dict()`` is everything a checkpoint needs beyond
@@ -117,8 +105,8 @@ class SpadeLoop:
     def __init__(self, config: SpadeConfig, *, tokenizer: Any, pool: EnvPool | None,
                  generate: Generate, run_episodes: RunEpisodes, update: Update,
                  corpus_sampler: CorpusSampler | None, memory: EnvironmentMemory,
-                 reward_rule: DesignerRewardRule, fixed_pool: Sequence[tuple[str, Any, str]] = (),
-                 baseline: FixedEnvBaseline | None = None, seed: int = 0, max_turns: int = 25,
+                 reward_rule: DesignerRewardRule, source: GameSource | None = None,
+                 seed: int = 0, max_turns: int = 25,
                  rules: tuple[RoleConfig, RoleConfig] | None = None):
         self.config, self.tokenizer = config, tokenizer
         # Each role's update rule (TrainConfig.agent, TrainConfig.designer).
@@ -131,7 +119,8 @@ class SpadeLoop:
         self.rule_metrics: dict[str, float] = {}
         self.run_episodes, self.update = run_episodes, update
         self.corpus_sampler, self.memory, self.reward_rule = corpus_sampler, memory, reward_rule
-        self.fixed_pool, self.baseline, self.seed = list(fixed_pool), baseline, seed
+        # Where the games come from (SelfDesign, FixedPool, FixedEnv): chosen by the run.
+        self.source, self.seed = source if source is not None else SelfDesign(), seed
         self.designer = Designer(config, tokenizer=tokenizer, pool=pool, generate=generate,
                                  corpus_sampler=corpus_sampler, memory=memory, seed=seed,
                                  max_turns=max_turns)
@@ -139,7 +128,6 @@ class SpadeLoop:
             env_stats.LearnableShareConfig(window=config.learnable_window))
         self.windows: dict[int, Window] = {}
         self.pending: list[Pending] = []
-        self.pool_cursor = 0
 
     # ---- run state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -151,8 +139,7 @@ class SpadeLoop:
             "designer": self.designer.state_dict(),
             "windows": [w.to_json() for w in self.windows.values()],
             "pending": [p.to_json() for p in self.pending],
-            "pool_cursor": self.pool_cursor,
-            "baseline": self.baseline.state_dict() if self.baseline else None,
+            "source": self.source.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -164,19 +151,19 @@ class SpadeLoop:
         self.designer.load_state_dict(state["designer"])
         self.windows = {int(w["start"]): Window.from_json(w) for w in state["windows"]}
         self.pending = [Pending.from_json(p) for p in state["pending"]]
-        self.pool_cursor = int(state["pool_cursor"])
-        if self.baseline is not None and state.get("baseline") is not None:
-            self.baseline.load_state_dict(state["baseline"])
+        source = state.get("source")
+        if source is None:  # a checkpoint written before the game sources
+            source = {"cursor": state.get("pool_cursor", 0), "baseline": state.get("baseline")}
+        self.source.load_state_dict(source)
 
     # ---- the round -----------------------------------------------------------------------
     def run_round(self, step: int) -> dict[str, float]:
         """One optimizer step: design (regeneration rounds, and a window's missing games),
         play, score, update."""
         cfg = self.config
-        if cfg.baseline != "none":
-            from spade_jax.spade.baseline_round import run_baseline_round
-
-            return run_baseline_round(self, step)
+        own = self.source.run_step(self, step)
+        if own is not None:  # a fixed-environment baseline's step
+            return own
         timer = step_metrics.PhaseTimer()
         attempts: list[Any] = []
         missing_designed = 0
@@ -228,21 +215,14 @@ class SpadeLoop:
         """New window at ``step``: games (designed or drawn from the pool), hints, and the
         designer samples that wait for their delayed update. Returns the attempts made."""
         cfg = self.config
-        attempts: list[Any] = []
-        if cfg.designer_mode == "fixed_pool":
-            games, self.pool_cursor = self.designer.fixed_pool_games(
-                step, self.fixed_pool, self.pool_cursor)
-            samples: list[DesignerSample] = []
-        else:
-            games, samples, attempts = self.designer.design(step)
+        games, samples, attempts = self.source.new_games(self, step)
         self._prepare(games, step)
         self.windows[step] = Window(step, games)
         self.pending.append(Pending(step, samples if cfg.train_designer else []))
         return attempts
 
     def _designs_missing(self) -> bool:
-        cfg = self.config
-        return cfg.regenerate_missing_games and cfg.designer_mode == "self"
+        return self.config.regenerate_missing_games and self.source.writes_programs
 
     def design_missing(self, window: Window, step: int) -> tuple[list[Any], int]:
         """``regenerate_missing_games`` (the recipe): the designer writes the window's
@@ -518,10 +498,9 @@ class SpadeLoop:
             opened = self._open([r.env_id for r in requests],
                                 [programs[r.env_id] for r in requests],
                                 [len(r.seeds) for r in requests])
-        elif hasattr(self.baseline, "new_env") and not any(programs.get(r.env_id)
-                                                            for r in requests):
-            opened = [([self.baseline.new_env(r.env_id) for _ in r.seeds], VALID)
-                      for r in requests]
+        elif hasattr(baseline := getattr(self.source, "baseline", None), "new_env") and not any(
+                programs.get(r.env_id) for r in requests):
+            opened = [([baseline.new_env(r.env_id) for _ in r.seeds], VALID) for r in requests]
         else:
             raise ValueError(f"refill: the loop has no program or baseline task for "
                              f"{sorted(r.env_id for r in requests if not programs.get(r.env_id))}")

@@ -315,6 +315,7 @@ def test_baseline_rounds_refill_from_the_baselines_tasks(pool):
     from spade.test_loop import ALL_VALID, WINDOW, ScriptedPolicy, _loop
 
     from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE
+    from spade_jax.spade.game_source import FixedEnv
 
     class SeedBitPolicy(ScriptedPolicy):
         def run_episodes(self, specs, *, seed):
@@ -326,7 +327,7 @@ def test_baseline_rounds_refill_from_the_baselines_tasks(pool):
     policy = SeedBitPolicy(ALL_VALID)
     loop = _loop(pool, policy, dataclasses.replace(WINDOW, baseline="fixed_env_grpo"),
                  rules=(dapo(max_refill_rounds=5), DEFAULT_DESIGNER_RULE))
-    loop.baseline = BitTaskBaseline()
+    loop.source = FixedEnv(BitTaskBaseline())
     row = loop.run_round(0)
     plays = WINDOW.plays_per_game
     want, still, rounds = expected_refill(list(BitTaskBaseline.tasks), 5, seed=0, step=0,

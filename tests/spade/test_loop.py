@@ -22,6 +22,7 @@ from spade_jax.rollout.records import EpisodeRecord
 from spade_jax.spade import seed_programs
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, Document, InMemoryCorpus
+from spade_jax.spade.game_source import FixedEnv, FixedPool
 from spade_jax.spade.loop import HintedEnv, SpadeLoop
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord, MemoryConfig
 from spade_jax.spade.prompts import HINT_WRITER_SYSTEM_PROMPT, format_designer_output
@@ -444,15 +445,17 @@ def test_one_scripted_round_per_ablation_and_baseline(pool, name):
     rule = make_designer_reward(spade.designer_reward, spade.designer_reward_config)
     loop = _loop(pool, policy, spade, corpus=spade.use_corpus, rule=rule,
                  rules=(experiment.train.agent, experiment.train.designer))
-    if spade.designer_mode == "fixed_pool":
-        loop.fixed_pool = [(p.source, p.hint, p.skill) for p in seed_programs.SEED_PROGRAMS[:3]]
-    if spade.baseline != "none":  # the experiment's own baseline (reasoning-gym tasks)
+    if spade.game_source == "fixed_pool":
+        loop.source = FixedPool([(p.source, p.hint, p.skill)
+                                 for p in seed_programs.SEED_PROGRAMS[:3]])
+    if spade.game_source == "fixed_env":  # the experiment's own baseline (reasoning-gym tasks)
         from spade_jax.spade.baselines import make_baseline
 
-        loop.baseline = make_baseline(load_experiment(f"{name}:tiny"))
+        baseline = make_baseline(load_experiment(f"{name}:tiny"))
+        loop.source = FixedEnv(baseline)
         fed = []
-        feedback = loop.baseline.feedback
-        loop.baseline.feedback = lambda returns: (fed.append(returns), feedback(returns))
+        feedback = baseline.feedback
+        baseline.feedback = lambda returns: (fed.append(returns), feedback(returns))
     metrics = [loop.run_round(s) for s in range(2)]
     assert all(m["batch/agent"] > 0 for m in metrics)
     assert all(math.isfinite(m["return_no_hint_mean"]) for m in metrics)
@@ -543,7 +546,7 @@ def test_adaptive_baseline_resumes_with_its_win_rates(pool):
     def run(steps, state=None):
         policy = ScriptedPolicy(ALL_VALID, loss=0.0)
         loop = _loop(pool, policy, spade, corpus=False)
-        loop.baseline = make_baseline(experiment)
+        loop.source = FixedEnv(make_baseline(experiment))
         if state is not None:
             loop.load_state_dict(json.loads(json.dumps(state)))
         for step in steps:
@@ -554,8 +557,8 @@ def test_adaptive_baseline_resumes_with_its_win_rates(pool):
     first, _ = run(range(2))
     resumed, resumed_tasks = run([2], first.state_dict())
     assert resumed_tasks == tasks[2:]
-    assert straight.baseline.win_rate != make_baseline(experiment).win_rate  # it adapted
-    assert resumed.baseline.win_rate == straight.baseline.win_rate
+    assert straight.source.baseline.win_rate != make_baseline(experiment).win_rate  # adapted
+    assert resumed.source.baseline.win_rate == straight.source.baseline.win_rate
 
 
 @pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_8b", "qwen3_4b"])

@@ -4,8 +4,8 @@ check failing under them are scripts/planted_faults.py's)."""
 import numpy as np
 import pytest
 
-from spade_jax import run as run_module
 from spade_jax.planted_faults import FAULTS, planted
+from spade_jax.rl import trainer as trainer_module
 from spade_jax.rl.batch import TrainSequence
 from spade_jax.spade.loop import SpadeLoop
 
@@ -29,9 +29,9 @@ def test_advantage_sign(monkeypatch):
 
 def test_loss_mask_shift():
     seqs = [TrainSequence([5, 6, 7, 8], [0, 1, 1, 0], [0.0] * 4, 1.0)]
-    before = np.asarray(run_module.pack_sequences(seqs).loss_mask)
+    before = np.asarray(trainer_module.pack_sequences(seqs).loss_mask)
     with planted("loss_mask_shift"):
-        after = np.asarray(run_module.pack_sequences(seqs).loss_mask)
+        after = np.asarray(trainer_module.pack_sequences(seqs).loss_mask)
     assert before[0, :4].tolist() == [0, 1, 1, 0] and after[0, :4].tolist() == [0, 0, 1, 1]
 
 
