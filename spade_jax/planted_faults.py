@@ -44,13 +44,13 @@ def planted(fault: str) -> Iterator[None]:
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
     if fault == "advantage_sign":
-        original = SpadeLoop.apply_rule
+        original = SpadeLoop.role_sequences
 
-        def apply_rule(self, role, groups, step, scale=1.0):
+        def role_sequences(self, role, groups, step, scale=1.0):
             sequences, kept = original(self, role, groups, step, scale)
             return _negated(sequences), kept
 
-        patch = mock.patch.object(SpadeLoop, "apply_rule", apply_rule)
+        patch = mock.patch.object(SpadeLoop, "role_sequences", role_sequences)
     elif fault == "loss_mask_shift":
         original_pack = trainer_module.pack_sequences
 

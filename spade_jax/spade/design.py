@@ -51,7 +51,7 @@ from spade_jax.spade.window import (
 )
 
 
-class Generate(Protocol):
+class PromptSampler(Protocol):
     """The policy's sampler: token ids and per-token log-probs for every prompt, and
     optionally a third list: per prompt the recorded routing (``[P + n - 1, L, X]``,
     :mod:`spade_jax.rollout.routing`) or None. ``purpose`` is "design" (the designer's
@@ -97,7 +97,7 @@ def slot_skills(config: SpadeConfig, step: int) -> list[str]:
 class Designer:
     """Writes a window's games: prompts, rejection-sampled programs, hints."""
 
-    def __init__(self, config: SpadeConfig, *, tokenizer: Any, pool: Any, generate: Generate,
+    def __init__(self, config: SpadeConfig, *, tokenizer: Any, pool: Any, generate: PromptSampler,
                  corpus_sampler: CorpusSampler | None, memory: EnvironmentMemory, seed: int,
                  max_turns: int):
         self.config, self.tokenizer, self.pool, self.generate = config, tokenizer, pool, generate

@@ -50,7 +50,7 @@ from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_copies, env_stats, step_metrics
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
-from spade_jax.spade.design import Designer, Generate
+from spade_jax.spade.design import Designer, PromptSampler
 from spade_jax.spade.game_source import GameSource, SelfDesign
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import agent_first_observation
@@ -103,7 +103,7 @@ class SpadeLoop:
     logic runs with the real policy and with a scripted one in tests."""
 
     def __init__(self, config: SpadeConfig, *, tokenizer: Any, pool: EnvPool | None,
-                 generate: Generate, run_episodes: RunEpisodes, update: Update,
+                 generate: PromptSampler, run_episodes: RunEpisodes, update: Update,
                  corpus_sampler: CorpusSampler | None, memory: EnvironmentMemory,
                  reward_rule: DesignerRewardRule, source: GameSource | None = None,
                  seed: int = 0, max_turns: int = 25,
@@ -432,7 +432,7 @@ class SpadeLoop:
             elif total >= 0:
                 groups.setdefault(sample.skill, []).append(i)
         members = list(groups.values())
-        sequences, kept = self.apply_rule("designer", [
+        sequences, kept = self.role_sequences("designer", [
             Group([_designer_episode(samples[i][1]) for i in group], [totals[i] for i in group])
             for group in members], step, scale)
         order = [i for g in kept for i in members[g]]  # back into the samples' order
@@ -445,9 +445,9 @@ class SpadeLoop:
         for rec in records:
             if any(rec.loss_mask):
                 groups.setdefault(rec.env_id, []).append(rec)
-        return self.apply_rule("agent", [Group(g) for g in groups.values()], step)[0]
+        return self.role_sequences("agent", [Group(g) for g in groups.values()], step)[0]
 
-    def apply_rule(self, role: str, groups: list[Group], step: int,
+    def role_sequences(self, role: str, groups: list[Group], step: int,
                    scale: float = 1.0) -> tuple[list[TrainSequence], list[int]]:
         """``role``'s update rule on ``groups``: (training sequences, indices of the groups
         kept). Its metrics go to ``rule_metrics``; forks and policy judges go through this

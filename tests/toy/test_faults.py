@@ -19,12 +19,12 @@ def test_unknown_fault_is_refused():
 def test_advantage_sign(monkeypatch):
     seqs = [TrainSequence([1, 2, 3], [0, 1, 1], [0.0] * 3, 0.5),
             TrainSequence([1, 2], [0, 1], [0.0] * 2, np.array([0.0, -0.25]))]
-    monkeypatch.setattr(SpadeLoop, "apply_rule", lambda self, role, groups, step, scale=1.0:
+    monkeypatch.setattr(SpadeLoop, "role_sequences", lambda self, role, groups, step, scale=1.0:
                         (seqs, [0]))
     with planted("advantage_sign"):
-        out, kept = SpadeLoop.apply_rule(None, "agent", [], 0)
+        out, kept = SpadeLoop.role_sequences(None, "agent", [], 0)
     assert out[0].advantage == -0.5 and list(out[1].advantage) == [0.0, 0.25] and kept == [0]
-    assert SpadeLoop.apply_rule(None, "agent", [], 0)[0] is seqs  # restored
+    assert SpadeLoop.role_sequences(None, "agent", [], 0)[0] is seqs  # restored
 
 
 def test_loss_mask_shift():
