@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
               "dropped | memory | missing written | fresh docs")
         for step in range(opts.rounds):
             calls, memory_before = len(policy.design_calls), len(loop.memory)
-            metrics = loop.run_round(step)
+            metrics = loop.run_step(step)
             metrics["memory/added"] = float(len(loop.memory) - memory_before)
             metrics["designer/fresh_documents"] = float(_fresh_documents(
                 policy.design_calls[calls:]))

@@ -1,9 +1,9 @@
 """The run builder: builds every component of a run from an ExperimentConfig and drives
-the rounds.
+the steps.
 
 It composes every layer (experiment configs, models, the trainer, the SPADE loop, the
 export spec), so it sits with the entry points, not in ``spade/``. Kept apart from
-``spade/loop.py`` (the round logic) so that the loop can be tested with a scripted policy,
+``spade/loop.py`` (the step logic) so that the loop can be tested with a scripted policy,
 and apart from ``train.py`` (flags) so a notebook can call ``run_experiment(config,
 workdir)`` directly. Checkpoints hold the TrainState's arrays by name
 (``checkpoint.named_arrays``).
@@ -319,20 +319,22 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
                          best_metric=config.best_checkpoint_metric or None,
                          best_mode=config.best_checkpoint_mode),
         guard=guard, config_hash=config_hash(config))
-    start_round = 0
+    start_step = 0
     restored = ckpt.restore_latest(_abstract(trainer.named_arrays()))
     if restored is not None:
         trainer.restore(restored.state)
         loop.load_state_dict(restored.run_state["loop"])
-        start_round = restored.run_state["round"] + 1
-        log.info("resumed from round %d", restored.run_state["round"])  # -1: the warm start
+        # "round": the key of checkpoints written before steps were called steps.
+        done = restored.run_state.get("step", restored.run_state.get("round"))
+        start_step = done + 1
+        log.info("resumed from step %d", done)  # -1: the warm start
     elif config.warm_start.steps:
         trainer.state = _warm_start(config, tokenizer, trainer.graphdef, trainer.state, loop)
 
     try:
-        # Nothing to save before the first round of a fresh run without a warm start.
+        # Nothing to save before the first step of a fresh run without a warm start.
         saved = restored is not None or not config.warm_start.steps
-        _train_rounds(config, loop, ckpt, trainer, start_round, workdir,
+        _train_steps(config, loop, ckpt, trainer, start_step, workdir,
                       evaluate=(lambda r: _toy_eval(config, loop, pool, r)) if config.toy.enabled
                       else (lambda r: _held_out_eval(config, trainer.policy(), tokenizer, r)),
                       saved=saved)
@@ -357,55 +359,55 @@ def _pack_config(config: ExperimentConfig, tokenizer: Any, model: Qwen3, mesh: A
                       num_layers=arch.num_layers, row_buckets=config.train.row_buckets)
 
 
-def _train_rounds(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointManager,
-                  trainer: Trainer, start_round: int, workdir: Any,
+def _train_steps(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointManager,
+                 trainer: Trainer, start_step: int, workdir: Any,
                   evaluate: Callable[[int], dict[str, float]], saved: bool) -> None:
-    """The rounds from ``start_round``: one loop round each, held-out evaluation every
-    ``eval_every``, metrics, and checkpoints (every ``checkpoint_every``, the last, a new
-    best, and on preemption). ``saved``: the state before ``start_round`` needs no save (it
-    is in a checkpoint, or is a fresh run's initial state).
+    """The steps from ``start_step`` (one update each; ``spade.rounds`` of them): held-out
+    evaluation every ``eval_every``, metrics, and checkpoints (every ``checkpoint_every``,
+    the last, a new best, and on preemption). ``saved``: the state before ``start_step``
+    needs no save (it is in a checkpoint, or is a fresh run's initial state).
 
-    A preemption requested inside a round, before its update, drops the round
-    (``spade_jax.preemption``): the state after the previous round is saved (its loop
-    state was kept as JSON when the round began) and the run stops; the resume redoes the
-    round from the same seeds."""
+    A preemption requested inside a step, before its update, drops the step
+    (``spade_jax.preemption``): the state after the previous step is saved (its loop
+    state was kept as JSON when the step began) and the run stops; the resume redoes the
+    step from the same seeds."""
     writer = MetricsWriter(workdir)
-    progress = Progress(config.spade.rounds, start_step=start_round, every_seconds=0.0,
+    progress = Progress(config.spade.rounds, start_step=start_step, every_seconds=0.0,
                         print_fn=lambda _: None)
     try:
-        for round_index in range(start_round, config.spade.rounds):
+        for step in range(start_step, config.spade.rounds):
             resume_point = None if saved else json.dumps(
-                {"round": round_index - 1, "loop": loop.state_dict()})
-            log.info("round %d started", round_index)
+                {"step": step - 1, "loop": loop.state_dict()})
+            log.info("step %d started", step)
             t0 = time.perf_counter()
             try:
                 with _interruptible(ckpt):
-                    metrics = loop.run_round(round_index)
+                    metrics = loop.run_step(step)
             except Preempted:
-                _save_dropped_round(ckpt, round_index, trainer, resume_point)
+                _save_dropped_step(ckpt, step, trainer, resume_point)
                 break
-            if config.spade.eval_every and (round_index + 1) % config.spade.eval_every == 0:
+            if config.spade.eval_every and (step + 1) % config.spade.eval_every == 0:
                 try:
                     with _interruptible(ckpt):
-                        metrics.update(evaluate(round_index))
-                except Preempted:  # the round is complete: saved below, without its eval
-                    log.warning("preempted: held-out evaluation of round %d skipped", round_index)
-            metrics["time/round"] = time.perf_counter() - t0
-            writer.write(round_index, metrics)
-            line = progress.update(round_index + 1, {k: metrics[k] for k in
+                        metrics.update(evaluate(step))
+                except Preempted:  # the step is complete: saved below, without its eval
+                    log.warning("preempted: held-out evaluation of step %d skipped", step)
+            metrics["time/step"] = time.perf_counter() - t0
+            writer.write(step, metrics)
+            line = progress.update(step + 1, {k: metrics[k] for k in
                                                      ("validity_rate", "regret_raw_mean") if k in metrics})
             if line:
                 log.info(line)
-            last = round_index + 1 == config.spade.rounds
-            # The held-out score when evaluated this round, else None; process 0's on every
+            last = step + 1 == config.spade.rounds
+            # The held-out score when evaluated this step, else None; process 0's on every
             # host, since whether to save (a collective) depends on it.
             score = distributed.agree_json(ckpt.score(metrics))
-            saved = ckpt.should_save(round_index + 1) or last or ckpt.is_new_best(score)
+            saved = ckpt.should_save(step + 1) or last or ckpt.is_new_best(score)
             if saved:
-                ckpt.save(round_index + 1, trainer.named_arrays(),
-                          {"round": round_index, "loop": loop.state_dict()}, score=score)
+                ckpt.save(step + 1, trainer.named_arrays(),
+                          {"step": step, "loop": loop.state_dict()}, score=score)
             if ckpt.preempted:
-                log.warning("preempted: checkpoint saved after round %d, exiting", round_index)
+                log.warning("preempted: checkpoint saved after step %d, exiting", step)
                 break
     finally:
         ckpt.wait()
@@ -416,18 +418,18 @@ def _interruptible(ckpt: CheckpointManager):
     return ckpt.guard.interruptible() if ckpt.guard is not None else contextlib.nullcontext()
 
 
-def _save_dropped_round(ckpt: CheckpointManager, round_index: int, trainer: Trainer,
-                        resume_point: str | None) -> None:
-    """A preemption dropped ``round_index`` before its update: saves the state after the
-    previous round as checkpoint ``round_index`` (unless it is saved already)."""
+def _save_dropped_step(ckpt: CheckpointManager, step: int, trainer: Trainer,
+                       resume_point: str | None) -> None:
+    """A preemption dropped ``step`` before its update: saves the state after the previous
+    step as checkpoint ``step`` (unless it is saved already)."""
     ckpt.preempted = True
     if resume_point is None:
-        log.warning("preempted during round %d: the round is dropped; nothing new to save "
-                    "since the last checkpoint (or the start), exiting", round_index)
+        log.warning("preempted during step %d: the step is dropped; nothing new to save "
+                    "since the last checkpoint (or the start), exiting", step)
         return
-    ckpt.save(round_index, trainer.named_arrays(), json.loads(resume_point))
-    log.warning("preempted during round %d: the round is dropped; saved the state after "
-                "round %d as checkpoint %d, exiting", round_index, round_index - 1, round_index)
+    ckpt.save(step, trainer.named_arrays(), json.loads(resume_point))
+    log.warning("preempted during step %d: the step is dropped; saved the state after "
+                "step %d as checkpoint %d, exiting", step, step - 1, step)
 
 
 def _check_corpus_agrees(sampler: CorpusSampler | None) -> None:
@@ -532,7 +534,7 @@ def _supervised_pass(config, tokenizer, graphdef, state: TrainState, seqs) -> Tr
     return dataclasses.replace(state, params=params)
 
 
-def _toy_eval(config, loop: SpadeLoop, pool, round_index: int) -> dict[str, float]:
+def _toy_eval(config, loop: SpadeLoop, pool, step: int) -> dict[str, float]:
     """The toy world's held-out grid (``eval/toy/...``): fixed levels and seeds, played
     with the loop's own episode runner, never trained on."""
     from spade_jax.envs import make_env
@@ -548,14 +550,14 @@ def _toy_eval(config, loop: SpadeLoop, pool, round_index: int) -> dict[str, floa
                          env_id=f"heldout_L{level}_{rule}", seed=seed)
              for level, rule, seed in grid]
     try:
-        records = loop.run_episodes(specs, seed=derive_seed(config.seed, round_index, Phase.EVAL))
+        records = loop.run_episodes(specs, seed=derive_seed(config.seed, step, Phase.EVAL))
     finally:
         for spec in specs:
             spec.env.close()
     return world.heldout_metrics(grid, [float(r.return_) for r in records])
 
 
-def _held_out_eval(config, model, tokenizer, round_index) -> dict[str, float]:
+def _held_out_eval(config, model, tokenizer, step) -> dict[str, float]:
     """The reasoning-gym suites through the same sampler as training."""
     from spade_jax.evaluation import SamplerPolicy, run_suites
     from spade_jax.evaluation.suites import EvalConfig, SuiteConfig

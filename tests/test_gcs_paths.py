@@ -248,7 +248,7 @@ def test_tiny_run_in_a_bucket_is_killed_resumes_and_exports(tmp_path, gcs):
                for n, size in objects.items())
     assert any(n.startswith("tiny/plots/") and n.endswith(".png") for n in objects)
     run = epath.Path(workdir)
-    assert "resumed from round 0" in (run / "train.log").read_text()
+    assert "resumed from step 0" in (run / "train.log").read_text()
     # Round 0 was logged by the killed run, round 1 by the resumed one: one file, appended.
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1]
@@ -270,7 +270,7 @@ def test_tiny_run_in_a_bucket_is_killed_resumes_and_exports(tmp_path, gcs):
     model, _ = load_hf("gs://runs/exported", options=options)
     with CheckpointManager(CheckpointConfig(run / "checkpoints")) as manager:
         restored = manager.restore(2)
-    assert restored.run_state["round"] == 1
+    assert restored.run_state["step"] == 1
     keys = export.param_keys(config, options)
     loaded = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     assert loaded

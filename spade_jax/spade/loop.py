@@ -157,7 +157,7 @@ class SpadeLoop:
         self.source.load_state_dict(source)
 
     # ---- the round -----------------------------------------------------------------------
-    def run_round(self, step: int) -> dict[str, float]:
+    def run_step(self, step: int) -> dict[str, float]:
         """One optimizer step: design (regeneration rounds, and a window's missing games),
         play, score, update."""
         cfg = self.config

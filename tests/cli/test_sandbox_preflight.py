@@ -89,7 +89,7 @@ def test_a_non_root_run_refuses_to_start_and_names_what_is_missing(open_tmp):
     assert "`bwrap` is not on PATH" in out.stderr  # PATH without bubblewrap
     assert "--allow_weak_sandbox" in out.stderr
     log = (workdir / "train.log").read_text()
-    assert "the sandbox cannot isolate" in log and "round 0 started" not in log
+    assert "the sandbox cannot isolate" in log and "step 0 started" not in log
     assert not (workdir / "checkpoints").exists()
     # bubblewrap on PATH: only the uid layer is missing (namespaces work unprivileged).
     second = tmp_path / "second"

@@ -78,7 +78,7 @@ def test_main_command_runs_reports_and_resumes(tmp_path):
 
     with CheckpointManager(CheckpointConfig(workdir / "checkpoints")) as manager:
         restored = manager.restore(1)
-    assert restored.run_state["round"] == 0
+    assert restored.run_state["step"] == 0
     # The TrainState's arrays by name (issue 21), not by leaf position.
     assert {"step", "rng", "params/embed_vd", "opt_state/1/0/mu/embed_vd"} <= restored.state.keys()
     pending = restored.run_state["loop"]["pending"]
@@ -93,7 +93,7 @@ def test_main_command_runs_reports_and_resumes(tmp_path):
     # Resume: one more round continues from the checkpoint instead of starting over.
     r = _train(workdir, "--set", "spade.rounds=3")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from round 1" in (workdir / "train.log").read_text()
+    assert "resumed from step 1" in (workdir / "train.log").read_text()
     assert [row["step"] for row in _rounds(workdir)] == [0, 1, 2]
 
 
@@ -160,7 +160,7 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(straight, tmp
     _kill_after_checkpoint(killed, run, 2)
     r = _train(killed, *run)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from round" in (killed / "train.log").read_text()
+    assert "resumed from step" in (killed / "train.log").read_text()
     want, got = _last_rows(straight), _last_rows(killed)
     assert sorted(got) == list(range(4))
     for step in range(4):
@@ -186,7 +186,7 @@ def test_sigterm_mid_window_drops_the_round_saves_and_resumes_from_there(straigh
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline, log = time.monotonic() + 1200, preempted / "train.log"
-        while not (log.exists() and "round 3 started" in log.read_text()):
+        while not (log.exists() and "step 3 started" in log.read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, "round 3 never started"
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
@@ -194,7 +194,7 @@ def test_sigterm_mid_window_drops_the_round_saves_and_resumes_from_there(straigh
     finally:
         proc.kill()
     text = log.read_text()
-    assert ("preempted during round 3: the round is dropped; saved the state after round 2 "
+    assert ("preempted during step 3: the step is dropped; saved the state after step 2 "
             "as checkpoint 3") in text
     assert [row["step"] for row in _rounds(preempted)] == [0, 1, 2]  # round 3 never updated
     from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
@@ -203,7 +203,7 @@ def test_sigterm_mid_window_drops_the_round_saves_and_resumes_from_there(straigh
         assert manager.all_steps() == [3]
     r = _train(preempted, *run)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from round 2" in log.read_text()
+    assert "resumed from step 2" in log.read_text()
     want, got = _last_rows(straight), _last_rows(preempted)
     assert sorted(got) == list(range(4))
     for step in range(4):
@@ -256,7 +256,7 @@ def test_kill_9_with_pending_designer_routing_then_resume_equals_an_uninterrupte
     r = _train(killed, *run)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (killed / "train.log").read_text()
-    assert "resumed from round 0" in log, "the resume did not start after step 0"
+    assert "resumed from step 0" in log, "the resume did not start after step 0"
     want, got = _last_rows(straight), _last_rows(killed)
     assert sorted(got) == list(range(3))
     # The designer trained on step 0's samples at step 1 (after the resume), with replay.

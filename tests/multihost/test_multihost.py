@@ -209,7 +209,7 @@ def _scripted_rounds(host: int, rounds: int) -> dict[str, Any]:
     try:
         for round_index in range(rounds):
             try:
-                loop.run_round(round_index)
+                loop.run_step(round_index)
             except RuntimeError as e:
                 out["errors"].append([round_index, str(e)])
     finally:

@@ -215,7 +215,7 @@ def spade_rounds(pool, rounds=2, budget=6):
     config = dataclasses.replace(WINDOW, rounds=rounds, hint_mode="none", hint_plays=0)
     loop = _loop(pool, policy, config, rules=(dapo(max_refill_rounds=budget),
                                               DEFAULT_DESIGNER_RULE))
-    return loop, policy, [loop.run_round(step) for step in range(rounds)]
+    return loop, policy, [loop.run_step(step) for step in range(rounds)]
 
 
 def test_spade_rounds_refill_the_agents_dropped_games_with_new_plays(pool):
@@ -328,7 +328,7 @@ def test_baseline_rounds_refill_from_the_baselines_tasks(pool):
     loop = _loop(pool, policy, dataclasses.replace(WINDOW, baseline="fixed_env_grpo"),
                  rules=(dapo(max_refill_rounds=5), DEFAULT_DESIGNER_RULE))
     loop.source = FixedEnv(BitTaskBaseline())
-    row = loop.run_round(0)
+    row = loop.run_step(0)
     plays = WINDOW.plays_per_game
     want, still, rounds = expected_refill(list(BitTaskBaseline.tasks), 5, seed=0, step=0,
                                           plays=plays, pays=lambda env_id, s: float(s % 2))

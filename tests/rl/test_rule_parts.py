@@ -206,7 +206,7 @@ def test_every_built_in_part_runs_in_scripted_spade_rounds():
             policy = TurnPolicy(ALL_VALID)
             loop = _loop(pool, policy, spade,
                          rules=(experiment.train.agent, experiment.train.designer))
-            metrics = [loop.run_round(0), loop.run_round(1)]
+            metrics = [loop.run_step(0), loop.run_step(1)]
             trained = [s for update in policy.updates for s in update]
             roles = {s.role for s in trained}
             assert "agent" in roles

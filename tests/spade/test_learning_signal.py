@@ -147,7 +147,7 @@ def _round(tokenizer, pool, sign: float = 1.0) -> Trainer:  # noqa: F811
                      memory=EnvironmentMemory(MemoryConfig()),
                      reward_rule=make_designer_reward("solve_rate", None), seed=0,
                      max_turns=1, rules=TRAIN.roles)
-    loop.run_round(0)
+    loop.run_step(0)
     return trainer
 
 

@@ -184,7 +184,7 @@ def test_designer_sample_of_step_k_is_trained_at_k_plus_delay_on_the_window(pool
     loop = _loop(pool, policy, WINDOW,
                  rule=NumpyBlend() if rule == "numpy" else make_designer_reward("blend"))
     for step in range(WINDOW.rounds):
-        loop.run_round(step)
+        loop.run_step(step)
     # Windows at 0 and 4; designer samples of round 0 trained at round 4 (delay), those of
     # round 4 at round 7 (the last round flushes what is left).
     counts = [len(_designer(u)) for u in policy.updates]
@@ -226,8 +226,8 @@ def _skills_of(policy, step):
 def test_agent_groups_are_the_plays_of_one_game_in_one_round(pool):
     policy = ScriptedPolicy(ALL_VALID)
     loop = _loop(pool, policy, dataclasses.replace(WINDOW, rounds=2))
-    loop.run_round(0)
-    loop.run_round(1)
+    loop.run_step(0)
+    loop.run_step(1)
     for step, seqs in enumerate(policy.updates):
         log = [e for e in policy.episode_log[step] if not e["hinted"]]
         agent = _agent(seqs)
@@ -243,8 +243,8 @@ def test_agent_groups_are_the_plays_of_one_game_in_one_round(pool):
 def test_self_hints_are_written_untrained_and_shown_only_in_the_hint_arm(pool):
     policy = ScriptedPolicy(ALL_VALID)
     loop = _loop(pool, policy, dataclasses.replace(WINDOW, rounds=2))
-    loop.run_round(0)
-    loop.run_round(1)
+    loop.run_step(0)
+    loop.run_step(1)
     (prompts, _), = policy.hint_calls  # one call, at the regeneration round
     assert len(prompts) == 4 and all(HINT_WRITER_SYSTEM_PROMPT[:40] in p for p in prompts)
     assert VALID.source in prompts[0] and OTHER.source in prompts[1]
@@ -262,7 +262,7 @@ def test_rejection_sampling_trains_only_valid_attempts(pool):
     policy = ScriptedPolicy(texts)
     config = dataclasses.replace(WINDOW, rounds=1, designer_delay=0, max_design_attempts=5)
     loop = _loop(pool, policy, config)
-    metrics = loop.run_round(0)
+    metrics = loop.run_step(0)
     # attempt 0: slots get texts 0-3 -> 2 valid; attempt 1: the 2 invalid slots retry.
     assert len(policy.design_calls) >= 2 and len(policy.design_calls[1][0]) == 2
     assert metrics["valid_envs"] == 4 and metrics["invalid/parse_error/no_program_block"] >= 1
@@ -284,7 +284,7 @@ def test_paper_text_variant_trains_invalid_samples_with_the_penalty(pool):
         max_design_attempts=1, invalid_penalty=-1.0, designer_groups="prompt",
         designer_group_size=2)
     loop = _loop(pool, policy, config, rules=(RoleConfig(), RoleConfig()))  # designer GRPO
-    loop.run_round(0)
+    loop.run_step(0)
     designer = _designer(policy.updates[0])
     assert len(designer) == 4  # 2 prompts x 2 samples, valid and invalid alike
     # Per prompt group: one valid (blend >= 0) and one invalid (-1): z-scores +1 / -1.
@@ -292,24 +292,24 @@ def test_paper_text_variant_trains_invalid_samples_with_the_penalty(pool):
     hinted = [e for e in policy.episode_log[0] if e["hinted"]]
     assert hinted and all(e["obs"].endswith("\n\nHINT: designer hint") for e in hinted)
     assert not policy.hint_calls  # the designer's own hint, no hint writer
-    loop.run_round(1)  # a new window every round
+    loop.run_step(1)  # a new window every round
     assert len(policy.design_calls) == 2
 
 
 def _straight_and_resumed(pool, config, cut, corpus=True):
     straight = ScriptedPolicy(ALL_VALID + [_text(BROKEN_PROGRAM)])
     loop = _loop(pool, straight, config, corpus=corpus)
-    metrics = [loop.run_round(s) for s in range(config.rounds)]
+    metrics = [loop.run_step(s) for s in range(config.rounds)]
     first = ScriptedPolicy(ALL_VALID + [_text(BROKEN_PROGRAM)])
     loop_a = _loop(pool, first, config, corpus=corpus)
     for s in range(cut):
-        loop_a.run_round(s)
+        loop_a.run_step(s)
     state = json.loads(json.dumps(loop_a.state_dict()))  # what a checkpoint stores
     resumed = ScriptedPolicy(ALL_VALID + [_text(BROKEN_PROGRAM)])
     resumed.design_calls = [None] * len(first.design_calls)  # the script's own cursor
     loop_b = _loop(pool, resumed, config, corpus=corpus)
     loop_b.load_state_dict(state)
-    metrics_b = [loop_b.run_round(s) for s in range(cut, config.rounds)]
+    metrics_b = [loop_b.run_step(s) for s in range(cut, config.rounds)]
     return straight, resumed, metrics, metrics_b, loop, loop_b
 
 
@@ -345,14 +345,14 @@ def test_memory_fills_under_any_rule_and_replays_refresh_statistics(pool):
     policy = ScriptedPolicy(ALL_VALID)
     config = dataclasses.replace(WINDOW, rounds=2, designer_delay=1, memory_train_envs=1)
     loop = _loop(pool, policy, config, memory=memory)
-    loop.run_round(0)
+    loop.run_step(0)
     replay = [e["return"] for e in policy.episode_log[0] if e["env_id"] == "mem_old"]
     assert len(replay) == config.plays_per_game
     record = memory["old"]
     assert record.last_evaluated_round == 0
     assert record.mean_return_no_hint == pytest.approx(np.mean(replay))
     assert record.win_rate_no_hint == pytest.approx(np.mean(np.array(replay) > 0))
-    loop.run_round(1)  # window 0's games are scored (delay 1) and enter memory
+    loop.run_step(1)  # window 0's games are scored (delay 1) and enter memory
     assert len(memory) == 1 + 4
     # Reward levels of each program, probed in the sandbox at the regeneration round
     # (16.5): re-probed here with the same seeds, independently of the loop.
@@ -378,7 +378,7 @@ def test_corpus_documents_never_reused(pool):
     config = dataclasses.replace(WINDOW, rounds=3, regeneration_interval=1, designer_delay=0)
     loop = _loop(pool, policy, config)
     for r in range(3):
-        loop.run_round(r)
+        loop.run_step(r)
     assert len(loop.designer.used_doc_ids) == 3 * config.num_slots * config.docs_per_prompt
 
 
@@ -388,7 +388,7 @@ def test_no_memory_and_no_corpus_prompts(pool):
                                  use_memory=False, use_corpus=False)
     loop = _loop(pool, policy, config, corpus=False)
     for r in range(3):
-        loop.run_round(r)
+        loop.run_step(r)
     assert not loop.memory.records
     text = ByteTokenizer().decode(policy.design_calls[-1][0][0])
     assert "text of document" not in text and "Agent win rate" not in text
@@ -456,7 +456,7 @@ def test_one_scripted_round_per_ablation_and_baseline(pool, name):
         fed = []
         feedback = baseline.feedback
         baseline.feedback = lambda returns: (fed.append(returns), feedback(returns))
-    metrics = [loop.run_round(s) for s in range(2)]
+    metrics = [loop.run_step(s) for s in range(2)]
     assert all(m["batch/agent"] > 0 for m in metrics)
     assert all(math.isfinite(m["return_no_hint_mean"]) for m in metrics)
     if spade.baseline == "none":
@@ -514,7 +514,7 @@ def test_every_sampler_call_is_seeded_from_seed_round_phase_and_index(pool):
     config = dataclasses.replace(WINDOW, rounds=3, regeneration_interval=2, designer_delay=1)
     loop = _loop(pool, policy, config, seed=7)
     for step in range(3):
-        loop.run_round(step)
+        loop.run_step(step)
     assert policy.episode_seeds == [derive_seed(7, s, Phase.AGENT) for s in range(3)]
     design_seeds = [seed for _, seed in policy.design_calls]
     assert design_seeds[:2] == [derive_seed(7, 0, Phase.DESIGN, 0), derive_seed(7, 0, Phase.DESIGN, 1)]
@@ -550,7 +550,7 @@ def test_adaptive_baseline_resumes_with_its_win_rates(pool):
         if state is not None:
             loop.load_state_dict(json.loads(json.dumps(state)))
         for step in steps:
-            loop.run_round(step)
+            loop.run_step(step)
         return loop, [[e["env_id"] for e in log] for log in policy.episode_log]
 
     straight, tasks = run(range(3))

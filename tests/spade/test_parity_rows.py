@@ -94,6 +94,6 @@ def test_the_hint_writer_gets_three_tries(usable_from, hinted):
     policy = LateHints(ALL_VALID)
     config = dataclasses.replace(WINDOW, rounds=1, designer_delay=0, hint_attempts=3)
     with EnvPool(SandboxConfig(call_deadline_s=2.0)) as pool:
-        _loop(pool, policy, config).run_round(0)
+        _loop(pool, policy, config).run_step(0)
     assert len(policy.hint_calls) == min(usable_from + 1, 3)
     assert any(e["hinted"] for e in policy.episode_log[0]) == hinted

@@ -49,8 +49,8 @@ def test_update_cuts_to_the_global_batch_designer_samples_first(pool):
     config = dataclasses.replace(WINDOW, rounds=2, designer_delay=1, global_batch=12)
     policy = ScriptedPolicy(ALL_VALID)
     loop = _loop(pool, policy, config)
-    m0 = loop.run_round(0)
-    m1 = loop.run_round(1)
+    m0 = loop.run_step(0)
+    m1 = loop.run_step(1)
     # Round 0: 4 games x 3 plays = 12 agent samples, nothing cut.
     assert [s.role for s in policy.updates[0]] == ["agent"] * 12 and m0["batch/trimmed"] == 0
     # Round 1: 4 designer samples (delay 1) + 12 plays -> the first 12: designer first.
@@ -59,16 +59,16 @@ def test_update_cuts_to_the_global_batch_designer_samples_first(pool):
     # The plays cut are the last games' (agent samples are in game order): the 8 kept
     # are the first 8 of the 12 the rule produced.
     full = _loop(pool, ScriptedPolicy(ALL_VALID), dataclasses.replace(config, global_batch=0))
-    full.run_round(0)
-    full.run_round(1)
+    full.run_step(0)
+    full.run_step(1)
     uncut = _agent(full.update.__self__.updates[1])
     assert [list(s.token_ids) for s in _agent(policy.updates[1])] == \
         [list(s.token_ids) for s in uncut[:8]]
     # Without a global batch every sample is trained (the earlier behaviour).
     policy = ScriptedPolicy(ALL_VALID)
     loop = _loop(pool, policy, dataclasses.replace(config, global_batch=0))
-    loop.run_round(0)
-    loop.run_round(1)
+    loop.run_step(0)
+    loop.run_step(1)
     assert len(policy.updates[1]) == 16
 
 
@@ -82,7 +82,7 @@ def test_a_game_enters_memory_at_the_end_of_the_round_that_wrote_it(pool):
                                  memory_examples=2, skills_per_window=0)
     policy = ScriptedPolicy(ALL_VALID)
     loop = _loop(pool, policy, config)
-    loop.run_round(0)
+    loop.run_step(0)
     assert len(loop.memory) == 4
     for env_id in loop.memory._records:
         plays = [e["return"] for e in policy.episode_log[0]
@@ -93,16 +93,16 @@ def test_a_game_enters_memory_at_the_end_of_the_round_that_wrote_it(pool):
         assert record.win_rate_no_hint == pytest.approx(np.mean(np.array(plays) > 0))
         assert record.regret == pytest.approx(np.mean(hint) - np.mean(plays))
     for step in range(1, 5):
-        loop.run_round(step)
+        loop.run_step(step)
     second_design = ByteTokenizer().decode(policy.design_calls[-1][0][0])
     assert "Agent win rate" in second_design  # the new design saw window 0's games
 
     policy = ScriptedPolicy(ALL_VALID)
     late = _loop(pool, policy, dataclasses.replace(config, memory_at="scoring"))
-    late.run_round(0)
+    late.run_step(0)
     assert len(late.memory) == 0
     for step in range(1, 5):
-        late.run_round(step)
+        late.run_step(step)
     assert "Agent win rate" not in ByteTokenizer().decode(policy.design_calls[-1][0][0])
     assert len(late.memory) == 4  # scored at round 4, after its design
 
@@ -117,11 +117,11 @@ def test_missing_games_are_written_later_and_plays_per_game_fill_the_batch(pool)
                                  global_batch=12, regenerate_missing_games=True)
     policy = ScriptedPolicy(texts)
     loop = _loop(pool, policy, config)
-    m0 = loop.run_round(0)
+    m0 = loop.run_step(0)
     assert m0["valid_envs"] == 3
     plays = [e for e in policy.episode_log[0] if not e["hinted"]]
     assert len(plays) == 3 * math.ceil(12 / 3)  # 4 plays each, not plays_per_game=3
-    m1 = loop.run_round(1)
+    m1 = loop.run_step(1)
     assert m1["designer/missing_designed"] == 1
     window = loop.windows[0]
     late = [g for g in window.games if g.written_at == 1]
@@ -131,13 +131,13 @@ def test_missing_games_are_written_later_and_plays_per_game_fill_the_batch(pool)
         config.hint_plays  # its own hint arm at the round it was written
     assert sum(1 for e in log1 if not e["hinted"]) == 4 * 3  # back to 12 / 4
     assert len(loop.pending[0].samples) == 4  # trained with the window's samples
-    m2 = loop.run_round(2)
+    m2 = loop.run_step(2)
     assert m2["designer/missing_designed"] == 0
     # Off (the earlier behaviour): the window keeps 3 games at 3 plays each.
     policy = ScriptedPolicy(texts)
     off = _loop(pool, policy, dataclasses.replace(config, regenerate_missing_games=False))
-    off.run_round(0)
-    off.run_round(1)
+    off.run_step(0)
+    off.run_step(1)
     assert sum(1 for e in policy.episode_log[1] if not e["hinted"]) == 3 * 3
 
 
@@ -165,7 +165,7 @@ def test_timed_out_plays_are_dropped_and_their_game_blocklisted(pool):
                                  drop_failed_plays=True)
     policy = SlowGamePolicy(ALL_VALID, slow="r0_s1_m0", broken="r0_s2_m0")
     loop = _loop(pool, policy, config)
-    m0 = loop.run_round(0)
+    m0 = loop.run_step(0)
     dropped = 2 * (config.plays_per_game + config.hint_plays)
     assert m0["plays/dropped"] == dropped and m0["episodes/end/env_limit"] == 5
     games = {g.env_id: g for g in loop.windows[0].games}
@@ -173,14 +173,14 @@ def test_timed_out_plays_are_dropped_and_their_game_blocklisted(pool):
         assert games[env_id].verdict.outcome is Outcome.BLOCKLISTED
         assert not games[env_id].hint_returns and not games[env_id].returns_by_offset[0]
     assert len(_agent(policy.updates[0])) == 2 * config.plays_per_game
-    loop.run_round(1)
+    loop.run_step(1)
     assert {e["env_id"] for e in policy.episode_log[1]} == {"r0_s0_m0", "r0_s3_m0"}
     assert len(_designer(policy.updates[1])) == 2  # the blocklisted games are not scored
 
     policy = SlowGamePolicy(ALL_VALID, slow="r0_s1_m0", broken="r0_s2_m0")
     keep = _loop(pool, policy, dataclasses.replace(config, play_env_seconds=0.0,
                                                    drop_failed_plays=False))
-    m0 = keep.run_round(0)
+    m0 = keep.run_step(0)
     assert m0["plays/dropped"] == 0 and len(_agent(policy.updates[0])) == 4 * 3
 
 
@@ -194,7 +194,7 @@ def test_each_attempt_draws_a_fresh_document_when_asked(pool):
         config = dataclasses.replace(WINDOW, rounds=1, designer_delay=0, max_design_attempts=2,
                                      fresh_prompt_per_attempt=fresh)
         loop = _loop(pool, policy, config)
-        loop.run_round(0)
+        loop.run_step(0)
         first, second = policy.design_calls[0][0], policy.design_calls[1][0]
         assert len(second) == 1  # slot 0 retried
         assert (_doc_of(second[0]) != _doc_of(first[0])) == fresh
@@ -249,5 +249,5 @@ def test_the_last_windows_designer_samples_are_not_flushed_in_the_recipe(pool):
                                      designer_delay=2, flush_at_end=flush)
         loop = _loop(pool, policy, config)
         for step in range(5):
-            loop.run_round(step)
+            loop.run_step(step)
         assert [len(_designer(u)) for u in policy.updates] == want

@@ -116,11 +116,11 @@ def test_recorded_routing_survives_designer_delay_windows_and_resume(pool, cut):
     straight = RoutedPolicy(texts)
     loop = _loop(pool, straight, config)
     for step in range(config.rounds):
-        loop.run_round(step)
+        loop.run_step(step)
     first = RoutedPolicy(texts)
     loop_a = _loop(pool, first, config)
     for step in range(cut):
-        loop_a.run_round(step)
+        loop_a.run_step(step)
     state = json.loads(json.dumps(loop_a.state_dict()))
     in_flight = [s for p in state["pending"] for s in p["samples"]]
     assert in_flight  # designer samples with routing cross the cut
@@ -131,7 +131,7 @@ def test_recorded_routing_survives_designer_delay_windows_and_resume(pool, cut):
     loop_b = _loop(pool, resumed, config)
     loop_b.load_state_dict(state)
     for step in range(cut, config.rounds):
-        loop_b.run_round(step)
+        loop_b.run_step(step)
     designer_batches = 0
     for seqs in straight.updates:
         for s in seqs:
