@@ -21,6 +21,17 @@ three inside the jitted train step:
                           reference and reweighted advantages (TIS, GMC)
   policy_losses           (logp, old_logp, ref_logp, advantages, mask) -> (loss, metrics)
 
+One more category holds the SPADE designer's reward rules, so that every rule of a run is
+named and configured the same way:
+  designer_rewards        classes, not functions: ``cls(config)`` is a (possibly stateful)
+                          rule with ``score(...)``, ``state_dict()``, ``load_state_dict()``;
+                          the classes and their protocol live in
+                          :mod:`spade_jax.spade.rewards` (``spade`` imports ``rl``, never the
+                          reverse, so only the category object lives here)
+
+Every category resolves a rule's config with :meth:`RegisteredRule.resolve_config` (None, a
+dict of overrides, the config dataclass, or a base dataclass it extends).
+
 Built-in rules live one per file in :mod:`spade_jax.rl.rules`, which imports every module
 it contains; a new rule is one new file there, or any module or ``.py`` file listed in the
 experiment's ``rule_modules`` (loaded with :func:`load_rule_modules`).
@@ -135,24 +146,68 @@ class PolicyLoss(Protocol):
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class ConfigTypeError(TypeError, ValueError):
+    """A rule's config given as something other than None, a dict or a dataclass it accepts.
+
+    Both a TypeError (the update rules' ``RoleConfig`` always raised one) and a ValueError
+    (the designer rewards always raised one, and callers catch bad settings as such), so
+    one resolver serves both without changing what either kind of caller catches.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class RegisteredRule(Generic[F]):
-    """A registered function together with the config dataclass it expects."""
+    """A registered rule (a function, or for designer rewards a class) together with the
+    config dataclass it expects."""
 
     name: str
     fn: F
     config_cls: type
+    category: str = ""
+
+    def resolve_config(self, given: Any = None, *, field: str | None = None) -> Any:
+        """The rule's validated config from what an experiment gave (the one resolver).
+
+        * None -> the config's defaults;
+        * a mapping -> the defaults plus those overrides (unknown fields: ValueError
+          naming them and the known ones);
+        * an instance of the config dataclass -> as is;
+        * an instance of a dataclass the config extends (e.g. the paper text's
+          ``DesignerRewardConfig`` for ``hint_regret``'s ``HintRegretConfig``) -> upgraded
+          field by field, the added fields at their defaults;
+        * anything else -> :class:`ConfigTypeError` (``field``, when given, names where the
+          value came from).
+
+        The config's own ``__post_init__`` validates the values.
+        """
+        cls = self.config_cls
+        if given is None:
+            given = {}
+        if isinstance(given, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(given) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown field(s) {unknown} for {self._label()} ({cls.__name__}); "
+                    f"known fields: {sorted(known)}"
+                )
+            return cls(**given)
+        if isinstance(given, cls):
+            return given
+        if dataclasses.is_dataclass(given) and issubclass(cls, type(given)):
+            return cls(**{f.name: getattr(given, f.name) for f in dataclasses.fields(given)})
+        where = f"{field}: " if field else ""
+        raise ConfigTypeError(
+            f"{where}{self._label()} takes None, a dict of overrides or a {cls.__name__} "
+            f"(or a dataclass it extends), got {type(given).__name__}"
+        )
 
     def make_config(self, **overrides: Any) -> Any:
         """Builds the rule's config from its defaults plus ``overrides`` (validated)."""
-        known = {f.name for f in dataclasses.fields(self.config_cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown field(s) {unknown} for rule {self.name!r} "
-                f"({self.config_cls.__name__}); known fields: {sorted(known)}"
-            )
-        return self.config_cls(**overrides)
+        return self.resolve_config(overrides)
+
+    def _label(self) -> str:
+        return f"{self.category} rule {self.name!r}" if self.category else f"rule {self.name!r}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -166,21 +221,28 @@ class Registry(Generic[F]):
         self._rules: dict[str, RegisteredRule[F]] = {}
 
     def register(self, name: str, *, config: type) -> Callable[[F], F]:
-        """Decorator registering ``fn`` under ``name`` with its config dataclass."""
+        """Decorator registering ``fn`` (a function, or a class) under ``name`` with its
+        config dataclass. A name already taken is the first error reported."""
+        self._check_free(name)
         if not dataclasses.is_dataclass(config):
             raise TypeError(f"config for {self.category} rule {name!r} must be a dataclass")
 
         def decorator(fn: F) -> F:
-            if name in self._rules:
-                existing = self._rules[name].fn
-                raise ValueError(
-                    f"{self.category} rule {name!r} is already registered "
-                    f"(by {existing.__module__}.{existing.__qualname__})"
-                )
-            self._rules[name] = RegisteredRule(name=name, fn=fn, config_cls=config)
+            self._check_free(name)
+            self._rules[name] = RegisteredRule(
+                name=name, fn=fn, config_cls=config, category=self.category
+            )
             return fn
 
         return decorator
+
+    def _check_free(self, name: str) -> None:
+        if name in self._rules:
+            existing = self._rules[name].fn
+            raise ValueError(
+                f"{self.category} rule {name!r} is already registered "
+                f"(by {existing.__module__}.{existing.__qualname__})"
+            )
 
     def get(self, name: str) -> RegisteredRule[F]:
         try:
@@ -206,6 +268,8 @@ token_weightings: Registry[TokenWeighting] = Registry("token_weightings")
 importance_corrections: Registry[ImportanceCorrection] = Registry("importance_corrections")
 group_filters: Registry[GroupFilter] = Registry("group_filters")
 policy_losses: Registry[PolicyLoss] = Registry("policy_losses")
+# Designer reward rule classes (spade_jax.spade.rewards registers them; see the module doc).
+designer_rewards: Registry[type] = Registry("designer_rewards")
 
 
 def load_rule_modules(module_names: Iterable[str]) -> None:

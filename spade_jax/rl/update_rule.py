@@ -51,21 +51,6 @@ PARTS: tuple[tuple[str, str, registry.Registry], ...] = (
 )
 
 
-def resolve_config(rule: registry.RegisteredRule, given: Any, field: str) -> Any:
-    """None -> the rule's defaults; a dict -> defaults plus overrides; the rule's own config
-    dataclass as is. Anything else is a TypeError naming ``field``."""
-    if given is None:
-        return rule.make_config()
-    if isinstance(given, dict):
-        return rule.make_config(**given)
-    if isinstance(given, rule.config_cls):
-        return given
-    raise TypeError(
-        f"{field} must be None, a dict of overrides or a {rule.config_cls.__name__} (the "
-        f"config of rule {rule.name!r}), got {type(given).__name__}"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class RoleConfig:
     """How one role's samples are trained: its whole update rule (both roles update the
@@ -117,7 +102,7 @@ class RoleConfig:
     def __post_init__(self) -> None:
         for name_field, config_field, reg in PARTS:
             rule = reg.get(getattr(self, name_field))
-            config = resolve_config(rule, getattr(self, config_field), config_field)
+            config = rule.resolve_config(getattr(self, config_field), field=config_field)
             object.__setattr__(self, config_field, config)
         if not self.weight >= 0:
             raise ValueError(f"role weight must be >= 0, got {self.weight}")

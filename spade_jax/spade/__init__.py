@@ -1,9 +1,13 @@
 """SPADE loop pieces that do not need the model: designer reward, corpus, memory, metrics.
 
-Kept import-light (numpy and etils only, no jax): the round loop built on these pieces lives
-next to them and imports the model itself.
+Kept free of the model (numpy and etils; jax only through `spade_jax.rl.registry`, the one
+rule registry the designer rewards are registered in): the round loop built on these pieces
+lives next to them and imports the model itself.
 
-- where the regret is computed: `reward.py` (`blend_reward`; paper text: `designer_reward`)
+- where the regret is defined: `regret.py` (`regret`, `mean_return`, `window_win_rate`: one
+  definition for every reward rule and for the loop's logged and remembered statistics)
+- designer reward rules, one per file: `rewards/` (`blend.py`; paper text:
+  `hint_regret.py::designer_reward`), re-exported by `reward.py`
 - corpus grounding: `corpus.py` (readers, mixture, resumable sampler), `default_corpus.py`
 - environment memory: `memory.py`
 - diversity (Vendi) and the offline program featuriser: `diversity.py`

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from spade_jax.rollout.routing import decode_routing, encode_routing
+from spade_jax.spade import regret
 
 
 class Outcome(enum.StrEnum):
@@ -159,19 +160,17 @@ class Pending:
         return cls(int(data["produced_at"]), [DesignerSample.from_json(s) for s in data["samples"]])
 
 
-def _mean(values: Sequence[float]) -> float:
-    return float(np.mean(values)) if len(values) else 0.0
-
-
 @dataclasses.dataclass(frozen=True)
 class GameStats:
-    """The loop's own measurements of one game over its window (the recipe's definitions;
-    an empty set of returns has mean 0). They feed memory and metrics, never the reward.
+    """The loop's own measurements of one game over its window (the recipe's definitions,
+    from :mod:`spade_jax.spade.regret`; an empty set of returns has mean 0). They feed
+    memory and metrics, never the reward.
 
     hint_mean: mean hint-arm return; offset0_mean: mean no-hint return of the
-    regeneration round; regret = hint_mean - offset0_mean (matched timing);
-    mean_return: mean of every no-hint return of the window so far; solve_rate: share of
-    those returns > 0 (a win); plays: how many there were.
+    regeneration round; regret = regret(hint, offset 0) = hint_mean - offset0_mean
+    (matched timing); mean_return: the window's win rate, the mean of every no-hint return
+    of the window so far; solve_rate: share of those returns > 0 (a win); plays: how many
+    there were.
     """
 
     hint_mean: float
@@ -186,10 +185,11 @@ def game_stats(game: Game, first: int = 0, end: int | None = None) -> GameStats:
     """``game``'s statistics over the window's rounds ``first`` (the round it was written,
     its "offset 0") to ``end`` (exclusive; default: every round so far)."""
     offsets = game.returns_by_offset[first:end]
-    window_returns = [r for step in offsets for r in step]
-    hint_mean = _mean(game.hint_returns)
-    offset0 = _mean(offsets[0]) if offsets else 0.0
-    solved = [r > 0 for r in window_returns]
-    return GameStats(hint_mean=hint_mean, offset0_mean=offset0, regret=hint_mean - offset0,
-                     mean_return=_mean(window_returns), solve_rate=_mean(solved),
-                     plays=len(window_returns))
+    offset0 = offsets[0] if offsets else []
+    window = regret.flatten_steps(offsets)
+    return GameStats(hint_mean=regret.mean_return(game.hint_returns),
+                     offset0_mean=regret.mean_return(offset0),
+                     regret=regret.regret(game.hint_returns, offset0),
+                     mean_return=regret.window_win_rate(offsets),
+                     solve_rate=regret.mean_return(window > 0),  # a share: mean of 0/1
+                     plays=int(window.size))

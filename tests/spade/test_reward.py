@@ -192,7 +192,7 @@ def test_make_designer_reward_configs():
     via_class = make_designer_reward("blend", BlendConfig(regret_weight=0.0, plateau_weight=1.0))
     assert via_dict.config == via_class.config
     assert make_designer_reward("blend").config == BlendConfig()
-    with pytest.raises(ValueError, match=r"unknown config field\(s\) \['gamma'\]"):
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['gamma'\]"):
         make_designer_reward("blend", {"gamma": 0.5})
     with pytest.raises(ValueError, match="takes None, a dict"):
         make_designer_reward("blend", MicroLPConfig())
