@@ -77,7 +77,7 @@ def chat_model(chat_tokenizer):
 
 @pytest.fixture(scope="module")
 def gcs():
-    """A local GCS emulator (tests/gcs_emulator.py) that gs:// paths in the test reach."""
+    """A local GCS emulator (tests/support/gcs_emulator.py) that gs:// paths in the test reach."""
     from gcs_emulator import GcsEmulator, apply_env, restore_env
 
     emulator = GcsEmulator()

@@ -159,7 +159,9 @@ def _env(cache_dir: Path) -> dict[str, str]:
     env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = ""  # one device: the toy run is single-device
-    env["PYTHONPATH"] = str(Path(__file__).parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    here = Path(__file__).parent  # the script imports the helpers in tests/support
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(here.parent), str(here / "support"), env.get("PYTHONPATH", "")])
     return env
 
 

@@ -1,7 +1,7 @@
 """Batch-invariant numerics (``ModelOptions(batch_invariant=True)``): the sampler's
 log-probs are reproduced bit for bit by the trainer with router replay.
 
-The exactness checks run ``tests/exact_replay_driver.py`` in a fresh process with FMA
+The exactness checks run ``tests/support/exact_replay_driver.py`` in a fresh process with FMA
 off (``numerics.EXACT_CPU_XLA_FLAG``; XLA reads flags once per process). The tests in
 this process check what must hold whatever the flags: the ordered ops compute the right
 values and gradients, exp/log are accurate, a batch-invariant model matches Hugging Face.
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _run_driver(tmp_path_factory, *args: str) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=numerics.EXACT_CPU_XLA_FLAG,
                JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "exact_replay_driver.py"),
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "exact_replay_driver.py"),
                            *args], env=env, capture_output=True, text=True, timeout=900,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,9 +1,9 @@
 """gs:// run directories, for real, against a local GCS emulator the tests start themselves
-(tests/gcs_emulator.py: fake-gcs-server on 127.0.0.1, no credentials).
+(tests/support/gcs_emulator.py: fake-gcs-server on 127.0.0.1, no credentials).
 
 0. The pieces, fast: load_hf / load_tokenizer from the bucket equal the local reads,
    metrics.jsonl continues across writers, report.md and plots land in the bucket.
-1. The kill -9 resume of tests/resume_driver.py (the real GRPO step, asynchronous Orbax
+1. The kill -9 resume of tests/support/resume_driver.py (the real GRPO step, asynchronous Orbax
    saves every step) with its run directory in the bucket equals a local run that was never
    interrupted, bit for bit: per-step losses, final TrainState, the last checkpoint.
 2. The main command, ``python -m spade_jax.train --experiment=tiny --workdir=gs://...``

@@ -1,7 +1,7 @@
 """Kill -9 resume of the real GRPO training step, bit for bit.
 
 6 steps straight == 3 steps, SIGKILL right after step 3's checkpoint is committed, resume
-from the run directory in a new process, 3 more steps. The run is ``tests/resume_driver.py``:
+from the run directory in a new process, 3 more steps. The run is ``tests/support/resume_driver.py``:
 a tiny Qwen3-MoE, ``make_train_step`` with router replay, the project's AdamW schedule and
 the asynchronous Orbax ``CheckpointManager`` saving every step; each batch's data comes from
 a NumPy Generator checkpointed in ``run_state`` and its routing / behaviour log-probs from
@@ -29,7 +29,7 @@ from etils import epath
 from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
-DRIVER = REPO / "tests" / "resume_driver.py"
+DRIVER = REPO / "tests" / "support" / "resume_driver.py"
 
 
 def _env(cache_dir: Path) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """End to end on a tiny planted MoE: telemetry -> labels -> probe -> expert sets -> the
 `python -m spade_jax.steer` table (subprocess), checked against the model's construction.
 
-The model is `planted_moe.planted_moe` (tests/planted_moe.py) over a real sentencepiece vocabulary: the
+The model is `planted_moe.planted_moe` (tests/support/planted_moe.py) over a real sentencepiece vocabulary: the
 planted experts fire on "behaviour" tokens (every third id) and emit the end-of-turn token,
 every other token is followed by the next id. Unmodified greedy completions therefore end
 within a few tokens; suppressing the planted experts means the end token never comes.

@@ -208,7 +208,7 @@ def test_telemetry_counts_flips_gaps_and_clips_against_numpy():
 def _driver(*flags: str, exact: bool) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=numerics.EXACT_CPU_XLA_FLAG if exact else "")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "routing_replay_driver.py"),
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "routing_replay_driver.py"),
                            *flags], env=env, capture_output=True, text=True, timeout=1800,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,6 +1,6 @@
 """Steering wired to a real Qwen3 MoE: a planted behaviour, telemetry capture, the judge.
 
-The planted model (``planted_moe``, in ``tests/planted_moe.py``) is built by hand so every claim has a known answer:
+The planted model (``planted_moe``, in ``tests/support/planted_moe.py``) is built by hand so every claim has a known answer:
 
 * attention output projections are zero, so each position sees only its own token;
 * token ``t``'s embedding is ``a * e_0 * (+1 if t in B else -1) + e_2 + e_{3+t}`` (one-hot);

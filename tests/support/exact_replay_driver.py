@@ -1,6 +1,6 @@
 """Bit-exactness measurements for ``test_exact_replay.py``, run in a fresh process.
 
-    XLA_FLAGS=--xla_cpu_max_isa=AVX python tests/exact_replay_driver.py
+    XLA_FLAGS=--xla_cpu_max_isa=AVX python tests/support/exact_replay_driver.py
 
 Exactness needs FMA off on XLA:CPU (``spade_jax.models.numerics``), and XLA reads its
 flags once per process, so the test starts this script with the flag instead of running

@@ -1,6 +1,6 @@
 """A tiny but real GRPO training run for the kill -9 resume test (test_train_resume_kill.py).
 
-    python tests/resume_driver.py RUN_DIR TOTAL_STEPS [--kill-after N] [--forget-data-rng]
+    python tests/support/resume_driver.py RUN_DIR TOTAL_STEPS [--kill-after N] [--forget-data-rng]
 
 RUN_DIR may be local or gs:// (test_gcs_paths.py runs it against a GCS emulator).
 

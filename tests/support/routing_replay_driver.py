@@ -1,7 +1,7 @@
 """Router replay through the SPADE paths, measured in a fresh process for
 ``test_router_replay.py`` (exactness needs FMA off on XLA:CPU, read once per process):
 
-    XLA_FLAGS=--xla_cpu_max_isa=AVX python tests/routing_replay_driver.py [--default]
+    XLA_FLAGS=--xla_cpu_max_isa=AVX python tests/support/routing_replay_driver.py [--default]
 
 A tiny three-layer model (MoE, dense, MoE) samples
   episodes   multi-turn ``run_episodes`` (routing recorded per token, each token keeping
