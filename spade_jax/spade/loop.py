@@ -188,10 +188,17 @@ class SpadeLoop:
         if cfg.memory_at == "scoring":
             self.remember(scored)
         self._retire_windows(step)
-        metrics = step_metrics.round_metrics(
-            self, step=step, window=window, attempts=attempts, records=kept, scored=scored,
-            num_agent=len(agent), num_designer=len(designer), update_metrics=update_metrics,
-            times=timer.times)
+        # The loop's own state moves here; the metrics are a pure function of the step.
+        offset = step - window.start
+        learnable = self.learnable.record_step(
+            [float(np.mean(g.returns_by_offset[offset])) for g in window.games
+             if g.verdict.ok and g.returns_by_offset[offset]])
+        metrics = step_metrics.step_metrics(
+            cfg, step=step, window=window, attempts=attempts, records=kept, scored=scored,
+            classify=self.memory.classify, learnable_share=learnable,
+            pending=sum(len(p.samples) for p in self.pending),
+            memory_regimes=self.memory.regime_counts(), num_agent=len(agent),
+            num_designer=len(designer), update_metrics=update_metrics, times=timer.times)
         metrics.update(self.pop_rule_metrics())
         metrics.update(_play_metrics(records))
         metrics["batch/trimmed"] = float(trimmed)

@@ -1,7 +1,9 @@
-"""What one SPADE round logs (``metrics.jsonl``, one object per round).
+"""What one SPADE step logs (``metrics.jsonl``, one object per step).
 
-Every round logs the same core keys (NaN when a round has nothing to measure), so a
-stretch with nothing to score shows as a gap in the curves, not a missing key.
+Every step logs the same core keys (NaN when a step has nothing to measure), so a
+stretch with nothing to score shows as a gap in the curves, not a missing key. The
+functions here are pure: they read what a step produced and return numbers; the loop
+updates its own state (the learnable-share window) before it calls them.
 """
 
 from __future__ import annotations
@@ -129,26 +131,26 @@ def scored_metrics(scored: Sequence[Any], classify: Any = None) -> dict[str, flo
     return m
 
 
-def round_metrics(loop: Any, *, step: int, window: Window, attempts: Sequence[Any],
-                  records: Sequence[Any], scored: Sequence[Any], num_agent: int,
-                  num_designer: int, update_metrics: dict[str, float],
-                  times: dict[str, float]) -> dict[str, float]:
-    cfg = loop.config
+def step_metrics(config: Any, *, step: int, window: Window, attempts: Sequence[Any],
+                 records: Sequence[Any], scored: Sequence[Any], classify: Any,
+                 learnable_share: float, pending: int, memory_regimes: dict[str, int],
+                 num_agent: int, num_designer: int, update_metrics: dict[str, float],
+                 times: dict[str, float]) -> dict[str, float]:
+    """One step's metrics from what it produced: its design attempts, the window, the plays,
+    the scored games (regimes by ``classify``), the learnable share the loop recorded
+    (a game's win rate in this step = its mean episode score, the recipe's; the share pools
+    the last ``learnable_window`` steps), the designer samples pending, the memory's regime
+    counts, the batch sizes, the update's metrics and the phase times."""
     m: dict[str, float] = {}
-    m.update(design_metrics(attempts, window, cfg.is_regeneration(step)))
+    m.update(design_metrics(attempts, window, config.is_regeneration(step)))
     m.update(window_metrics(window, step))
     m.update(play_metrics(records))
-    m.update(scored_metrics(scored, loop.memory.classify))
-    # Win rate of a game in this round = its mean episode score (the recipe's); the logged
-    # share pools the last ``learnable_window`` rounds.
-    offset = step - window.start
-    m["learnable_share"] = loop.learnable.record_step(
-        [float(np.mean(g.returns_by_offset[offset])) for g in window.games
-         if g.verdict.ok and g.returns_by_offset[offset]])
+    m.update(scored_metrics(scored, classify))
+    m["learnable_share"] = float(learnable_share)
     m["batch/agent"], m["batch/designer"] = float(num_agent), float(num_designer)
-    m["designer/pending"] = float(sum(len(p.samples) for p in loop.pending))
+    m["designer/pending"] = float(pending)
     m["tokens/designer_generated"] = float(sum(len(a.output_ids) for a in attempts))
-    for name, count in loop.memory.regime_counts().items():
+    for name, count in memory_regimes.items():
         m[f"memory/{name}"] = float(count)
     m.update({f"train/{k}": v for k, v in update_metrics.items()})
     m.update({f"time/{k}": v for k, v in times.items()})

@@ -458,5 +458,5 @@ def test_prefill_calls_keep_shared_prompts_together_and_run_an_oversized_request
     assert engine._prefill_calls([a0, b, d]) == [[a0, b, d]]
     with pytest.raises(ValueError, match="max_prefill_tokens must be >= 0"):
         SlotEngine(model, 2, _sampler(0.0), stop_tokens=[0], max_prefill_tokens=-1)
-    with pytest.raises(ValueError, match="max_prefill_tokens must be >= 0"):
+    with pytest.raises(TypeError, match="max_prefill_tokens"):  # the sampler's, not the loop's
         AgentLoopConfig(max_prefill_tokens=-1)

@@ -184,8 +184,9 @@ def replay_checks(invariant: bool, train_step: bool = True) -> dict:
 
     config = TrainConfig(
         optimizer=OptimizerConfig(learning_rate=1e-3),
-        agent=RoleConfig(policy_loss="grpo"), designer=RoleConfig(policy_loss="gspo"),
-        temperature=TEMPERATURE, router_replay=True, microbatches=2,
+        agent=RoleConfig(policy_loss="grpo", temperature=TEMPERATURE),
+        designer=RoleConfig(policy_loss="gspo", temperature=TEMPERATURE),
+        router_replay=True, microbatches=2,
     )
     graphdef, state = init_train_state(model, config, seed=0)
     _, metrics = make_train_step(graphdef, config)(state, batch)
