@@ -19,11 +19,13 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 # inherit the environment): a program compiled once (the tiny experiment's train step, its
 # samplers) is loaded from disk by every later test file (after ``jax.clear_caches()``
 # below) and every `python -m spade_jax.train` subprocess, instead of being compiled again.
-# Only programs that took a while to compile are stored. Tests that need a cache of their
-# own (a resumed run reloading the killed run's programs) set their own directory.
+# Every program is stored (a tiny program's compile, ~0.1-0.3 s, is paid again by every
+# file after the per-file cache clearing below; reading it back takes milliseconds). Tests
+# that need a cache of their own (a resumed run reloading the killed run's programs) set
+# their own directory.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
     Path(__file__).resolve().parents[1] / ".cache" / "jax_tests"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 

@@ -26,9 +26,10 @@ from spade_jax.models import ModelOptions, load_hf, numerics, positions_from_mas
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_driver(tmp_path_factory, *args: str) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=numerics.EXACT_CPU_XLA_FLAG,
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")))
+def _run_driver(*args: str) -> dict:
+    # The run's shared compile cache: its keys include XLA_FLAGS, so the exact-math
+    # programs never mix with the default ones, and the two driver runs share theirs.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=numerics.EXACT_CPU_XLA_FLAG)
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "exact_replay_driver.py"),
                            *args], env=env, capture_output=True, text=True, timeout=900,
                           cwd=REPO)
@@ -38,7 +39,7 @@ def _run_driver(tmp_path_factory, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def exact_report(tmp_path_factory):
-    return _run_driver(tmp_path_factory)
+    return _run_driver()
 
 
 @pytest.mark.slow  # uses the exact-replay JAX subprocess
@@ -81,7 +82,7 @@ def test_slot_engine_is_bit_exact_across_slot_counts_and_against_the_trainer(tmp
     """Issue 18.3: scheduling (1, 3 or 8 slots; a prefill budget splitting the admits)
     changes no bit, and turns decoded over a KV cache reused across turns are re-scored
     exactly by the trainer's forward."""
-    assert _run_driver(tmp_path_factory, "engine") == {"streams_equal": True, "logprob_diff": 0,
+    assert _run_driver("engine") == {"streams_equal": True, "logprob_diff": 0,
                                       "split_admits": True, "trainer_differing": 0,
                                       "tokens": 96}
 
