@@ -29,7 +29,6 @@ from spade_jax.rl.replay_stats import ReplayTelemetry
 from spade_jax.rl.train_step import (
     ReferencePolicy,
     TrainConfig,
-    TrainState,
     init_train_state,
     make_train_step,
     needs_reference,
@@ -145,7 +144,3 @@ class Trainer:
     def restore(self, named: Any) -> None:
         """Replaces the state with a checkpoint's arrays (by name)."""
         self.state = state_from_named(named, self.state)
-
-    def replace_state(self, state: TrainState) -> None:
-        """Replaces the state (the warm start's supervised pass returns a new one)."""
-        self.state = state

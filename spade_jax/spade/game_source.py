@@ -11,7 +11,7 @@ builder maps the experiment's ``spade.designer_mode`` / ``spade.baseline`` to on
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from spade_jax.rollout.agent_loop import EpisodeSpec
@@ -46,6 +46,11 @@ class GameSource:
     def run_step(self, loop: Any, step: int) -> dict[str, float] | None:
         """A whole step of the source's own (the baselines), or None: the loop's step."""
         del loop, step
+        return None
+
+    def task_opener(self) -> Callable[[str], Any] | None:
+        """What opens a fresh env of one of the source's own tasks by env id (a baseline's
+        replacement plays under a group filter's refill), or None: games are programs."""
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -94,6 +99,9 @@ class FixedEnv(GameSource):
 
     def run_step(self, loop: Any, step: int) -> dict[str, float]:
         return run_baseline_round(loop, self.baseline, step)
+
+    def task_opener(self) -> Callable[[str], Any] | None:
+        return getattr(self.baseline, "new_env", None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"baseline": self.baseline.state_dict()}

@@ -501,13 +501,13 @@ class SpadeLoop:
         environments in one batch (returns agreed across hosts, as every play's). They
         train the agent only: the window's statistics keep the round's regular plays.
         A fixed-environment baseline's tasks are opened by the baseline."""
+        open_task = self.source.task_opener()
         if all(programs.get(r.env_id) for r in requests):
             opened = self._open([r.env_id for r in requests],
                                 [programs[r.env_id] for r in requests],
                                 [len(r.seeds) for r in requests])
-        elif hasattr(baseline := getattr(self.source, "baseline", None), "new_env") and not any(
-                programs.get(r.env_id) for r in requests):
-            opened = [([baseline.new_env(r.env_id) for _ in r.seeds], VALID) for r in requests]
+        elif open_task is not None and not any(programs.get(r.env_id) for r in requests):
+            opened = [([open_task(r.env_id) for _ in r.seeds], VALID) for r in requests]
         else:
             raise ValueError(f"refill: the loop has no program or baseline task for "
                              f"{sorted(r.env_id for r in requests if not programs.get(r.env_id))}")
