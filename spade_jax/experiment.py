@@ -27,7 +27,7 @@ from spade_jax.rl.train_step import TrainConfig, needs_reference
 from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
-from spade_jax.spade.config import SpadeConfig
+from spade_jax.spade.config import GameSourceKind, SpadeConfig
 from spade_jax.toy.world import ToyConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -138,7 +138,7 @@ def require_corpus(config: ExperimentConfig, check_paths: bool = True) -> None:
     with ``check_paths``, a run whose corpus paths or globs name no file (this lists them:
     a gs:// glob reads the bucket), before anything starts."""
     spade = config.spade
-    uses_corpus = spade.use_corpus and spade.game_source == "self_design"
+    uses_corpus = spade.use_corpus and spade.game_source == GameSourceKind.SELF_DESIGN
     if uses_corpus and check_paths and config.corpus.paths:
         from spade_jax.spade.corpus import expand_paths
 

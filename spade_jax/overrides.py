@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,12 @@ def _coerce(path: str, current: Any, value: Any, annotation: Any = None) -> Any:
         return tuple(value)
     if isinstance(current, str) and not isinstance(value, str):
         return str(value)
+    if isinstance(current, enum.Enum):  # a mode field: one of its enum's values
+        try:
+            return type(current)(value)
+        except ValueError:
+            raise OverrideError(f"{path} must be one of {[m.value for m in type(current)]}, "
+                                f"got {value!r}") from None
     if dataclasses.is_dataclass(current):
         raise OverrideError(f"{path} is a section; override one of its fields: "
                             f"{[f.name for f in dataclasses.fields(current)]}")

@@ -51,6 +51,7 @@ from spade_jax.rollout.routing import compact_routing
 from spade_jax.rollout.sampler import SamplerConfig, sample
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import seed_programs
+from spade_jax.spade.config import GameSourceKind
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
 from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
 from spade_jax.spade.game_source import FixedEnv, FixedPool, GameSource, SelfDesign
@@ -212,7 +213,7 @@ def build_corpus(config: ExperimentConfig):
 def build_corpus_sampler(config: ExperimentConfig, seed_offset: int = 0) -> CorpusSampler | None:
     # Built for a baseline too (designer_mode keeps its "self" default there): its cursor is
     # part of that run's state, though no document is read.
-    if not config.spade.use_corpus or config.spade.game_source == "fixed_pool":
+    if not config.spade.use_corpus or config.spade.game_source == GameSourceKind.FIXED_POOL:
         return None
     return CorpusSampler(build_corpus(config), CorpusSamplerConfig(
         seed=config.seed + seed_offset, documents_per_round=config.spade.docs_per_prompt,
@@ -291,7 +292,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     guard = PreemptionGuard.install()
     pool = build_pool(config)
     log.info("sandbox isolation: %s", pool.isolation_report().as_dict())
-    if config.spade.game_source != "fixed_env":  # baselines run no designer-written programs
+    if config.spade.game_source != GameSourceKind.FIXED_ENV:  # baselines run no designer-written programs
         try:
             require_isolation(pool.isolation_report(),
                               allow_weak=config.sandbox.allow_weak_isolation)
@@ -576,11 +577,11 @@ def build_game_source(config: ExperimentConfig) -> GameSource:
     ``spade.designer_mode``): a fixed-environment baseline, a fixed pool (``spade.pool_dir``,
     the toy world's pool, else the seed programs), or the policy's own designs."""
     spade = config.spade
-    if spade.game_source == "fixed_env":
+    if spade.game_source == GameSourceKind.FIXED_ENV:
         from spade_jax.spade.baselines import make_baseline
 
         return FixedEnv(make_baseline(config))
-    if spade.game_source == "fixed_pool":
+    if spade.game_source == GameSourceKind.FIXED_POOL:
         if config.toy.enabled and not spade.pool_dir:  # the toy world's fixed pool
             from spade_jax.toy.world import fixed_pool as toy_pool
 

@@ -35,6 +35,7 @@ from spade_jax.envs.reasoning_gym_envs import (
 )
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.seeding import Phase, rng
+from spade_jax.spade.config import Baseline
 
 # reasoning-gym categories that are not task families (one task mixing all the others).
 NON_FAMILY_CATEGORIES = ("composite",)
@@ -152,5 +153,5 @@ def make_baseline(config) -> ReasoningGymBaseline:
     """The baseline ``config.spade.baseline`` names, on ``config.baseline``'s tasks."""
     tasks = train_tasks(config.baseline.train_categories, config.baseline.train_tasks)
     return ReasoningGymBaseline(tasks, config.spade.envs_per_round,
-                                adaptive=config.spade.baseline == "fixed_env_rlve",
+                                adaptive=config.spade.baseline == Baseline.FIXED_ENV_RLVE,
                                 seed=config.seed)

@@ -15,16 +15,88 @@ Each role's update rule (advantage estimator, step credit, loss, ...) is its
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
-DESIGNER_MODES = ("self", "fixed_pool")
-BASELINES = ("none", "fixed_env_grpo", "fixed_env_rlve")
-HINT_MODES = ("self", "designer", "none")
-# How the designer's samples are grouped for its update rule: by skill (the recipe's
-# per-skill centring, scaled) or by designer prompt (the paper text's GRPO groups).
-DESIGNER_GROUPS = ("skill", "prompt")
-# When a game enters memory (SpadeConfig.memory_at).
-MEMORY_TIMINGS = ("scoring", "regeneration")
+
+class HintMode(enum.StrEnum):
+    """Where a game's hint comes from (`SpadeConfig.hint_mode`)."""
+
+    SELF = "self"  # the recipe: the policy writes one from the program, untrained
+    DESIGNER = "designer"  # the paper text: the designer writes it next to the program
+    NONE = "none"  # no hint arm
+
+
+class DesignerMode(enum.StrEnum):
+    """Who writes the programs (`SpadeConfig.designer_mode`)."""
+
+    SELF = "self"  # the policy
+    FIXED_POOL = "fixed_pool"  # nobody: drawn from spade.pool_dir
+
+
+class Baseline(enum.StrEnum):
+    """SPADE, or a fixed-environment baseline on the reasoning-gym pool."""
+
+    NONE = "none"
+    FIXED_ENV_GRPO = "fixed_env_grpo"
+    FIXED_ENV_RLVE = "fixed_env_rlve"  # adaptive difficulty
+
+
+class GameSourceKind(enum.StrEnum):
+    """Where a run's games come from (`SpadeConfig.game_source`, `spade.game_source`)."""
+
+    SELF_DESIGN = "self_design"
+    FIXED_POOL = "fixed_pool"
+    FIXED_ENV = "fixed_env"
+
+
+class DesignerGroups(enum.StrEnum):
+    """How the designer's samples are grouped for its update rule."""
+
+    SKILL = "skill"  # the recipe: per-skill centring, scaled by the env reward scale
+    PROMPT = "prompt"  # the paper text: one GRPO group per designer prompt
+
+
+class MemoryTiming(enum.StrEnum):
+    """When a game enters memory (`SpadeConfig.memory_at`)."""
+
+    SCORING = "scoring"
+    REGENERATION = "regeneration"
+
+
+class Contract(enum.StrEnum):
+    """The game-program contract the designer is asked for (`spade_jax.envs.contract`)."""
+
+    REFERENCE = "reference"  # the recipe's ``*Env`` classes, boxed actions
+    PAPER = "paper"  # ``class Environment``
+
+
+class PromptStyle(enum.StrEnum):
+    """The designer's system prompt."""
+
+    FULL = "full"
+    COMPACT = "compact"  # CPU-sized policies
+
+
+class CorpusDraws(enum.StrEnum):
+    """How corpus documents are drawn (`spade.corpus.CORPUS_DRAWS`)."""
+
+    WITHOUT_REPLACEMENT = "without_replacement"
+    UNIFORM = "uniform"
+
+
+class MemorySelection(enum.StrEnum):
+    """Which memory records the designer is shown (`spade.memory.SELECTIONS`)."""
+
+    REGIME = "regime"
+    RECIPE = "recipe"
+
+
+class ProgramExtraction(enum.StrEnum):
+    """How a designer reply becomes a program (`spade.extraction.PROGRAM_EXTRACTIONS`)."""
+
+    LAST_BLOCK = "last_block"
+    RECIPE = "recipe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +213,7 @@ class SpadeConfig:
     designer_group_size: int = 1
     max_design_attempts: int = 5
     invalid_penalty: float | None = None
-    hint_mode: str = "self"
+    hint_mode: HintMode = HintMode.SELF
     hint_temperature: float = 0.3
     hint_max_tokens: int = 4096
     hint_attempts: int = 3
@@ -150,38 +222,38 @@ class SpadeConfig:
     use_memory: bool = True
     use_corpus: bool = True
     train_designer: bool = True
-    designer_mode: str = "self"
+    designer_mode: DesignerMode = DesignerMode.SELF
     pool_dir: str = ""
     designer_reward: str = "blend"
     designer_reward_config: Any = None
-    designer_groups: str = "skill"
+    designer_groups: DesignerGroups = DesignerGroups.SKILL
     max_env_reward_scale: float = 50.0
-    contract: str = "reference"
-    baseline: str = "none"
+    contract: Contract = Contract.REFERENCE
+    baseline: Baseline = Baseline.NONE
     docs_per_prompt: int = 1
     max_doc_chars: int = 1500
     max_doc_words: int = 0
     max_program_chars: int = 4000
     memory_capacity: int = 512
-    memory_selection: str = "regime"
+    memory_selection: MemorySelection = MemorySelection.REGIME
     memory_examples: int = 2
     memory_train_envs: int = 0
     learnable_window: int = 16
     eval_every: int = 20
-    prompt_style: str = "full"
+    prompt_style: PromptStyle = PromptStyle.FULL
     designer_thinking: bool = False
     probe_episodes: int = 4
     probe_time_budget_s: float = 10.0
     global_batch: int = 0
     regenerate_missing_games: bool = False
-    memory_at: str = "scoring"
+    memory_at: MemoryTiming = MemoryTiming.SCORING
     flush_at_end: bool = True
     play_env_seconds: float = 0.0
     drop_failed_plays: bool = False
     fresh_prompt_per_attempt: bool = False
-    corpus_draws: str = "without_replacement"
+    corpus_draws: CorpusDraws = CorpusDraws.WITHOUT_REPLACEMENT
     hint_top_p: float = 0.0
-    program_extraction: str = "last_block"
+    program_extraction: ProgramExtraction = ProgramExtraction.LAST_BLOCK
 
     def __post_init__(self):
         for name in ("rounds", "envs_per_round", "regeneration_interval", "plays_per_game",
@@ -199,63 +271,57 @@ class SpadeConfig:
         if self.envs_per_round % self.designer_group_size:
             raise ValueError(f"spade.envs_per_round ({self.envs_per_round}) must be a multiple "
                              f"of spade.designer_group_size ({self.designer_group_size})")
-        from spade_jax.spade.corpus import CORPUS_DRAWS
-        from spade_jax.spade.extraction import PROGRAM_EXTRACTIONS
-        from spade_jax.spade.memory import SELECTIONS
+        # Mode fields take their enum's values (a string from an experiment file or an
+        # override is converted here, so every branch compares enum members).
+        for field in dataclasses.fields(self):
+            if isinstance(field.default, enum.Enum):
+                kind, value = type(field.default), getattr(self, field.name)
+                try:
+                    object.__setattr__(self, field.name, kind(value))
+                except ValueError:
+                    raise ValueError(f"spade.{field.name} must be one of "
+                                     f"{[m.value for m in kind]}, got {value!r}") from None
         from spade_jax.spade.skills import SKILL_SETS
-
-        if self.memory_selection not in SELECTIONS:
-            raise ValueError(f"spade.memory_selection must be one of {SELECTIONS}, "
-                             f"got {self.memory_selection!r}")
 
         if self.skills not in SKILL_SETS:
             raise ValueError(f"spade.skills must be one of {sorted(SKILL_SETS)}, got {self.skills!r}")
-        if self.hint_mode not in HINT_MODES:
-            raise ValueError(f"spade.hint_mode must be one of {HINT_MODES}, got {self.hint_mode!r}")
         if not self.hint_temperature >= 0:
             raise ValueError(f"spade.hint_temperature must be >= 0, got {self.hint_temperature}")
-        if self.hint_mode != "none" and self.hint_plays < 1:
+        if self.hint_mode != HintMode.NONE and self.hint_plays < 1:
             raise ValueError(f"spade.hint_mode={self.hint_mode!r} needs spade.hint_plays >= 1")
-        if self.designer_groups not in DESIGNER_GROUPS:
-            raise ValueError(f"spade.designer_groups must be one of {DESIGNER_GROUPS}, got "
-                             f"{self.designer_groups!r}")
         if not self.max_env_reward_scale > 0:
             raise ValueError(f"spade.max_env_reward_scale must be > 0, got {self.max_env_reward_scale}")
-        if self.prompt_style not in ("full", "compact"):
-            raise ValueError(f"spade.prompt_style must be 'full' or 'compact', got {self.prompt_style!r}")
-        if self.memory_at not in MEMORY_TIMINGS:
-            raise ValueError(f"spade.memory_at must be one of {MEMORY_TIMINGS}, "
-                             f"got {self.memory_at!r}")
-        if self.corpus_draws not in CORPUS_DRAWS:
-            raise ValueError(f"spade.corpus_draws must be one of {CORPUS_DRAWS}, "
-                             f"got {self.corpus_draws!r}")
         if not self.play_env_seconds >= 0:
             raise ValueError(f"spade.play_env_seconds must be >= 0, got {self.play_env_seconds}")
         if not 0 <= self.hint_top_p <= 1:
             raise ValueError(f"spade.hint_top_p must be in [0, 1], got {self.hint_top_p}")
-        if self.program_extraction not in PROGRAM_EXTRACTIONS:
-            raise ValueError(f"spade.program_extraction must be one of "
-                             f"{sorted(PROGRAM_EXTRACTIONS)}, got {self.program_extraction!r}")
-        if self.designer_mode not in DESIGNER_MODES:
-            raise ValueError(f"spade.designer_mode must be one of {DESIGNER_MODES}")
-        if self.baseline not in BASELINES:
-            raise ValueError(f"spade.baseline must be one of {BASELINES}, got {self.baseline!r}")
-        if self.contract not in ("reference", "paper"):
-            raise ValueError(f"spade.contract must be 'reference' or 'paper', got {self.contract!r}")
-        if self.hint_mode == "designer" and self.contract == "reference" and \
-                self.designer_mode == "self":
+        if self.designer_writes_hints and self.contract == Contract.REFERENCE and \
+                self.designer_mode == DesignerMode.SELF:
             raise ValueError("spade.hint_mode='designer' needs spade.contract='paper': the "
                              "reference contract's designer prompt asks for a game without a "
                              "hint (use hint_mode='self')")
 
     @property
-    def game_source(self) -> str:
+    def game_source(self) -> GameSourceKind:
         """Where the games come from, read once by the run builder (`run.build_game_source`
-        makes the strategy object): "fixed_env" (a baseline), "fixed_pool" or
-        "self_design"."""
-        if self.baseline != "none":
-            return "fixed_env"
-        return "fixed_pool" if self.designer_mode == "fixed_pool" else "self_design"
+        makes the strategy object): a baseline's fixed environments, a fixed pool, or the
+        policy's own designs."""
+        if self.baseline != Baseline.NONE:
+            return GameSourceKind.FIXED_ENV
+        if self.designer_mode == DesignerMode.FIXED_POOL:
+            return GameSourceKind.FIXED_POOL
+        return GameSourceKind.SELF_DESIGN
+
+    @property
+    def designer_writes_hints(self) -> bool:
+        """The designer writes each game's hint next to its program (the paper text), so
+        its replies are parsed for one and a game's hint is the designer's."""
+        return self.hint_mode == HintMode.DESIGNER
+
+    @property
+    def policy_writes_hints(self) -> bool:
+        """The policy writes a hint for each validated game in a separate call (recipe)."""
+        return self.hint_mode == HintMode.SELF
 
     @property
     def num_slots(self) -> int:

@@ -25,7 +25,13 @@ import numpy as np
 from spade_jax.envs import make_env, validate_programs
 from spade_jax.seeding import Phase, derive_seed, rng
 from spade_jax.spade import agreement
-from spade_jax.spade.config import SpadeConfig
+from spade_jax.spade.config import (
+    Contract,
+    CorpusDraws,
+    ProgramExtraction,
+    PromptStyle,
+    SpadeConfig,
+)
 from spade_jax.spade.corpus import CorpusSampler, Document
 from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels
 from spade_jax.spade.extraction import recipe_program
@@ -117,7 +123,7 @@ class Designer:
         for slot, slot_docs, slot_examples in zip(slots, docs, examples, strict=True):
             skill = skills[slot]
             reused = [d.doc_id for d in slot_docs if d.doc_id in self.used_doc_ids]
-            if reused and cfg.corpus_draws == "without_replacement":
+            if reused and cfg.corpus_draws == CorpusDraws.WITHOUT_REPLACEMENT:
                 raise RuntimeError(f"corpus documents reused within a run: {reused}")
             self.used_doc_ids.update(d.doc_id for d in slot_docs)
             ids = self.tokenizer.apply_chat_template(
@@ -132,10 +138,10 @@ class Designer:
         the recipe's games (memory examples split into frontier games to build on and
         others to avoid) or the paper's ``class Environment`` with a hint."""
         cfg = self.config
-        if cfg.contract == "reference":
+        if cfg.contract == Contract.REFERENCE:
             good = [e for e in examples if e["build_on"]]
             bad = [e for e in examples if not e["build_on"]]
-            system = (COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT if cfg.prompt_style == "compact"
+            system = (COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT if cfg.prompt_style == PromptStyle.COMPACT
                       else reference_designer_system_prompt(self.max_turns))
             user = reference_designer_user_prompt(skill, documents, good, bad,
                                                   max_doc_chars=cfg.max_doc_chars,
@@ -205,7 +211,7 @@ class Designer:
         games, samples = [], []
         for (s, m), att in sorted(accepted.items()):
             env_id = f"r{step}_{tag}s{s}_m{m}"
-            hint = att.parsed.hint if cfg.hint_mode == "designer" else None
+            hint = att.parsed.hint if cfg.designer_writes_hints else None
             games.append(Game(env_id=env_id, slot=s, skill=att.skill, program=att.parsed.program,
                               hint=hint, doc_ids=att.doc_ids,
                               returns_by_offset=[[] for _ in range(cfg.regeneration_interval)],
@@ -228,7 +234,7 @@ class Designer:
         cfg = self.config
         verdicts = [self._parse(att) for att in batch]
         todo = [i for i, verdict in enumerate(verdicts) if verdict.ok]
-        hints = [batch[i].parsed.hint if cfg.hint_mode == "designer" else None for i in todo]
+        hints = [batch[i].parsed.hint if cfg.designer_writes_hints else None for i in todo]
         reports = validate_programs(
             [batch[i].parsed.program for i in todo], hints, pool=self.pool,
             contract=cfg.contract, max_turns=self.max_turns, seeds=[seeds[i] for i in todo])
@@ -243,7 +249,7 @@ class Designer:
             return VALID
         cfg = self.config
         text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
-        if cfg.program_extraction == "recipe" and cfg.hint_mode != "designer":
+        if cfg.program_extraction == ProgramExtraction.RECIPE and not cfg.designer_writes_hints:
             # The recipe's reading: the first python block or the whole reply, braces
             # repaired; every reply is a program and validation decides (extraction.py).
             program = recipe_program(text)
@@ -251,7 +257,7 @@ class Designer:
                 return Verdict(Outcome.PARSE_ERROR, "empty_program")
             att.parsed = DesignerOutput(program=program, hint="", raw=text)
             return VALID
-        parsed = parse_designer_output(text, require_hint=cfg.hint_mode == "designer")
+        parsed = parse_designer_output(text, require_hint=cfg.designer_writes_hints)
         if not isinstance(parsed, DesignerOutput):
             return Verdict(Outcome.PARSE_ERROR, parsed.code)
         att.parsed = parsed
@@ -270,7 +276,7 @@ class Designer:
             source, hint, skill = pool[int(order[index % len(pool)])]
             games.append(Game(
                 env_id=f"r{step}_p{i}", slot=i, skill=skill, program=source,
-                hint=hint if cfg.hint_mode == "designer" else None, doc_ids=(),
+                hint=hint if cfg.designer_writes_hints else None, doc_ids=(),
                 returns_by_offset=[[] for _ in range(cfg.regeneration_interval)]))
         return games, cursor + cfg.envs_per_round
 

@@ -4,7 +4,9 @@
 programs drawn without replacement: the fixed-designer ablation, the toy world's pools),
 `FixedEnv` (the fixed-environment baselines: no designer, the agent trains on the
 baseline's tasks, in a step of their own). The loop asks its source for a window's games
-and whether the policy writes programs; it never branches on a mode string. The run
+(handing it the loop's `Designer`) and whether the policy writes programs; a source that
+plays steps of its own gets `baseline_round.AgentStep`, never the loop itself. The loop
+never branches on a mode string. The run
 builder maps the experiment's ``spade.designer_mode`` / ``spade.baseline`` to one of these
 (`run.build_loop`); a new source is a new class here.
 """
@@ -15,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from spade_jax.rollout.agent_loop import EpisodeSpec
-from spade_jax.spade.baseline_round import run_baseline_round
+from spade_jax.spade.baseline_round import AgentStep, run_baseline_round
 
 
 class FixedEnvBaseline(Protocol):
@@ -38,14 +40,15 @@ class GameSource:
     # window's missing games are designed again, and the corpus feeds the prompts.
     writes_programs: bool = False
 
-    def new_games(self, loop: Any, step: int) -> tuple[list[Any], list[Any], list[Any]]:
-        """The games of the window starting at ``step``, the designer samples that wait for
-        their delayed update, and the attempts made (for the metrics)."""
+    def new_games(self, designer: Any, step: int) -> tuple[list[Any], list[Any], list[Any]]:
+        """The games of the window starting at ``step`` (``designer``: the loop's
+        `design.Designer`, which writes, validates and opens programs), the designer samples
+        that wait for their delayed update, and the attempts made (for the metrics)."""
         raise NotImplementedError
 
-    def run_step(self, loop: Any, step: int) -> dict[str, float] | None:
+    def run_step(self, agent: AgentStep, step: int) -> dict[str, float] | None:
         """A whole step of the source's own (the baselines), or None: the loop's step."""
-        del loop, step
+        del agent, step
         return None
 
     def task_opener(self) -> Callable[[str], Any] | None:
@@ -65,8 +68,8 @@ class SelfDesign(GameSource):
 
     writes_programs = True
 
-    def new_games(self, loop: Any, step: int) -> tuple[list[Any], list[Any], list[Any]]:
-        return loop.designer.design(step)
+    def new_games(self, designer: Any, step: int) -> tuple[list[Any], list[Any], list[Any]]:
+        return designer.design(step)
 
 
 class FixedPool(GameSource):
@@ -79,8 +82,8 @@ class FixedPool(GameSource):
         self.programs = list(programs)
         self.cursor = 0  # draws so far, across passes
 
-    def new_games(self, loop: Any, step: int) -> tuple[list[Any], list[Any], list[Any]]:
-        games, self.cursor = loop.designer.fixed_pool_games(step, self.programs, self.cursor)
+    def new_games(self, designer: Any, step: int) -> tuple[list[Any], list[Any], list[Any]]:
+        games, self.cursor = designer.fixed_pool_games(step, self.programs, self.cursor)
         return games, [], []
 
     def state_dict(self) -> dict[str, Any]:
@@ -97,8 +100,8 @@ class FixedEnv(GameSource):
     def __init__(self, baseline: FixedEnvBaseline) -> None:
         self.baseline = baseline
 
-    def run_step(self, loop: Any, step: int) -> dict[str, float]:
-        return run_baseline_round(loop, self.baseline, step)
+    def run_step(self, agent: AgentStep, step: int) -> dict[str, float]:
+        return run_baseline_round(agent, self.baseline, step)
 
     def task_opener(self) -> Callable[[str], Any] | None:
         return getattr(self.baseline, "new_env", None)

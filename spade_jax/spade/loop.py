@@ -48,7 +48,8 @@ from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.rollout.records import EndReason, EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_copies, env_stats, step_metrics
-from spade_jax.spade.config import SpadeConfig
+from spade_jax.spade.baseline_round import AgentStep
+from spade_jax.spade.config import DesignerGroups, MemoryTiming, SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, PromptSampler
 from spade_jax.spade.game_source import GameSource, SelfDesign
@@ -161,7 +162,7 @@ class SpadeLoop:
         """One optimizer step: design (regeneration rounds, and a window's missing games),
         play, score, update."""
         cfg = self.config
-        own = self.source.run_step(self, step)
+        own = self.source.run_step(self.agent_step(), step)
         if own is not None:  # a fixed-environment baseline's step
             return own
         timer = step_metrics.PhaseTimer()
@@ -176,7 +177,7 @@ class SpadeLoop:
                 attempts, missing_designed = self.design_missing(window, step)
         with timer("rollout"):
             records = self.play(window, step)
-        if cfg.use_memory and cfg.memory_at == "regeneration":
+        if cfg.use_memory and cfg.memory_at == MemoryTiming.REGENERATION:
             self.remember_played(window, step)
         kept = [r for r in records if not getattr(r, "dropped", False)]
         agent = self.agent_sequences([r for r in kept if not r.hinted], step)
@@ -185,7 +186,7 @@ class SpadeLoop:
         with timer("update"):
             seqs, trimmed = self.batch(designer, agent)
             update_metrics = self.update(seqs) if seqs else {"skipped_no_data": 1.0}
-        if cfg.memory_at == "scoring":
+        if cfg.memory_at == MemoryTiming.SCORING:
             self.remember(scored)
         self._retire_windows(step)
         # The loop's own state moves here; the metrics are a pure function of the step.
@@ -205,6 +206,13 @@ class SpadeLoop:
         metrics["designer/missing_designed"] = float(missing_designed)
         return metrics
 
+    def agent_step(self) -> AgentStep:
+        """The operations lent to a game source that plays steps of its own."""
+        return AgentStep(seed=self.seed, plays_per_game=self.config.plays_per_game,
+                         run_episodes=self.run_episodes, agent_sequences=self.agent_sequences,
+                         update=self.update, record_learnable=self.learnable.record_step,
+                         pop_rule_metrics=self.pop_rule_metrics)
+
     def batch(self, designer: list[TrainSequence], agent: list[TrainSequence]
               ) -> tuple[list[TrainSequence], int]:
         """The update's samples and how many were cut. With ``global_batch`` (the recipe):
@@ -222,7 +230,7 @@ class SpadeLoop:
         """New window at ``step``: games (designed or drawn from the pool), hints, and the
         designer samples that wait for their delayed update. Returns the attempts made."""
         cfg = self.config
-        games, samples, attempts = self.source.new_games(self, step)
+        games, samples, attempts = self.source.new_games(self.designer, step)
         self._prepare(games, step)
         self.windows[step] = Window(step, games)
         self.pending.append(Pending(step, samples if cfg.train_designer else []))
@@ -255,7 +263,7 @@ class SpadeLoop:
 
     def _prepare(self, games: list[Game], step: int) -> None:
         """New games' hints (hint_mode "self") and probed reward levels."""
-        if self.config.hint_mode == "self":
+        if self.config.policy_writes_hints:
             self.designer.write_hints(games, step)
         self.designer.probe_levels(games, step)
 
@@ -430,11 +438,11 @@ class SpadeLoop:
             return []
         groups: dict[Any, list[int]] = {}
         scale = 1.0
-        if cfg.designer_groups == "skill":
+        if cfg.designer_groups == DesignerGroups.SKILL:
             scale = env_reward_scale(len(samples), num_agent, cfg.regeneration_interval,
                                      cfg.max_env_reward_scale)
         for i, ((produced, sample), total) in enumerate(zip(samples, totals, strict=True)):
-            if cfg.designer_groups == "prompt":
+            if cfg.designer_groups == DesignerGroups.PROMPT:
                 groups.setdefault((produced, sample.slot), []).append(i)
             elif total >= 0:
                 groups.setdefault(sample.skill, []).append(i)
