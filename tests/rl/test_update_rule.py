@@ -1,17 +1,93 @@
-"""DAPO dynamic sampling with refill: groups whose rewards all agree are dropped and
-replaced by new plays of the step's environments (fresh seeds ``derive_seed(seed, step,
-Phase.REFILL, role, round, 1 + j, play)``), through the rollout side's ``play_groups``, up
-to ``max_refill_rounds``. The environments here pay a known function of the reset seed, so
-which groups are all-equal, and which replacements are, is computed independently below."""
+"""``apply_rule`` (``rl/update_rule.py``), a role's host-side rule parts in order: the
+group filter, the advantage estimator (times the advantage scale), the step credit and
+the group indices; equal totals give zero advantages; policy tokens outside every turn
+span keep the outcome advantage.
+
+And DAPO dynamic sampling with refill (``_refill``): groups whose rewards all agree are
+dropped and replaced by new plays of the step's environments (fresh seeds
+``derive_seed(seed, step, Phase.REFILL, role, round, 1 + j, play)``), through the rollout
+side's ``play_groups``, up to ``max_refill_rounds``. The environments here pay a known
+function of the reset seed, so which groups are all-equal, and which replacements are, is
+computed independently below. The same in SPADE rounds (the loop plays the replacements)
+and set from the command line."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from rule_references import played
 
+from spade_jax.rl.batch import pack_sequences
 from spade_jax.rl.episodes import GroupRequest, ScriptedRollouts, StepContext
 from spade_jax.rl.update_rule import Group, RoleConfig, apply_rule
 from spade_jax.seeding import Phase, derive_seed
+
+# ---- apply_rule: a role's host-side parts in order -----------------------------------------
+
+
+def test_apply_rule_filters_estimates_credits_and_groups():
+    groups = [Group([played(["a", "b"]), played(["b", "b"]), played(["a", "a"])]),
+              Group([played(["a"]), played(["a"])]),                       # all equal
+              Group([played(["b", "a"]), played(["a", "a"])], rewards=[1.0, 0.0])]
+    role = RoleConfig(group_filter="dapo_dynamic_sampling", advantage_estimator="rloo",
+                      step_credit="first_mistake", credit={"suffix_advantage": -0.5})
+    out = apply_rule(role, groups, role_name="designer", advantage_scale=2.0)
+    assert out.dropped_groups == [1]
+    assert out.metrics["group_filter/dropped_groups"] == 1.0
+    returns = [0.5, 0.0, 1.0]
+    rloo = [2.0 * (r - np.mean([x for j, x in enumerate(returns) if j != i]))
+            for i, r in enumerate(returns)] + [2.0 * (1.0 - 0.0), 2.0 * (0.0 - 1.0)]
+    kept = groups[0].episodes + groups[2].episodes
+    for seq, ep, a in zip(out.sequences, kept, rloo, strict=True):
+        drops = [k for k in range(len(ep.step_rewards))
+                 if ep.step_rewards[k] < (ep.step_rewards[k - 1] if k else 0.0)]
+        mistake = drops[0] if drops else len(ep.step_rewards)
+        for k, (start, end) in enumerate(ep.turn_spans):
+            want = a + (1.0 if k < mistake else -0.5)
+            np.testing.assert_allclose(seq.advantage[start:end], want, rtol=1e-6)
+        assert seq.role == "designer"
+    assert [s.group for s in out.sequences] == [0, 0, 0, 2, 2]
+    batch = pack_sequences(out.sequences)
+    np.testing.assert_array_equal(np.asarray(batch.group_id)[:5], [1, 1, 1, 5, 5])
+    # Without a step credit the advantage stays one float per sequence.
+    plain = apply_rule(RoleConfig(), groups[:1])
+    assert isinstance(plain.sequences[0].advantage, float)
+
+
+def test_equal_totals_give_zero_advantages_through_the_update_rule():
+    """The same through ``apply_rule`` as the loop calls it: the agent's GRPO at the
+    recipe's eps over one game's plays, and the designer's per-skill centring times the
+    recipe's reward scale (32): every trained sequence gets advantage 0.0."""
+    from spade_jax.rl.update_rule import Group, RoleConfig, apply_rule
+    from spade_jax.rollout.records import EpisodeRecord
+
+    def episode(i: int) -> EpisodeRecord:
+        rec = EpisodeRecord(env_id="g", seed=i)
+        rec.append([1, 2], policy=False)
+        rec.append([3 + i], policy=True, logprobs=[-1.0])
+        return rec
+
+    for role, rule, scale in (("agent", RoleConfig(advantage=dict(eps=1e-8)), 1.0),
+                              ("designer", RoleConfig(advantage_estimator="dr_grpo"), 32.0)):
+        for value in (0.3, 0.7, 0.9):
+            out = apply_rule(rule, [Group([episode(i) for i in range(8)], [value] * 8)],
+                             role_name=role, advantage_scale=scale)
+            assert [s.advantage for s in out.sequences] == [0.0] * 8, (role, value)
+
+
+def test_policy_tokens_outside_turn_spans_keep_the_outcome_advantage():
+    spanned = played(["a", "b"])
+    bare = played(["b", "a"])
+    bare.turn_spans = []  # e.g. a record from a loop that does not keep turn spans
+    out = apply_rule(RoleConfig(step_credit="fault", advantage_estimator="dr_grpo"),
+                     [Group([spanned, bare], rewards=[1.0, 0.0])])
+    bare_adv = np.asarray(out.sequences[1].advantage)
+    policy = np.asarray(bare.loss_mask, bool)
+    np.testing.assert_allclose(bare_adv[policy], -0.5)
+    np.testing.assert_allclose(bare_adv[~policy], 0.0)
+
+
+# ---- DAPO dynamic sampling: refill -------------------------------------------------------
 
 PLAYS = 4
 SEED, STEP, ROLE = 5, 3, 0
