@@ -28,6 +28,39 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# The test files that take longest (minutes each, measured from the CI log's durations),
+# longest first. pytest-xdist hands whole files to its two workers in collection order
+# (pyproject sets --no-loadscope-reorder, which would otherwise order files by test
+# count and leave these few-test, long files for the end, where one worker runs the last
+# of them while the other idles). Order only: no test depends on it.
+LONG_FILES_FIRST = (
+    "tests/cli/test_train_cli.py",
+    "tests/multihost/test_multihost_model.py",
+    "tests/spade/test_router_replay.py",
+    "tests/test_exact_replay.py",
+    "tests/toy/test_learning_check.py",
+    "tests/rollout/test_engine.py",
+    "tests/test_gcs_paths.py",
+    "tests/multihost/test_multihost_train.py",
+    "tests/rl/test_update_rule_end_to_end.py",
+    "tests/test_sharded_experiment.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long files first (in LONG_FILES_FIRST's order), then the others, files with more
+    tests first (xdist's own default order), each file's tests in their own order."""
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.nodeid.split("::", 1)[0]] = counts.get(item.nodeid.split("::", 1)[0], 0) + 1
+
+    def key(item):
+        path = item.nodeid.split("::", 1)[0]
+        return (rank.get(path, len(rank)), -counts[path], path)
+
+    items.sort(key=key)  # stable: a file's tests keep their order
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
