@@ -108,8 +108,10 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     hooks = {
         "steered": make_steering_hook(masks, k, args.eps, args.schedule),
         "random-control": make_steering_hook(
-            random_expert_sets_like(masks, cfg.num_experts, args.random_seed), k, args.eps,
-            args.schedule),
+            # The control set never overlaps the steered one (same size per layer).
+            random_expert_sets_like(masks, cfg.num_experts, args.random_seed,
+                                    disjoint_from=masks),
+            k, args.eps, args.schedule),
     }
     base = SamplerPolicyConfig(temperature=args.temperature, top_p=args.top_p, top_k=0,
                                batch_size=args.batch_size)

@@ -275,6 +275,12 @@ class ModelOutput:
     router_logits: per layer, [B, T, E] fp32 router logits before top-k (None: dense layer).
     selected_experts: per layer, [B, T, X] int32 expert indices (None: dense layer).
     cache: the updated KV cache when one was passed in.
+    residuals: [B, T, R, D] the residual stream *entering* each requested decoder layer
+      (``return_residuals``; None when not asked for). Entry r of layer l is the sum of the
+      embedding and the outputs of layers 0..l-1, before layer l's input norm: exactly
+      Hugging Face's ``output_hidden_states[l]`` for l < L (its last entry, after the final
+      norm, is ``hidden``). Entering rather than leaving, so residual l and router l are both
+      read before layer l's feed-forward runs, and residual 0 is the input embedding.
     """
 
     logits: jax.Array | None
@@ -282,6 +288,7 @@ class ModelOutput:
     router_logits: list
     selected_experts: list
     cache: KVCache | None = None
+    residuals: jax.Array | None = None
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, axes: tuple, std: float = 0.02,
@@ -569,6 +576,11 @@ class Qwen3(nnx.Module):
       packing: feed ``input_ids_bt`` as packed tokens [G, N] (:class:`Packing`) laid out as
         ``attention_mask_bt``'s [B, T] rows (required, as is a per-row cache); hidden,
         logits and routing come back packed, [G, N, ...].
+      return_residuals: False (default: nothing extra is traced, so every existing program
+        is unchanged), True for every decoder layer, or a tuple of decoder-layer indices: the
+        residual stream entering those layers comes back as ``ModelOutput.residuals``
+        [B, T, R, D] in the order given. Asking for a few layers keeps only those: a scanned
+        model writes them into a [B, T, R, D] buffer instead of stacking all L.
     """
 
     def __init__(self, config: ModelConfig, options: ModelOptions | None = None, *, rngs: nnx.Rngs):
@@ -611,8 +623,10 @@ class Qwen3(nnx.Module):
         return_logits: bool = True,
         mesh: jax.sharding.Mesh | None = None,
         packing: Packing | None = None,
+        return_residuals: bool | tuple[int, ...] = False,
     ) -> ModelOutput:
         cfg, dt = self.config, self.options.compute_dtype
+        residual_layers = _residual_layers(return_residuals, cfg.num_layers)
         input_ids_bt = jnp.asarray(input_ids_bt)
         if input_ids_bt.ndim != 2:
             raise ValueError(f"input_ids must be [batch, time], got shape {input_ids_bt.shape}")
@@ -651,13 +665,13 @@ class Qwen3(nnx.Module):
             if cache is not None and not cache.stacked:
                 raise ValueError("a model with scan_layers needs a stacked KVCache "
                                  "(model.init_cache builds one)")
-            x_btd, kv, router_logits, selected = _scan_layers(
-                self.layers, x_btd, layer_args, cache, routing_replay, policy)
+            x_btd, kv, router_logits, selected, residuals = _scan_layers(
+                self.layers, x_btd, layer_args, cache, routing_replay, policy, residual_layers)
         else:
             if cache is not None and cache.stacked:
                 raise ValueError("a stacked KVCache needs a model with scan_layers")
-            x_btd, kv, router_logits, selected = _loop_layers(
-                self.layers, x_btd, layer_args, cache, routing_replay, policy)
+            x_btd, kv, router_logits, selected, residuals = _loop_layers(
+                self.layers, x_btd, layer_args, cache, routing_replay, policy, residual_layers)
 
         hidden_btd = self.final_norm(x_btd)
         logits = self.lm_head(hidden_btd) if return_logits else None
@@ -666,7 +680,7 @@ class Qwen3(nnx.Module):
             # A per-row index advances by the row's real tokens (its padding is on the right).
             advance = jnp.sum(mask_bt, axis=1, dtype=jnp.int32) if cache.per_row else t
             new_cache = KVCache(k=kv[0], v=kv[1], valid_bs=key_valid_bs, index=start + advance)
-        return ModelOutput(logits, hidden_btd, router_logits, selected, new_cache)
+        return ModelOutput(logits, hidden_btd, router_logits, selected, new_cache, residuals)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = None,
                    per_row: bool = False) -> KVCache:
@@ -674,8 +688,23 @@ class Qwen3(nnx.Module):
                             stacked=self.options.scan_layers, per_row=per_row)
 
 
-def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
-    """Runs the layers one after another in Python (any mix of dense and MoE layers)."""
+def _residual_layers(return_residuals: bool | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """``return_residuals`` as a tuple of decoder-layer indices (empty: none asked for)."""
+    if return_residuals is True:
+        return tuple(range(num_layers))
+    if return_residuals is False or return_residuals is None:
+        return ()
+    layers = tuple(return_residuals)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+               for i in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"return_residuals must be a bool or distinct layer indices in "
+                         f"[0, {num_layers}), got {return_residuals!r}")
+    return layers
+
+
+def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy, residual_layers=()):
+    """Runs the layers one after another in Python (any mix of dense and MoE layers); keeps
+    the residual entering each of ``residual_layers``, stacked [B, T, R, D] (None if none)."""
     cos_bth, sin_bth, mask_bts, start, router_hook, mesh, packing = layer_args
 
     def run_layer(layer, x_btd, kv, replay_btX):
@@ -684,8 +713,10 @@ def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
 
     if policy is not None:
         run_layer = nnx.remat(run_layer, policy=policy)
-    router_logits, selected, new_k, new_v = [], [], [], []
+    router_logits, selected, new_k, new_v, entering = [], [], [], [], {}
     for i, layer in enumerate(layers):
+        if i in residual_layers:
+            entering[i] = x_btd
         kv = None if cache is None else (cache.k[i], cache.v[i])
         replay = None if routing_replay is None else routing_replay[i]
         x_btd, kv, logits_btE, experts_btX = run_layer(layer, x_btd, kv, replay)
@@ -694,13 +725,19 @@ def _loop_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
         if kv is not None:
             new_k.append(kv[0])
             new_v.append(kv[1])
-    return x_btd, (tuple(new_k), tuple(new_v)), router_logits, selected
+    residuals = (jnp.stack([entering[i] for i in residual_layers], axis=2) if residual_layers
+                 else None)
+    return x_btd, (tuple(new_k), tuple(new_v)), router_logits, selected, residuals
 
 
-def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
+def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy, residual_layers=()):
     """Runs stacked layers with ``jax.lax.scan``: the layer index, its parameters, its cache
     slice and its replayed routing are the scanned inputs; router logits, selected experts
-    and the updated cache come back stacked and are split into per-layer lists."""
+    and the updated cache come back stacked and are split into per-layer lists.
+
+    With ``residual_layers``, the carry also holds a [B, T, R, D] buffer that each requested
+    layer writes its input into (slot R, past the end, is dropped): only R layers' residuals
+    exist at once, where stacking a scanned output would keep all L."""
     cos_bth, sin_bth, mask_bts, start, router_hook, mesh, packing = layer_args
     graphdef, params = nnx.split(layers)
     num_layers = jax.tree.leaves(params)[0].shape[0]
@@ -713,17 +750,36 @@ def _scan_layers(layers, x_btd, layer_args, cache, routing_replay, policy):
             layer_idx=layer_idx, mesh=mesh, packing=packing)
         return x_btd, (kv, logits_btE, experts_btX)
 
+    if residual_layers:  # a separate body, so the default program is traced unchanged
+        slot_L = jnp.full((num_layers,), len(residual_layers), jnp.int32).at[
+            jnp.asarray(residual_layers)].set(jnp.arange(len(residual_layers), dtype=jnp.int32))
+        layer_body = body
+
+        def body(carry, xs):
+            x_btd, res_btRd = carry
+            res_btRd = res_btRd.at[:, :, slot_L[xs[1]]].set(x_btd, mode="drop")
+            x_btd, ys = layer_body(x_btd, xs)
+            return (x_btd, res_btRd), ys
+
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     kv = None if cache is None else (cache.k, cache.v)
     replay = (None if routing_replay is None or all(r is None for r in routing_replay)
               else jnp.stack(list(routing_replay)))  # a dense model replays nothing
     xs = (params, jnp.arange(num_layers, dtype=jnp.int32), kv, replay)
-    x_btd, (kv, logits_LbtE, experts_LbtX) = jax.lax.scan(body, x_btd, xs)
+    if residual_layers:
+        res_btRd = jnp.zeros((*x_btd.shape[:2], len(residual_layers), x_btd.shape[2]),
+                             x_btd.dtype)
+        (x_btd, residuals), (kv, logits_LbtE, experts_LbtX) = jax.lax.scan(
+            body, (x_btd, res_btRd), xs)
+    else:
+        residuals = None
+        x_btd, (kv, logits_LbtE, experts_LbtX) = jax.lax.scan(body, x_btd, xs)
+
     def unstack(a):  # dense layers return no routing
         return [None] * num_layers if a is None else list(a)
 
-    return x_btd, kv, unstack(logits_LbtE), unstack(experts_LbtX)
+    return x_btd, kv, unstack(logits_LbtE), unstack(experts_LbtX), residuals
 
 
 def _stacked_layers(config: ModelConfig, options: ModelOptions, rngs: nnx.Rngs) -> DecoderLayer:

@@ -3,8 +3,13 @@
 The paper's controls (Qwen3-30B-A3B): router features 0.709 macro-F1 vs input embeddings
 0.624, TF-IDF of segment text 0.566, trace position 0.124; dropping each segment's first
 five tokens still gives 0.677 (vs 0.626 using only the first five) -- the signal is not in
-openers like "Wait" or "Let me". Input embeddings come from the model as plain arrays; this
-module builds the rest.
+openers like "Wait" or "Let me". And a width-matched residual control: the nine-layer
+residual window projected to the router window's 1,152 dims still reads 0.657, so the
+router's 0.659 is not a matter of having fewer features.
+
+Input embeddings are looked up in the model's own table (:func:`input_embedding_features`,
+duck-typed on ``model.embed_vd``, so no model code is imported here); the rest is built from
+plain arrays.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import dataclasses
 import re
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -104,3 +110,60 @@ def segment_features_to_tokens(segment_features_sd: np.ndarray, token_segment_id
     if (ids < 0).any() or (ids >= len(segment_features_sd)).any():
         raise ValueError("every token needs a segment id in [0, num_segments)")
     return np.asarray(segment_features_sd)[ids]
+
+
+PROJECTION_KINDS = ("orthonormal", "gaussian")
+
+
+def width_matched_projection(
+    input_width: int,
+    num_experts: int,
+    num_router_layers: int,
+    seed: int = 0,
+    kind: str = "orthonormal",
+) -> np.ndarray:
+    """A fixed random ``[input_width, num_experts * num_router_layers]`` float32 projection:
+    residual features (one layer's D, or a window's ``W * D``) brought down to the width of
+    the router features they are compared with (E per layer times the window's layers), so
+    router vs residual is a comparison at equal width.
+
+    ``kind``: "orthonormal" (orthonormal columns: the QR factor of a Gaussian matrix, signs
+    fixed so the result depends on the seed only; needs ``input_width >= output width``) or
+    "gaussian" (i.i.d. N(0, 1 / output width), Johnson-Lindenstrauss style). The same seed
+    gives the same matrix: the control must not be re-drawn between the probe's train and
+    test features. The probe standardises features, so the scale does not matter.
+    """
+    width = num_experts * num_router_layers
+    if input_width < 1 or width < 1:
+        raise ValueError(f"need input_width >= 1 and num_experts * num_router_layers >= 1, "
+                         f"got {input_width}, {num_experts} x {num_router_layers}")
+    if kind not in PROJECTION_KINDS:
+        raise ValueError(f"kind must be one of {PROJECTION_KINDS}, got {kind!r}")
+    gaussian = np.random.default_rng(seed).standard_normal((input_width, width))
+    if kind == "gaussian":
+        return (gaussian / np.sqrt(width)).astype(np.float32)
+    if width > input_width:
+        raise ValueError(f"an orthonormal projection cannot widen {input_width} dims to {width}")
+    q, r = np.linalg.qr(gaussian)
+    return (q * np.where(np.diag(r) < 0, -1.0, 1.0)).astype(np.float32)
+
+
+def project_features(x_nd: np.ndarray, projection_dk: np.ndarray) -> np.ndarray:
+    """``[N, K]`` = ``x_nd @ projection_dk`` in float32 (apply chunk by chunk when streaming)."""
+    x = np.asarray(x_nd, np.float32)
+    if x.ndim != 2 or x.shape[1] != projection_dk.shape[0]:
+        raise ValueError(f"need x [N, {projection_dk.shape[0]}], got {x.shape}")
+    return x @ projection_dk
+
+
+def input_embedding_features(model: Any, token_ids_n: np.ndarray) -> np.ndarray:
+    """``[N, D]`` float32: the model's own input-embedding rows of ``token_ids_n`` (the
+    "input embeddings" control; equal to the residual entering layer 0). The lookup runs
+    where the table lives, so only N rows, not the V x D table, come to the host."""
+    import jax.numpy as jnp  # only here: the rest of this module is plain NumPy
+
+    ids = np.asarray(token_ids_n)
+    table = model.embed_vd[...]
+    if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= table.shape[0])):
+        raise ValueError(f"token ids must be a 1-D array in [0, {table.shape[0]})")
+    return np.asarray(jnp.take(table, jnp.asarray(ids, jnp.int32), axis=0), np.float32)

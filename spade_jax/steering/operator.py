@@ -252,22 +252,74 @@ CONCISE_SYSTEM_PROMPT = (
 )
 
 
+def _excluded_mask(entry: object, num_experts: int, layer: int) -> np.ndarray:
+    """One layer of ``disjoint_from`` as a bool ``[E]`` mask: a mask itself, or the union
+    of an ``(activate, suppress)`` pair."""
+    masks = entry if isinstance(entry, tuple) else (entry,)
+    excluded = np.zeros(num_experts, bool)
+    for mask in masks:
+        mask = np.asarray(mask)
+        if mask.shape != (num_experts,) or mask.dtype != np.bool_:
+            raise ValueError(
+                f"disjoint_from layer {layer}: masks must be bool ({num_experts},), got "
+                f"{mask.dtype} {mask.shape}"
+            )
+        excluded |= mask
+    return excluded
+
+
 def random_expert_sets_like(
-    expert_sets: ExpertSets, num_experts: int, seed: int
+    expert_sets: ExpertSets,
+    num_experts: int,
+    seed: int,
+    disjoint_from: Mapping[int, np.ndarray | tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """The paper's random control: per layer, sets of the same sizes drawn uniformly at random.
 
     Random activate and suppress sets are drawn disjoint, so they pass the same constraints
     as the sets they imitate.
+
+    Args:
+      expert_sets: ``{layer: (activate_mask[E], suppress_mask[E])}`` to imitate.
+      num_experts: E, the *routed* experts. Masks index the router logits only, so a
+        shared expert (the always-on expert of shared-expert MoE blocks, which has no
+        router logit and which the hook never edits) can never be drawn.
+      seed: one ``np.random.default_rng(seed)`` draws every layer in ascending layer order;
+        the same inputs and seed give the same sets.
+      disjoint_from: per layer, experts the random sets must avoid -- a bool ``[E]`` mask
+        or an ``(activate, suppress)`` pair (their union is avoided). Pass ``expert_sets``
+        itself so the control shares no expert with the steered sets (otherwise a random
+        draw may re-pick some of them and understate the contrast), or the union of every
+        behaviour's sets. Layers missing from it avoid nothing. Raises ValueError when a
+        layer has fewer remaining experts than the sets need. None (default) draws from all
+        ``E`` experts, exactly as before the option existed.
     """
     rng = np.random.default_rng(seed)
     random_sets: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for layer in sorted(expert_sets):
-        activate, suppress = (np.asarray(m, bool) for m in expert_sets[layer])
+        activate, suppress = (np.asarray(m) for m in expert_sets[layer])
+        for name, mask in (("activate", activate), ("suppress", suppress)):
+            if mask.shape != (num_experts,):
+                raise ValueError(
+                    f"layer {layer}: {name} mask must have shape ({num_experts},), got "
+                    f"{mask.shape}"
+                )
+        activate, suppress = activate.astype(bool), suppress.astype(bool)
         n_activate, n_suppress = int(activate.sum()), int(suppress.sum())
         if n_activate + n_suppress > num_experts:
             raise ValueError(f"layer {layer}: sets larger than {num_experts} experts")
-        chosen = rng.permutation(num_experts)[: n_activate + n_suppress]
+        excluded = np.zeros(num_experts, bool)
+        if disjoint_from is not None and layer in disjoint_from:
+            excluded = _excluded_mask(disjoint_from[layer], num_experts, layer)
+        available = np.flatnonzero(~excluded)
+        if n_activate + n_suppress > available.size:
+            raise ValueError(
+                f"layer {layer}: need {n_activate + n_suppress} random experts disjoint from "
+                f"the {int(excluded.sum())} excluded, but only {available.size} of "
+                f"{num_experts} remain"
+            )
+        # permutation(arange(E)) consumes the generator exactly as permutation(E) did.
+        chosen = rng.permutation(available)[: n_activate + n_suppress]
         new_activate = np.zeros(num_experts, bool)
         new_suppress = np.zeros(num_experts, bool)
         new_activate[chosen[:n_activate]] = True
