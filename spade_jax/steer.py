@@ -1,6 +1,12 @@
-"""Steered evaluation from the command line (Routes of Reasoning's token-savings table).
+"""Routes of Reasoning from the command line: read, identify, steer.
 
-    python -m spade_jax.steer --checkpoint=ckpt/model --tokenizer=ckpt/model \
+    python -m spade_jax.steer read ...      # router / residual telemetry, probes, controls
+    python -m spade_jax.steer identify ...  # expert sets per behaviour, cross-dataset analyses
+    python -m spade_jax.steer run ...       # steered evaluation (below; ``run`` may be omitted)
+
+Each subcommand prints its own ``--help``. The steered evaluation:
+
+    python -m spade_jax.steer run --checkpoint=ckpt/model --tokenizer=ckpt/model \
         --suite=RG-Math --expert_sets=runs/x/expert_sets.json --suppress=planning \
         --schedule=after_first_answer --samples=4 --out=steer_results/
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,7 +67,7 @@ def _names(values: Sequence[str] | None) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m spade_jax.steer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m spade_jax.steer run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="Orbax or HF model dir")
     p.add_argument("--tokenizer", help="tokenizer dir or file (default: the checkpoint dir)")
@@ -138,7 +145,20 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+# Subcommands with a module of their own (``main(argv) -> exit status``); ``run`` (or no
+# subcommand, as before the subcommands existed) is the steered evaluation below.
+SUBCOMMANDS = {
+    "read": "spade_jax.steering.commands.read",
+    "identify": "spade_jax.steering.commands.identify",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    if argv and argv[0] == "run":
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     try:
         if args.samples < 1 or args.max_new_tokens < 1:
