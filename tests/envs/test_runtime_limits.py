@@ -230,11 +230,13 @@ class NapEnv:
 
 def test_play_calls_run_under_their_own_limits():
     """Issue 30 item 13: played games get the play-time limits, validation's runs (trial
-    handles) keep theirs. A 0.5 s step is over validation's 0.25 s deadline but within
-    play's 0.9 s, a step of ~0.4 s of CPU over validation's 0.2 s budget but within play's
-    1.5 s: both are played, and their replay audits run under the same play limits; a step
-    past 0.9 s ends the episode "env_limit" and blocklists the game."""
-    config = SandboxConfig(call_deadline_s=0.25, play_call_deadline_s=0.9,
+    handles) keep theirs. A 1.2 s step is over validation's 1 s deadline but within play's
+    2.5 s, a step of ~0.4 s of CPU over validation's 0.2 s budget but within play's 1.5 s:
+    both are played, and their replay audits run under the same play limits; a step past
+    2.5 s ends the episode "env_limit" and blocklists the game. The wall deadlines sit far
+    above the CPU budgets so that on a loaded machine (the spin getting a fifth of a core)
+    the CPU budget is still what stops the spin in validation."""
+    config = SandboxConfig(call_deadline_s=1.0, play_call_deadline_s=2.5,
                            call_cpu_budget_s=0.2, play_call_cpu_budget_s=1.5,
                            load_deadline_s=5.0, static_gate=False, spare_workers=1,
                            replay_audit_rate=1.0)
@@ -243,14 +245,14 @@ def test_play_calls_run_under_their_own_limits():
         if pool.isolation_report().missing:
             pytest.skip(f"sandbox layers missing here: {pool.isolation_report().missing}")
         trials = pool.open_many([nap, nap], contract="reference", trial=True)  # validation's
-        for trial, action, code in zip(trials, ("\\boxed{0.5}", "\\boxed{spin}"),
+        for trial, action, code in zip(trials, ("\\boxed{1.2}", "\\boxed{spin}"),
                                        ("timeout", "slow_call"), strict=True):
             assert trial.reset(0).ok
             assert trial.step(action).error.code == code
             trial.close()
         assert pool.blocked(nap) is None  # validation never blocklists
         env = make_env(nap, pool, contract="reference")
-        for seed, action in enumerate(("\\boxed{0.5}", "\\boxed{spin}")):
+        for seed, action in enumerate(("\\boxed{1.2}", "\\boxed{spin}")):
             env.reset(seed=seed)
             assert env.step(action)[1:3] == (1.0, True)  # and replay-audited
         assert pool.blocked(nap) is None
