@@ -231,6 +231,28 @@ class ExperimentConfig:
         load_rule_modules(self.rule_modules)
 
 
+def check_warm_start(config: ExperimentConfig) -> None:
+    """Refuses a warm start that would teach the designer programs of another contract
+    than the one its prompt asks for (the seed programs follow the paper's contract; a
+    run with ``spade.contract='reference'`` needs programs of that contract, or none)."""
+    from spade_jax.spade import seed_programs
+
+    ws, spade = config.warm_start, config.spade
+    if ws.steps == 0 or config.toy.enabled or spade.game_source != GameSourceKind.SELF_DESIGN:
+        return
+    programs = [p for p in seed_programs.SEED_PROGRAMS if not ws.programs or p.name in ws.programs]
+    if not programs:
+        raise ValueError(f"warm_start.programs {list(ws.programs)} names no seed program; "
+                         f"known: {[p.name for p in seed_programs.SEED_PROGRAMS]}")
+    wrong = [p.name for p in programs if p.contract != spade.contract]
+    if wrong:
+        raise ValueError(
+            f"warm_start.programs {wrong} follow another contract than spade.contract="
+            f"{spade.contract.value!r}: the warm start teaches the designer to answer the "
+            f"run's own prompt with them (set warm_start.steps=0, or choose programs of "
+            f"that contract)")
+
+
 def experiment_path(name: str) -> Path:
     path = Path(name)
     if path.suffix == ".py" and path.exists():

@@ -34,6 +34,7 @@ from spade_jax.experiment import (
     ExperimentConfig,
     ModelSpec,
     TokenizerSpec,
+    check_warm_start,
     config_hash,
     json_value,
     require_corpus,
@@ -59,8 +60,6 @@ from spade_jax.spade.loop import SpadeLoop
 from spade_jax.spade.memory import EnvironmentMemory, MemoryConfig
 from spade_jax.spade.prompts import (
     DESIGNER_SYSTEM_PROMPT,
-    DESIGNER_SYSTEM_PROMPTS,
-    designer_user_prompt,
     format_designer_output,
 )
 from spade_jax.spade.reward import make_designer_reward
@@ -285,6 +284,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     """Runs (or resumes) ``config`` in ``workdir``: a local directory or ``gs://...``."""
     workdir = storage.absolute(workdir)
     require_corpus(config)  # before anything starts: the recipe refuses the stand-in
+    check_warm_start(config)
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
@@ -480,18 +480,17 @@ def _with_sampler_temperatures(config: ExperimentConfig):
 
 
 def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop) -> TrainState:
-    """Supervised pass on (designer prompt -> seed program + hint) pairs. The prompts look
-    like the loop's: same system prompt and skill text, real corpus documents (from a
-    sampler of its own, so the run's corpus cursor is untouched), and none."""
+    """Supervised pass on (designer prompt -> seed program + hint) pairs. The prompts are
+    the loop's own (`Designer.messages`: the run's contract, prompt style and skill text),
+    with real corpus documents (from a sampler of its own, so the run's corpus cursor is
+    untouched) or none, and no memory examples."""
     spade_cfg, ws = config.spade, config.warm_start
     if config.toy.enabled:
         seqs = _toy_warm_start_sequences(config, tokenizer, loop)
         log.info("toy warm start: %d steps on %d examples", ws.steps, len(seqs))
         return _supervised_pass(config, tokenizer, graphdef, state, seqs)
+    check_warm_start(config)  # the programs exist and follow the run's contract
     programs = [p for p in seed_programs.SEED_PROGRAMS if not ws.programs or p.name in ws.programs]
-    if not programs:
-        raise ValueError(f"warm_start.programs {ws.programs} names no seed program")
-    system = DESIGNER_SYSTEM_PROMPTS[spade_cfg.prompt_style]
     docs_sampler = build_corpus_sampler(config, seed_offset=7919)
     skills = [s.name for s in get_skill_set(spade_cfg.skills)]
     pairs = []
@@ -500,9 +499,7 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
             docs = ([d.text for d in docs_sampler.sample(spade_cfg.docs_per_prompt)]
                     if docs_sampler is not None and variant > 0 else [])
             skill = skills[variant % len(skills)] if ws.vary_skills else prog.skill
-            user = designer_user_prompt(skill, docs, [], max_doc_chars=spade_cfg.max_doc_chars)
-            pairs.append(([{"role": "system", "content": system},
-                           {"role": "user", "content": user}],
+            pairs.append((loop.designer.messages(skill, docs, []),
                           format_designer_output(prog.source, prog.hint)))
     if jax.process_count() > 1:
         # The warm-start batch is global, so every host needs the same pairs, but each drew
@@ -519,7 +516,7 @@ def _toy_warm_start_sequences(config, tokenizer, loop: SpadeLoop) -> list:
     from spade_jax.toy import world
 
     toy = config.toy
-    pairs = (world.designer_pairs(toy, loop.designer._messages, config.seed)
+    pairs = (world.designer_pairs(toy, loop.designer.messages, config.seed)
              + world.hint_pairs(toy, config.seed))
     return (supervised_pairs(tokenizer, pairs)
             + world.agent_sequences(toy, config.seed, tokenizer, config.agent))

@@ -63,7 +63,13 @@ def main(argv: list[str]) -> int:
     if problem:  # checked in --dry_run too: a run would fail there only after startup
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    from spade_jax.experiment import CorpusMissing, require_corpus
+    from spade_jax.experiment import CorpusMissing, check_warm_start, require_corpus
+
+    try:
+        check_warm_start(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     try:  # a dry run reads no storage: the corpus files are checked by a real run only
         require_corpus(config, check_paths=not FLAGS.dry_run)

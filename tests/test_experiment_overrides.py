@@ -299,3 +299,17 @@ def test_config_hash_is_the_same_under_any_pythonhashseed():
     (hash_1, set_1), (hash_2, set_2) = outputs
     assert set_1 != set_2  # the seeds do reorder the set, so the test can tell
     assert hash_1 == hash_2 == config_hash(load_experiment("tiny"))
+
+
+def test_a_warm_start_of_another_contract_than_the_run_is_refused_before_the_run():
+    """The warm start answers the designer's own prompt (`Designer.messages`) with the seed
+    programs, so they must follow the run's contract (the tiny run pins the paper's)."""
+    from spade_jax.experiment import check_warm_start
+
+    check_warm_start(load_experiment("tiny"))
+    reference = load_experiment("tiny", ["spade.contract='reference'"])
+    with pytest.raises(ValueError, match=r"warm_start.programs \[.*\] follow another contract"):
+        check_warm_start(reference)
+    check_warm_start(load_experiment("tiny", ["spade.contract='reference'", "warm_start.steps=0"]))
+    with pytest.raises(ValueError, match="names no seed program"):
+        check_warm_start(load_experiment("tiny", ["warm_start.programs=('nope',)"]))

@@ -127,12 +127,12 @@ class Designer:
                 raise RuntimeError(f"corpus documents reused within a run: {reused}")
             self.used_doc_ids.update(d.doc_id for d in slot_docs)
             ids = self.tokenizer.apply_chat_template(
-                self._messages(skill, [d.text for d in slot_docs], slot_examples),
+                self.messages(skill, [d.text for d in slot_docs], slot_examples),
                 add_generation_prompt=True, enable_thinking=cfg.designer_thinking)
             out.append(SlotPrompt(slot, skill, list(ids), tuple(d.doc_id for d in slot_docs)))
         return out
 
-    def _messages(self, skill: str, documents: list[str],
+    def messages(self, skill: str, documents: list[str],
                   examples: list[dict[str, Any]]) -> list[dict[str, str]]:
         """The designer's chat for one slot, in the prompt family of the game contract:
         the recipe's games (memory examples split into frontier games to build on and
