@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from spade_jax.spade.reward import DesignerReward, DesignerRewardConfig, Regime, classify_regime
+from spade_jax.spade.reward import DesignerRewardConfig, Regime, classify_regime
 
 SELECTIONS = ("regime", "recipe")
 
@@ -66,34 +66,6 @@ class EnvironmentRecord:
                 raise ValueError(f"EnvironmentRecord.{name} must be in [{low}, 1], got {value}")
         if self.last_evaluated_round < 0:
             object.__setattr__(self, "last_evaluated_round", self.round_index)
-
-    @classmethod
-    def from_reward(
-        cls,
-        env_id: str,
-        program_source: str,
-        hint: str,
-        skill: str,
-        round_index: int,
-        reward: DesignerReward,
-        **extra: Any,
-    ) -> EnvironmentRecord:
-        """A record from `designer_reward`'s result; `extra` sets the optional fields."""
-        return cls(
-            env_id=env_id,
-            program_source=program_source,
-            hint=hint,
-            skill=skill,
-            round_index=round_index,
-            regime=reward.regime,
-            regret=reward.regret,
-            win_rate_hint=reward.win_rate_hint,
-            win_rate_no_hint=reward.win_rate,
-            mean_return_hint=reward.mean_hint,
-            mean_return_no_hint=reward.mean_no_hint,
-            designer_reward=reward.total,
-            **extra,
-        )
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
+from memory_records import record_from_reward
 
 from spade_jax.spade import (
     EnvironmentMemory,
-    EnvironmentRecord,
     MemoryConfig,
     Regime,
     designer_reward,
@@ -25,7 +25,7 @@ _ARMS = {  # (hint returns, no-hint returns) landing in each regime under the de
 def _record(env_id, regime, round_index=0, skill="math"):
     reward = designer_reward(*_ARMS[regime])
     assert reward.regime is regime
-    return EnvironmentRecord.from_reward(
+    return record_from_reward(
         env_id=env_id,
         program_source=f"class Env:\n    name = {env_id!r}\n",
         hint="look at the parity",
@@ -56,7 +56,7 @@ def test_record_from_reward_copies_statistics():
     assert record.designer_reward == pytest.approx(0.575)
     assert record.last_evaluated_round == 0
     with pytest.raises(ValueError, match="empty program"):
-        EnvironmentRecord.from_reward("e", "  ", "h", "math", 0, designer_reward([1], [0]))
+        record_from_reward("e", "  ", "h", "math", 0, designer_reward([1], [0]))
 
 
 def test_capacity_evicts_intractable_then_mastered_then_oldest_frontier():
@@ -170,7 +170,7 @@ def _scored(env_id, skill, regret, win_rate, round_index=0):
     """A record with exactly these statistics (the recipe selection reads only them)."""
     reward = designer_reward([1.0], [0.0])
     return dataclasses.replace(
-        EnvironmentRecord.from_reward(env_id, f"class G{env_id}Env:\n    pass\n", "", skill,
+        record_from_reward(env_id, f"class G{env_id}Env:\n    pass\n", "", skill,
                                       round_index, reward),
         regret=regret, win_rate_no_hint=win_rate)
 

@@ -16,11 +16,11 @@ import random
 import re
 
 import pytest
+from memory_records import record_from_reward
 
 from spade_jax.envs import PROGRAM_CONTRACT, EnvPool, SandboxConfig, validate_program
 from spade_jax.rollout.agent_loop import ActionParser
 from spade_jax.spade.env_stats import formula_reveal
-from spade_jax.spade.memory import EnvironmentRecord
 from spade_jax.spade.prompts import (
     AGENT_SYSTEM_PROMPT,
     DESIGNER_SYSTEM_PROMPT,
@@ -438,7 +438,7 @@ def test_agent_prompt_matches_the_action_parser():
 def _record(regime_returns, env_id, program):
     hint_returns, no_hint_returns = regime_returns
     reward = designer_reward(hint_returns, no_hint_returns)
-    return EnvironmentRecord.from_reward(env_id, program, f"hint of {env_id}", "math", 0, reward)
+    return record_from_reward(env_id, program, f"hint of {env_id}", "math", 0, reward)
 
 
 def test_designer_user_prompt_parts():
