@@ -12,10 +12,23 @@ Each subcommand prints its own ``--help``. The steered evaluation:
 
 Runs one benchmark four times: unmodified, steered (suppress / activate the named
 behaviours' expert sets through the router hook), random-control (random expert sets of the
-same sizes per layer) and prompt-control (the "be concise" system prompt, no hook). Writes
-results.md, results.csv and results.png to --out: mean tokens generated per completion,
-accuracy (pass@1, scored by the evaluation harness), relative token change vs unmodified and
-accuracy delta.
+same sizes per layer, disjoint from the named behaviours' sets) and prompt-control (the "be
+concise" system prompt, no hook). Writes results.md, results.csv and results.png to --out:
+mean tokens generated per completion, accuracy (pass@1, scored by the evaluation harness),
+relative token change vs unmodified and accuracy delta, each with its standard error (over
+problems; deltas paired per problem).
+
+--schedule: always | after_first_answer (edit only after the first answer) |
+before_first_answer (the cut: edit only until the first answer) | window (edit the first
+--window_tokens=W generated tokens, then release). The first answer is found on device by
+the text markers of `steering.schedule.DEVICE_ANSWER_PATTERNS` (\\boxed{, "final answer
+is/:", "the answer is", **Answer**, a line starting "Answer:"), whatever their tokenisation.
+
+--dose=1,2,4: a dose sweep. For each n, steer with the top n experts of each layer's set
+(the order of the expert-set file's lists, or by a "scores" object parallel to "sets" when
+the file has one) and a random control of the same sizes disjoint from the full sets; rows
+"steered n=2", "random-control n=2", ... replace steered / random-control, and dose.png
+plots the token change against n.
 
 --suite: RG-Math | RG-Algo | RG-Cog | RG-Logic (reasoning-gym, generated offline) |
 jsonl:FILE (math problems {"problem", "answer"}, checked by math-verify) | KIND:PATH as in
@@ -29,21 +42,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from spade_jax.evaluation import DataError, EvalConfig, SuiteConfig, evaluate_suites, load_policy
 from spade_jax.evaluation.policy import SamplerPolicy, SamplerPolicyConfig
 from spade_jax.steering import compare
-from spade_jax.steering.expert_sets import load_expert_sets, steering_masks
+from spade_jax.steering.expert_sets import (
+    ExpertSetError,
+    ExpertSets,
+    load_expert_sets,
+    steering_masks,
+)
 from spade_jax.steering.operator import (
     CONCISE_SYSTEM_PROMPT,
+    SCHEDULE_DETECTORS,
     SCHEDULES,
     make_steering_hook,
     random_expert_sets_like,
 )
-from spade_jax.steering.schedule import TokenPatternDetector
+from spade_jax.steering.schedule import detector_for_schedule
 
 
 def parse_suite(spec: str, *, problems_per_task: int, max_problems: int | None,
@@ -76,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suppress", action="append", help="behaviour(s) to suppress (comma list)")
     p.add_argument("--activate", action="append", help="behaviour(s) to activate (comma list)")
     p.add_argument("--schedule", default="always", choices=SCHEDULES)
+    p.add_argument("--window_tokens", type=int,
+                   help="W of --schedule=window: steer the first W generated tokens")
+    p.add_argument("--dose", help="dose sweep: comma list of experts per layer, e.g. 1,2,4")
     p.add_argument("--eps", type=float, default=0.01, help="margin of the steering operator")
     p.add_argument("--samples", type=int, default=1, help="completions per problem")
     p.add_argument("--max_new_tokens", type=int, default=1024)
@@ -91,11 +116,85 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_doses(spec: str | None) -> list[int] | None:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (sorted, distinct, each >= 1); None -> None."""
+    if spec is None:
+        return None
+    try:
+        doses = sorted({int(n) for n in spec.split(",") if n.strip()})
+    except ValueError:
+        raise ValueError(f"--dose must be a comma list of integers, got {spec!r}") from None
+    if not doses or doses[0] < 1:
+        raise ValueError(f"--dose needs integers >= 1, got {spec!r}")
+    return doses
+
+
+def check_schedule(schedule: str, window_tokens: int | None) -> None:
+    """The schedule's options, checked before any model is loaded."""
+    if schedule == "window":
+        detector_for_schedule(schedule, window_tokens=window_tokens)
+    elif window_tokens is not None:
+        raise ValueError(f"--window_tokens is only for --schedule=window, not {schedule!r}")
+
+
+def ranked_expert_lists(path: str | Path, sets: ExpertSets, names: Sequence[str]
+                        ) -> dict[str, dict[int, list[int]]]:
+    """Per behaviour and layer, the experts in rank order: by the file's optional
+    ``"scores"`` (``{behaviour: {layer: [score per listed expert]}}``, highest first) where
+    given, else in the order the file lists them. (``save_expert_sets`` writes ids sorted,
+    so for its files the order is by id unless the lists were reordered.)"""
+    raw = json.loads(Path(path).read_text())
+    ranked: dict[str, dict[int, list[int]]] = {}
+    for name in names:
+        listed = {int(layer): list(e) for layer, e in raw["sets"][name].items()}
+        scores = (raw.get("scores") or {}).get(name) or {}
+        if not isinstance(scores, dict):
+            raise ExpertSetError(f"{path}: 'scores' must be {{behaviour: {{layer: [scores]}}}}")
+        ranked[name] = {}
+        for layer, experts in listed.items():
+            layer_scores = scores.get(str(layer))
+            if layer_scores is not None:
+                if not isinstance(layer_scores, list) or len(layer_scores) != len(experts) \
+                        or not all(isinstance(x, int | float) for x in layer_scores):
+                    raise ExpertSetError(
+                        f"{path}: scores of {name!r} layer {layer} must list one score per "
+                        f"expert ({len(experts)} numbers), got {layer_scores!r}")
+                order = np.argsort(-np.asarray(layer_scores, np.float64), kind="stable")
+                experts = [experts[i] for i in order]
+            ranked[name][layer] = experts
+    return ranked
+
+
+def dose_masks(path: str | Path, sets: ExpertSets, suppress: Sequence[str],
+               activate: Sequence[str], n: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """The steering masks of the top ``n`` experts per layer of each named set (a layer
+    with fewer than ``n`` keeps all of its experts)."""
+    ranked = ranked_expert_lists(path, sets, [*suppress, *activate])
+    top = ExpertSets(sets.num_experts, sets.top_k,
+                     {name: {layer: e[:n] for layer, e in layers.items()}
+                      for name, layers in ranked.items()})
+    return steering_masks(top, suppress=suppress, activate=activate)
+
+
+def _condition_result(name: str, policy: SamplerPolicy, result, samples: int,
+                      dose: int | None) -> compare.ConditionResult:
+    problems = len(result.problem_ids)
+    counts = np.asarray(policy.generated_tokens, np.float64)
+    # One count per completion, problem-major (tool suites do not report them).
+    tokens_ps = counts.reshape(problems, samples) if counts.size == problems * samples else None
+    return compare.ConditionResult(
+        name, compare.mean_tokens(policy.generated_tokens), result.pass_at_1, result.stderr,
+        len(policy.generated_tokens), tokens_ps=tokens_ps, scores_ps=result.scores, dose=dose)
+
+
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
+    check_schedule(args.schedule, args.window_tokens)
+    doses = parse_doses(args.dose)
     suite = parse_suite(args.suite, problems_per_task=args.problems_per_task,
                         max_problems=args.max_problems, dataset_seed=args.dataset_seed)
     sets = load_expert_sets(args.expert_sets)
-    masks = steering_masks(sets, suppress=_names(args.suppress), activate=_names(args.activate))
+    suppress, activate = _names(args.suppress), _names(args.activate)
+    masks = steering_masks(sets, suppress=suppress, activate=activate)
     loaded = load_policy(args.checkpoint, tokenizer=args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
     cfg = model.config
@@ -109,24 +208,39 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
         raise ValueError(f"{args.expert_sets}: layers {bad_layers} are not MoE layers of the model")
 
     k = cfg.num_experts_per_tok
-    detector = None
-    if args.schedule == "after_first_answer":
-        detector = TokenPatternDetector(compare.answer_token_patterns(tokenizer))
-    hooks = {
-        "steered": make_steering_hook(masks, k, args.eps, args.schedule),
-        "random-control": make_steering_hook(
-            # The control set never overlaps the steered one (same size per layer).
-            random_expert_sets_like(masks, cfg.num_experts, args.random_seed,
-                                    disjoint_from=masks),
-            k, args.eps, args.schedule),
-    }
+    first_answer = None
+    if SCHEDULE_DETECTORS.get(args.schedule) == "first_answer":
+        first_answer = compare.answer_detector(tokenizer)
+    detector = detector_for_schedule(args.schedule, first_answer=first_answer,
+                                     window_tokens=args.window_tokens)
+
+    def hooks_for(steer_masks, suffix: str = "") -> dict[str, object]:
+        return {
+            f"steered{suffix}": make_steering_hook(steer_masks, k, args.eps, args.schedule),
+            f"random-control{suffix}": make_steering_hook(
+                # The control never overlaps the named behaviours' full sets (same sizes per
+                # layer as the steered sets).
+                random_expert_sets_like(steer_masks, cfg.num_experts, args.random_seed,
+                                        disjoint_from=masks),
+                k, args.eps, args.schedule),
+        }
+
+    # (condition, hook, dose) in table order.
+    plan: list[tuple[str, object, int | None]] = [("unmodified", None, None)]
+    if doses is None:
+        plan += [(name, hook, None) for name, hook in hooks_for(masks).items()]
+    else:
+        for n in doses:
+            plan += [(name, hook, n) for name, hook in hooks_for(
+                dose_masks(args.expert_sets, sets, suppress, activate, n), f" n={n}").items()]
+    plan.append(("prompt-control", None, None))
+
     base = SamplerPolicyConfig(temperature=args.temperature, top_p=args.top_p, top_k=0,
                                batch_size=args.batch_size)
     eval_config = EvalConfig(samples_per_problem=args.samples, seed=args.seed,
                              max_new_tokens=args.max_new_tokens)
     results = []
-    for condition in compare.CONDITIONS:
-        hook = hooks.get(condition)
+    for condition, hook, dose in plan:
         config = base
         if condition == "prompt-control":
             config = dataclasses.replace(base, system_prompt=CONCISE_SYSTEM_PROMPT)
@@ -134,14 +248,13 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             model, tokenizer, config, router_hook=hook,
             answer_detector=detector if hook is not None else None)
         (result,) = evaluate_suites(policy, [suite], eval_config)
-        results.append(compare.ConditionResult(
-            condition, compare.mean_tokens(policy.generated_tokens), result.pass_at_1,
-            result.stderr, len(policy.generated_tokens)))
+        results.append(_condition_result(condition, policy, result, args.samples, dose))
         print(f"{condition}: {results[-1]}", file=sys.stderr)
     rows = compare.table_rows(results)
     steer_desc = ", ".join(f"{verb} {names}" for verb, names in (
-        ("suppress", _names(args.suppress)), ("activate", _names(args.activate))) if names)
-    compare.write_table(rows, args.out, f"{suite.name}: {steer_desc} ({args.schedule})")
+        ("suppress", suppress), ("activate", activate)) if names)
+    schedule = args.schedule + (f", W={args.window_tokens}" if args.schedule == "window" else "")
+    compare.write_table(rows, args.out, f"{suite.name}: {steer_desc} ({schedule})")
     return rows
 
 

@@ -41,11 +41,15 @@ class ExpertSets:
       num_experts: E, routed experts per MoE layer of the model the sets belong to.
       top_k: k, experts selected per token (bounds how many may be activated/suppressed).
       sets: behaviour name -> decoder layer -> sorted expert ids.
+      scores: optional, the score that chose each expert (e.g. its risk difference), in the
+        same shape as ``sets`` and aligned with its sorted ids; a dose sweep
+        (``steer run --dose``) takes each layer's top n by it. None: no ranking known.
     """
 
     num_experts: int
     top_k: int
     sets: Mapping[str, Mapping[int, tuple[int, ...]]]
+    scores: Mapping[str, Mapping[int, tuple[float, ...]]] | None = None
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -76,6 +80,31 @@ class ExpertSets:
                     raise ExpertSetError(f"{where}: duplicate expert ids in {ids}")
                 clean[name][layer] = tuple(sorted(ids))
         object.__setattr__(self, "sets", clean)
+        if self.scores is not None:
+            object.__setattr__(self, "scores", self._aligned_scores(clean))
+
+    def _aligned_scores(self, clean: Mapping[str, Mapping[int, tuple[int, ...]]]
+                        ) -> dict[str, dict[int, tuple[float, ...]]]:
+        """``scores`` re-ordered with the ids they were given with (now sorted)."""
+        aligned: dict[str, dict[int, tuple[float, ...]]] = {}
+        for name, layers in clean.items():
+            given = (self.scores or {}).get(name)
+            if given is None:
+                continue
+            aligned[name] = {}
+            for layer, ids in layers.items():
+                values = given.get(layer)
+                if values is None:
+                    continue
+                listed = list(self.sets[name][layer])
+                if len(values) != len(listed) or not all(
+                        isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+                    raise ExpertSetError(
+                        f"behaviour {name!r} layer {layer}: scores must list one number per "
+                        f"expert ({len(listed)}), got {values!r}")
+                by_id = dict(zip(listed, values, strict=True))
+                aligned[name][layer] = tuple(float(by_id[e]) for e in ids)
+        return aligned
 
     def sizes(self, name: str) -> dict[int, int]:
         return {layer: len(e) for layer, e in self.sets[name].items()}
@@ -105,12 +134,18 @@ def expert_sets_from_scores(
             raise ValueError(f"layer {layer} is not an MoE layer {tuple(moe_layers)}")
         row = list(moe_layers).index(layer)
     sets: dict[str, dict[int, list[int]]] = {}
-    for name, chosen in zip(behaviours, top_n_experts(scores, n, row), strict=True):
+    chosen_scores: dict[str, dict[int, list[float]]] = {}
+    for c, (name, chosen) in enumerate(zip(behaviours, top_n_experts(scores, n, row),
+                                           strict=True)):
         per_layer: dict[int, list[int]] = {}
+        per_layer_scores: dict[int, list[float]] = {}
         for telemetry_row, expert in sorted(chosen):
-            per_layer.setdefault(int(moe_layers[telemetry_row]), []).append(expert)
-        sets[name] = per_layer
-    return ExpertSets(scores.shape[2], top_k, sets)
+            layer_id = int(moe_layers[telemetry_row])
+            per_layer.setdefault(layer_id, []).append(expert)
+            per_layer_scores.setdefault(layer_id, []).append(
+                float(scores[c, telemetry_row, expert]))
+        sets[name], chosen_scores[name] = per_layer, per_layer_scores
+    return ExpertSets(scores.shape[2], top_k, sets, chosen_scores)
 
 
 def save_expert_sets(path: str | Path, sets: ExpertSets) -> None:
@@ -121,6 +156,10 @@ def save_expert_sets(path: str | Path, sets: ExpertSets) -> None:
         "sets": {name: {str(layer): list(experts) for layer, experts in sorted(layers.items())}
                  for name, layers in sets.sets.items()},
     }
+    if sets.scores:  # aligned with the listed ids: the dose sweep ranks by them
+        payload["scores"] = {
+            name: {str(layer): list(values) for layer, values in sorted(layers.items())}
+            for name, layers in sets.scores.items()}
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
 
 
@@ -156,7 +195,17 @@ def load_expert_sets(path: str | Path) -> ExpertSets:
         for key in ("num_experts", "top_k"):
             if isinstance(raw[key], bool) or not isinstance(raw[key], int):
                 raise ExpertSetError(f"'{key}' must be an int, got {raw[key]!r}")
-        return ExpertSets(raw["num_experts"], raw["top_k"], sets)
+        scores = raw.get("scores")
+        if scores is not None:
+            if not isinstance(scores, dict) or not all(isinstance(v, dict)
+                                                       for v in scores.values()):
+                raise ExpertSetError("'scores' must be an object {behaviour: {layer: [scores]}}")
+            try:
+                scores = {name: {int(layer): values for layer, values in layers.items()}
+                          for name, layers in scores.items()}
+            except ValueError:
+                raise ExpertSetError("'scores' layer keys must be integers") from None
+        return ExpertSets(raw["num_experts"], raw["top_k"], sets, scores)
     except ExpertSetError as err:
         raise ExpertSetError(f"{path}: {err}") from None
 

@@ -32,7 +32,19 @@ import numpy as np
 
 RouterHook = Callable[..., jax.Array]
 
-SCHEDULES = ("always", "after_first_answer")
+SCHEDULES = ("always", "after_first_answer", "before_first_answer", "window")
+# Schedules whose hook gates rows by the sampler's per-sequence ``active`` flag (the sticky
+# ``fired_b`` of its detector), and which kind of detector sets that flag:
+#   after_first_answer   edit rows whose first-answer detector HAS fired (the paper's
+#                        "suppress after the cut");
+#   before_first_answer  edit rows whose first-answer detector has NOT fired (the cut
+#                        schedule's other half: steer only until the first answer);
+#   window               edit rows whose token-count detector has NOT fired, i.e. clamp the
+#                        first W generated tokens, then release (``TokenCountDetector(W)``).
+SCHEDULE_DETECTORS = {"after_first_answer": "first_answer",
+                      "before_first_answer": "first_answer", "window": "token_count"}
+# Schedules that edit the rows whose flag is NOT set.
+_INVERTED = frozenset({"before_first_answer", "window"})
 
 
 def _is_concrete(x: object) -> bool:
@@ -146,7 +158,9 @@ class SteeringConfig:
       eps: the margin epsilon of eqs. 5-6 (log-probability units).
       schedule: "always" edits every token; "after_first_answer" edits only sequences whose
         per-sequence ``active`` flag is set (the sampler sets it once a first-answer
-        detector fires; the paper finds the effect lives almost entirely after that point).
+        detector fires; the paper finds the effect lives almost entirely after that point);
+        "before_first_answer" (the cut schedule) edits only sequences whose flag is NOT set
+        yet; "window" likewise, with a token-count detector: the first W generated tokens.
     """
 
     k: int
@@ -177,9 +191,12 @@ def make_steering_hook(
     layers not in the map are returned unchanged. All masks are validated here, once, on
     concrete NumPy arrays. ``layer_idx`` may be a Python int (layers unrolled in Python) or
     a traced integer (layers under ``scan``); the masks are then gathered from a stacked
-    ``[L, E]`` table. ``active`` is a bool ``[B]`` per-sequence flag: with the
-    "after_first_answer" schedule only rows where it is True are edited (it is required);
-    with "always" it is ignored.
+    ``[L, E]`` table. ``active`` is a bool ``[B]`` per-sequence flag (the sampler passes its
+    detector's sticky ``fired_b``): with "after_first_answer" only rows where it is True are
+    edited; with "before_first_answer" and "window" only rows where it is False (steer until
+    the first answer / for the first W generated tokens, then release); it is required for
+    those three and ignored by "always". Which detector each schedule needs:
+    ``SCHEDULE_DETECTORS`` and ``steering.schedule.detector_for_schedule``.
     """
     config = SteeringConfig(k=k, eps=eps, schedule=schedule)
     if not expert_sets:
@@ -207,13 +224,17 @@ def make_steering_hook(
             return steered
         if active is None:
             raise ValueError(
-                "schedule='after_first_answer' needs the per-sequence `active` flag [B]"
+                f"schedule={config.schedule!r} needs the per-sequence `active` flag [B]: run "
+                f"the sampler with an answer_detector (a {SCHEDULE_DETECTORS[config.schedule]} "
+                f"detector, see steering.schedule.detector_for_schedule)"
             )
         active_b = jnp.asarray(active, dtype=bool)
         if active_b.ndim != 1 or active_b.shape[0] != logits.shape[0]:
             raise ValueError(
                 f"active must be bool [B={logits.shape[0]}], got shape {active_b.shape}"
             )
+        if config.schedule in _INVERTED:
+            active_b = ~active_b
         active_b11 = active_b.reshape((-1,) + (1,) * (logits.ndim - 1))
         return jnp.where(active_b11, steered, logits.astype(steered.dtype))
 

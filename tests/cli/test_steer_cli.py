@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from planted_moe import PLANTED, TOP_K, planted_moe
+from planted_moe import NUM_EXPERTS, PLANTED, TOP_K, planted_moe
 
 from spade_jax.models import save_hf
 from spade_jax.steer import main
@@ -24,6 +24,7 @@ from spade_jax.steering.capture import score_and_record
 from spade_jax.steering.expert_sets import expert_sets_from_scores, save_expert_sets
 from spade_jax.steering.experts import ExpertCounts
 from spade_jax.steering.labels import BEHAVIOURS, labels_for_trace, load_labels_jsonl
+from spade_jax.steering.operator import CONCISE_SYSTEM_PROMPT
 from spade_jax.steering.probe import group_split, probe_router_layers
 from spade_jax.steering.segment import SegmenterConfig, project_labels_to_tokens, segment_tokens
 from spade_jax.steering.telemetry import TelemetryReader, TelemetryWriter
@@ -50,17 +51,19 @@ def _build(tmp_path):
 
 
 def _greedy_length(prompt, behaviour, target, successor, suppress):
-    """Generated tokens by the construction (stop at the end token, at most MAX_NEW)."""
+    """Generated tokens by the construction (stop at the end token, at most MAX_NEW).
+    ``suppress``: a bool, or ``f(j)`` for the forward producing generated token ``j``."""
     token, count = prompt[-1], 0
     while count < MAX_NEW:
-        token = target if token in behaviour and not suppress else successor[token]
+        off = suppress(count) if callable(suppress) else suppress
+        token = target if token in behaviour and not off else successor[token]
         count += 1
         if token == target:
             break
     return count
 
 
-@pytest.mark.slow  # ~130 s loaded: JAX subprocess, model build
+@pytest.mark.slow  # ~130 s loaded: JAX subprocess, model build; + the in-process sweep
 def test_end_to_end_table(tmp_path):
     tokenizer, model, behaviour, target, successor, plain_ids = _build(tmp_path)
     save_hf(model, model.config, tmp_path / "model")
@@ -135,7 +138,7 @@ def test_end_to_end_table(tmp_path):
         rows = {r["condition"]: r for r in csv.DictReader(f)}
     assert list(rows) == ["unmodified", "steered", "random-control", "prompt-control"]
 
-    def expected(system: str | None, suppress: bool) -> float:
+    def expected(system: str | None, suppress) -> float:
         lengths = []
         for p in problems:
             messages = [{"role": "user", "content": f"{p['problem']}\n\nSolve the problem. "
@@ -157,6 +160,75 @@ def test_end_to_end_table(tmp_path):
         np.testing.assert_allclose(float(row["accuracy_delta"]),
                                    float(row["accuracy"]) - float(rows["unmodified"]["accuracy"]))
         assert int(row["completions"]) == len(problems)
+    # Every problem gives the same completion here, so the paired SEs are exactly 0.
+    assert float(rows["steered"]["token_delta_stderr"]) == 0.0
+    assert float(rows["steered"]["relative_token_change_stderr"]) == 0.0
+
+    # 5. In process: the window schedule and a dose sweep in one run. The window clamps the
+    #    first WINDOW generated tokens only; the planted experts are redundant (either one
+    #    alone, selected on a behaviour token, moves the LM head to the end token), so the
+    #    top-1 dose changes nothing and the top-2 dose is the whole effect; the random
+    #    control, disjoint from the planted experts, never changes a length.
+    window = 3
+    out = tmp_path / "out_window"
+    assert main(["run", f"--checkpoint={tmp_path / 'model'}",
+                 f"--tokenizer={tmp_path / 'tok' / 'sp.model'}",
+                 f"--suite=jsonl:{tmp_path / 'bench.jsonl'}",
+                 f"--expert_sets={tmp_path / 'sets.json'}", "--suppress=conclusion",
+                 "--schedule=window", f"--window_tokens={window}", "--dose=1,2",
+                 f"--max_new_tokens={MAX_NEW}", f"--out={out}"]) == 0
+    assert (out / "dose.png").stat().st_size > 0
+    with (out / "results.csv").open() as f:
+        rows = {r["condition"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["unmodified", "steered n=1", "random-control n=1", "steered n=2",
+                          "random-control n=2", "prompt-control"]
+    assert [rows[c]["dose"] for c in rows] == ["", "1", "1", "2", "2", ""]
+    windowed = expected(None, lambda j: j < window)
+    assert unmodified < windowed < steered  # released after the window, not before
+    lengths = {c: float(r["mean_tokens"]) for c, r in rows.items()}
+    assert lengths == {"unmodified": unmodified, "steered n=1": unmodified,
+                       "random-control n=1": unmodified, "steered n=2": windowed,
+                       "random-control n=2": unmodified,
+                       "prompt-control": expected(CONCISE_SYSTEM_PROMPT, False)}
+
+    # 6. The cut schedule through the sampler with the text-marker detector: a marker that
+    #    completes at generated token f steers the forwards producing tokens 0 .. f, then
+    #    releases, so the end token follows the first behaviour token at index >= f.
+    _check_cut_schedule(model, tokenizer, behaviour, target, successor)
+
+
+def _check_cut_schedule(model, tokenizer, behaviour, target, successor):
+    from spade_jax.rollout import generate
+    from spade_jax.steering.operator import make_steering_hook
+    from spade_jax.steering.schedule import TextMarkerDetector
+
+    texts = [tokenizer.decode([v], skip_special_tokens=True) for v in range(tokenizer.vocab_size)]
+
+    def chain(start, n):  # the suppressed greedy chain after prompt token ``start``
+        out = [successor[start]]
+        while len(out) < n:
+            out.append(successor[out[-1]])
+        return out
+
+    # A prompt token whose chain spells letters-only text over 4 tokens, with a behaviour
+    # token among the first 3 (so the marker completes after the unmodified model stops).
+    start = next(t for t in successor if t not in behaviour and t != target
+                 and all(texts[g].isalpha() for g in chain(t, 4))
+                 and any(g in behaviour for g in chain(t, 3)))
+    marker = "".join(texts[g] for g in chain(start, 4))
+    detector = TextMarkerDetector.from_token_texts(texts, patterns=(marker,))
+    fire = detector.first_fire(chain(start, MAX_NEW))
+    assert fire is not None and fire <= 3
+    suppress = np.zeros(NUM_EXPERTS, bool)
+    suppress[list(PLANTED)] = True
+    hook = make_steering_hook({0: (np.zeros(NUM_EXPERTS, bool), suppress)}, TOP_K, 0.01,
+                              "before_first_answer")
+    result = generate(model, [[start]], MAX_NEW, stop_tokens=[target], router_hook=hook,
+                      answer_detector=detector)
+    unmodified = _greedy_length([start], behaviour, target, successor, False)
+    cut = _greedy_length([start], behaviour, target, successor, lambda j: j <= fire)
+    assert unmodified < cut < MAX_NEW  # released at the marker, not before, not never
+    assert len(result.tokens[0]) == cut
 
 
 def test_bad_expert_set_arguments_exit_2(tmp_path, capsys):
@@ -175,3 +247,68 @@ def test_bad_expert_set_arguments_exit_2(tmp_path, capsys):
     assert "behaviour(s) ['reflection'] not in the expert-set file" in capsys.readouterr().err
     assert main([*common, "--suppress=planning"]) == 2  # valid sets, but no model there
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_schedule_and_dose_arguments_exit_2(tmp_path, capsys):
+    """Checked before any model is loaded."""
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    sets = tmp_path / "sets.json"
+    sets.write_text('{"format": "spade_jax.expert_sets/1", "num_experts": 8, "top_k": 2, '
+                    '"sets": {"planning": {"0": [1, 2]}}}')
+    common = [f"--checkpoint={tmp_path}", f"--suite=jsonl:{bench}", f"--expert_sets={sets}",
+              "--suppress=planning"]
+    for extra, message in (
+            (["--schedule=window"], "schedule='window' needs a window length"),
+            (["--schedule=window", "--window_tokens=0"], "window_tokens must be an int >= 1"),
+            (["--window_tokens=4"], "--window_tokens is only for --schedule=window"),
+            (["--dose=0,2"], "--dose needs integers >= 1"),
+            (["--dose=a"], "--dose must be a comma list of integers")):
+        assert main(["run", *common, *extra]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_dose_masks_take_the_top_n_by_score_or_file_order(tmp_path):
+    from spade_jax.steer import dose_masks, ranked_expert_lists
+    from spade_jax.steering.expert_sets import load_expert_sets
+
+    path = tmp_path / "sets.json"
+    path.write_text(json.dumps({
+        "format": "spade_jax.expert_sets/1", "num_experts": 8, "top_k": 2,
+        "sets": {"planning": {"0": [6, 1, 3], "1": [4, 0]}, "reflection": {"0": [5, 2]}},
+        "scores": {"planning": {"0": [0.1, 0.3, 0.2]}}}))
+    sets = load_expert_sets(path)
+    ranked = ranked_expert_lists(path, sets, ["planning", "reflection"])
+    assert ranked == {"planning": {0: [1, 3, 6], 1: [4, 0]}, "reflection": {0: [5, 2]}}
+    masks = dose_masks(path, sets, ["planning", "reflection"], [], 1)
+    assert {layer: np.flatnonzero(s).tolist() for layer, (_, s) in masks.items()} == \
+        {0: [1, 5], 1: [4]}
+    masks = dose_masks(path, sets, ["planning"], [], 5)  # more than a set has: all of it
+    assert {layer: np.flatnonzero(s).tolist() for layer, (_, s) in masks.items()} == \
+        {0: [1, 3, 6], 1: [0, 4]}
+
+
+def test_identify_sets_carry_their_scores_so_a_dose_takes_the_highest(tmp_path):
+    """`expert_sets_from_scores` (what `steer identify` writes) keeps each chosen expert's
+    score; saved and loaded, the dose sweep's top 1 is the highest-scoring expert, not the
+    lowest id."""
+    from spade_jax.steer import dose_masks
+    from spade_jax.steering.expert_sets import (
+        expert_sets_from_scores,
+        load_expert_sets,
+        save_expert_sets,
+    )
+
+    scores_cle = np.zeros((2, 1, 8))
+    scores_cle[0, 0, [1, 4, 6]] = [0.2, 0.9, 0.5]  # behaviour 0: expert 4 first, then 6, 1
+    scores_cle[1, 0, [2, 3, 7]] = [0.7, 0.1, 0.3]
+    sets = expert_sets_from_scores(scores_cle, 3, moe_layers=(0,), top_k=2,
+                                   behaviours=("planning", "reflection"), layer=0)
+    assert sets.sets["planning"][0] == (1, 4, 6)
+    assert sets.scores["planning"][0] == (0.2, 0.9, 0.5)
+    path = tmp_path / "sets.json"
+    save_expert_sets(path, sets)
+    assert load_expert_sets(path).scores == sets.scores
+    for n, want in ((1, [4]), (2, [4, 6]), (3, [1, 4, 6])):
+        (_, suppress), = dose_masks(path, load_expert_sets(path), ["planning"], [], n).values()
+        assert np.flatnonzero(suppress).tolist() == want
