@@ -2,6 +2,7 @@
 
     python -m spade_jax.steer read ...      # router / residual telemetry, probes, controls
     python -m spade_jax.steer identify ...  # expert sets per behaviour, cross-dataset analyses
+    python -m spade_jax.steer rewind ...    # back up at check starts, regenerate steered / not
     python -m spade_jax.steer run ...       # steered evaluation (below; ``run`` may be omitted)
 
 Each subcommand prints its own ``--help``. The steered evaluation:
@@ -263,6 +264,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
 SUBCOMMANDS = {
     "read": "spade_jax.steering.commands.read",
     "identify": "spade_jax.steering.commands.identify",
+    "rewind": "spade_jax.steering.commands.rewind",
 }
 
 
