@@ -150,3 +150,32 @@ def test_token_texts_keep_word_spaces(world):
     texts = token_texts(tokenizer, ids)
     assert "".join(texts) == tokenizer.decode(ids)
     assert sum(t.startswith(" ") for t in texts) == 7  # every word but the first
+
+
+def test_read_labels_with_a_judge_through_the_policy_interface(world):
+    """`read --judge`: one judge call per trace labels its segments (here a scripted policy
+    answering six labels); what it said is written as a reusable labels file, and a trace
+    the answer cannot label (two segments, answered six) is left unlabelled and listed,
+    not fatal."""
+    root = world
+    lines = (root / "a.jsonl").read_text().splitlines()[:4]
+    short = json.loads(lines[0])["token_ids"][:2 * BLOCK]
+    lines.append(json.dumps({"trace_id": "short", "token_ids": short}))
+    (root / "judged.jsonl").write_text("\n".join(lines) + "\n")
+    answer = "\n".join(f"{i}: {'planning' if i % 2 else 'execution'}" for i in range(6))
+    (root / "judge.json").write_text(json.dumps({"rules": [], "default": answer}))
+    out = root / "read_judged"
+    args = ["read", f"--checkpoint={root / 'model'}", f"--tokenizer={root / 'tok' / 'sp.model'}",
+            f"--traces={root / 'judged.jsonl'}", f"--judge=scripted:{root / 'judge.json'}",
+            f"--out={out}", f"--max_segment_tokens={BLOCK}", "--chunk_tokens=100",
+            "--probe_batch=32", "--layers=0", "--window=0", "--controls=none"]
+    assert main(args) == 0
+    judged = [json.loads(line) for line in (out / "labels.jsonl").read_text().splitlines()]
+    assert len(judged) == 4 * 6 and {j["trace_id"] for j in judged} == {"a0", "a1", "a2", "a3"}
+    assert all(j["label"] == ("planning" if j["segment"] % 2 else "execution") for j in judged)
+    prepare = json.loads((out / "stages" / "prepare.json").read_text())
+    assert prepare["judge_unlabelled_traces"] == ["short"]
+    with np.load(out / "tokens.npz") as tokens:
+        assert (tokens["labels"][-2 * BLOCK:] == -1).all()  # the short trace: unlabelled
+    assert main([*args[:4], f"--labels={out / 'labels.jsonl'}", *args[5:]]) == 2  # other run
+    assert main([a for a in args if not a.startswith("--judge")]) == 2  # neither given

@@ -19,6 +19,11 @@ Inputs:
             the trace as cut by this command's segmenter (--max_segment_tokens; the cut is
             written to OUT/segments.jsonl). A trace with labels needs one for every segment;
             a trace without any stays unlabelled (left out of the probes).
+  --judge   instead of --labels: one judge call per trace labels every segment with the
+            codebook prompt (spade_jax.steering.labels): "policy" (the --checkpoint model,
+            greedy, through the sampler), another model dir, or scripted:FILE.json. What it
+            said is written to OUT/labels.jsonl (reusable as --labels); a trace whose answer
+            does not label every segment stays unlabelled and is listed in stages/prepare.json.
 
 Outputs in --out:
   read.json           the run's settings (and input digests): a re-run with other ones is
@@ -73,7 +78,12 @@ from spade_jax.steering.commands._common import (
     save_run_record,
     write_csv,
 )
-from spade_jax.steering.labels import BEHAVIOURS, labels_for_trace, load_labels_jsonl
+from spade_jax.steering.labels import (
+    BEHAVIOURS,
+    label_trace_with_judge,
+    labels_for_trace,
+    load_labels_jsonl,
+)
 from spade_jax.steering.segment import (
     SegmenterConfig,
     project_labels_to_tokens,
@@ -97,7 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="Orbax or HF model dir")
     p.add_argument("--tokenizer", help="tokenizer dir or file (default: the checkpoint dir)")
     p.add_argument("--traces", required=True, help="traces JSONL (trace_id + text|token_ids)")
-    p.add_argument("--labels", required=True, help="segment labels JSONL")
+    p.add_argument("--labels", help="segment labels JSONL (or --judge)")
+    p.add_argument("--judge", help="label the segments with a judge instead of --labels: "
+                   "'policy' (the --checkpoint model itself, greedy, through the sampler), "
+                   "a model dir, or scripted:FILE.json (a scripted policy, for tests)")
+    p.add_argument("--judge_max_new_tokens", type=int, default=1024,
+                   help="budget of the judge's answer per trace")
     p.add_argument("--out", required=True, help="output dir (re-run to resume)")
     p.add_argument("--dataset", help="dataset name (default: the traces file's stem)")
     p.add_argument("--layers", default="all",
@@ -188,10 +203,28 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    traces, labels = Path(args.traces), Path(args.labels)
+    if (args.labels is None) == (args.judge is None):
+        raise CommandError("give exactly one of --labels (a labels file) or --judge (policy, "
+                           "a model dir or scripted:FILE.json)")
+    traces = Path(args.traces)
+    labels = Path(args.labels) if args.labels is not None else None
     for flag, path in (("--traces", traces), ("--labels", labels)):
-        if not path.is_file():
+        if path is not None and not path.is_file():
             raise CommandError(f"{flag} {path}: no such file")
+    judge, judge_digest = args.judge, None
+    if judge is not None:
+        if judge.startswith("scripted:"):
+            script = Path(judge.removeprefix("scripted:"))
+            if not script.is_file():
+                raise CommandError(f"--judge {judge}: no such script file")
+            judge, judge_digest = f"scripted:{script.resolve()}", file_digest(script)
+        elif judge != "policy":
+            if not Path(judge).is_dir():
+                raise CommandError(f"--judge {judge}: not 'policy', scripted:FILE.json or a "
+                                   f"model directory")
+            judge = str(Path(judge).resolve())
+        if args.judge_max_new_tokens < 1:
+            raise CommandError("--judge_max_new_tokens must be >= 1")
     if not Path(args.checkpoint).exists():
         raise CommandError(f"--checkpoint {args.checkpoint}: no such directory")
     if args.max_traces is not None and args.max_traces < 1:
@@ -218,7 +251,10 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint": str(Path(args.checkpoint).resolve()),
         "tokenizer": str(Path(args.tokenizer).resolve()) if args.tokenizer else None,
         "traces": str(traces.resolve()), "traces_sha256": file_digest(traces),
-        "labels": str(labels.resolve()), "labels_sha256": file_digest(labels),
+        "labels": str(labels.resolve()) if labels else None,
+        "labels_sha256": file_digest(labels) if labels else None,
+        "judge": judge, "judge_sha256": judge_digest,
+        "judge_max_new_tokens": args.judge_max_new_tokens if judge else None,
         "dataset": args.dataset or traces.stem, "layers": layers, "window": args.window,
         "residual_layers": list(residual_layers), "controls": list(chosen),
         "max_traces": args.max_traces, "max_segment_tokens": args.max_segment_tokens,
@@ -241,7 +277,13 @@ def _load_tokenizer(settings: dict[str, Any]) -> Any:
 def prepare(settings: dict[str, Any], out: Path) -> dict[str, Any]:
     """Tokenize, segment, project labels; writes tokens.npz and segments.jsonl."""
     traces, all_ids = load_traces(Path(settings["traces"]), settings["max_traces"])
-    records = load_labels_jsonl(settings["labels"])
+    judge = None
+    if settings["labels"] is not None:
+        records = load_labels_jsonl(settings["labels"])
+    else:
+        records, judge = [], _build_judge(settings)
+    judged: list[str] = []  # judge output lines of labels.jsonl
+    unjudged: list[str] = []  # traces the judge's answer did not label (left unlabelled)
     unknown = sorted({r.trace_id for r in records} - all_ids)
     if unknown:
         raise CommandError(f"--labels {settings['labels']}: label(s) for unknown trace(s) "
@@ -264,8 +306,12 @@ def prepare(settings: dict[str, Any], out: Path) -> dict[str, Any]:
         texts = token_texts(tokenizer, ids)
         segments = segment_tokens(texts, config)
         trace_records = by_trace.get(trace.trace_id)
-        seg_labels = (labels_for_trace(trace_records, trace.trace_id, len(segments))
-                      if trace_records else [-1] * len(segments))
+        if judge is not None:
+            seg_labels = _judge_trace(judge, trace.trace_id, [
+                "".join(texts[seg.start:seg.end]) for seg in segments], judged, unjudged)
+        else:
+            seg_labels = (labels_for_trace(trace_records, trace.trace_id, len(segments))
+                          if trace_records else [-1] * len(segments))
         base = len(all_segments)
         local_t = token_segment_ids(segments, len(ids))
         ids_n.append(np.asarray(ids, np.int32))
@@ -281,6 +327,8 @@ def prepare(settings: dict[str, Any], out: Path) -> dict[str, Any]:
                 "end": segment.end, "label": BEHAVIOURS[label] if label >= 0 else None,
                 "text": text}))
     (out / "segments.jsonl").write_text("\n".join(lines) + "\n")
+    if judge is not None:  # what the judge said, in the --labels format (reusable)
+        (out / "labels.jsonl").write_text("".join(line + "\n" for line in judged))
     labels_all = np.concatenate(labels_n)
     np.savez(out / "tokens.npz", trace_ids=np.array([t.trace_id for t in traces]),
              offsets=np.asarray(offsets, np.int64), token_ids=np.concatenate(ids_n),
@@ -288,10 +336,49 @@ def prepare(settings: dict[str, Any], out: Path) -> dict[str, Any]:
              prefix=np.concatenate(prefix_n))
     counts_c = np.bincount(labels_all[labels_all >= 0], minlength=len(BEHAVIOURS))
     if not counts_c.any():
-        raise CommandError("no trace has labels; nothing to probe")
-    return {"traces": len(traces), "tokens": int(offsets[-1]), "segments": len(all_segments),
+        raise CommandError("no trace has labels; nothing to probe" + (
+            f" (the judge labelled none of {len(traces)} traces)" if judge is not None else ""))
+    extra = ({"judge_unlabelled_traces": unjudged} if judge is not None else {})
+    return {**extra, "traces": len(traces), "tokens": int(offsets[-1]), "segments": len(all_segments),
             "labelled_tokens": dict(zip(BEHAVIOURS, counts_c.tolist(), strict=True)),
             "segment_lengths": segment_length_stats(all_segments)}
+
+
+def _build_judge(settings: dict[str, Any]) -> Any:
+    """The segment judge: the policy itself, another model, or a scripted policy, greedy
+    through the same sampler (`evaluation.load_policy`)."""
+    from spade_jax.evaluation.policy import SamplerPolicyConfig, load_policy
+    from spade_jax.steering.labels import PolicyJudge, PolicyJudgeConfig
+
+    spec = settings["judge"]
+    greedy = SamplerPolicyConfig(temperature=0.0, top_p=1.0)
+    try:
+        if spec.startswith("scripted:"):
+            policy = load_policy(policy=spec)
+        elif spec == "policy":
+            policy = load_policy(settings["checkpoint"], tokenizer=settings["tokenizer"],
+                                 config=greedy)
+        else:
+            policy = load_policy(spec, config=greedy)
+    except ValueError as err:
+        raise CommandError(f"--judge: {err}") from None
+    return PolicyJudge(policy, PolicyJudgeConfig(
+        max_new_tokens=settings["judge_max_new_tokens"], seed=settings["seed"]))
+
+
+def _judge_trace(judge: Any, trace_id: str, segment_texts: list[str], judged: list[str],
+                 unjudged: list[str]) -> list[int]:
+    """One judge call labels every segment of a trace; an answer that does not label each
+    segment exactly once leaves the trace unlabelled (listed in the stage result), rather
+    than stopping a long labelling run."""
+    try:
+        labels = label_trace_with_judge(judge, segment_texts)
+    except ValueError:
+        unjudged.append(trace_id)
+        return [-1] * len(segment_texts)
+    judged.extend(json.dumps({"trace_id": trace_id, "segment": i, "label": BEHAVIOURS[c]})
+                  for i, c in enumerate(labels))
+    return labels
 
 
 @dataclasses.dataclass(frozen=True)
