@@ -179,3 +179,31 @@ def test_read_labels_with_a_judge_through_the_policy_interface(world):
         assert (tokens["labels"][-2 * BLOCK:] == -1).all()  # the short trace: unlabelled
     assert main([*args[:4], f"--labels={out / 'labels.jsonl'}", *args[5:]]) == 2  # other run
     assert main([a for a in args if not a.startswith("--judge")]) == 2  # neither given
+
+
+def test_read_and_identify_run_on_the_shared_expert_variant(world):
+    """The commands on a Qwen2-MoE-style model (a shared expert beside 8 routed ones): the
+    router telemetry and the expert sets cover the routed experts only (the shared expert
+    has no router logit, so it is never read, chosen or steered)."""
+    from tiny_hf import make_hf_model
+
+    from spade_jax.steering.telemetry import TelemetryReader
+
+    root = world
+    make_hf_model("shared", root / "shared", seed=2, vocab_size=300)
+    out = root / "read_shared"
+    assert main(["read", f"--checkpoint={root / 'shared'}",
+                 f"--tokenizer={root / 'tok' / 'sp.model'}", f"--traces={root / 'a.jsonl'}",
+                 f"--labels={root / 'a_labels.jsonl'}", f"--out={out}",
+                 f"--max_segment_tokens={BLOCK}", "--chunk_tokens=100", "--probe_batch=32",
+                 "--window=2", "--controls=majority"]) == 0
+    reader = TelemetryReader(out / "telemetry")
+    assert reader.metadata["moe_layers"] == [0, 1]
+    assert reader.read_chunk(0).router_logits.shape[1:] == (2, 8)  # [N, L, E routed]
+    assert {row["feature_set"] for row in _rows(out / "probes.csv")} >= {"router", "majority"}
+    assert main(["identify", f"--read=a={out}", f"--out={root / 'identify_shared'}",
+                 "--top_n=2", "--permutations=0"]) == 0
+    sets = load_expert_sets(root / "identify_shared" / "expert_sets_a.json")
+    assert sets.num_experts == 8
+    assert all(0 <= e < 8 for layers in sets.sets.values() for ids in layers.values()
+               for e in ids)
