@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -188,6 +190,64 @@ def _condition_result(name: str, policy: SamplerPolicy, result, samples: int,
         len(policy.generated_tokens), tokens_ps=tokens_ps, scores_ps=result.scores, dose=dose)
 
 
+# Arguments that change a condition's result: a re-run into the same --out with the same
+# values reuses the conditions already written there; other values are refused.
+_RUN_KEYS = ("checkpoint", "tokenizer", "suite", "suppress", "activate", "schedule",
+             "window_tokens", "eps", "samples", "max_new_tokens", "temperature", "top_p",
+             "problems_per_task", "max_problems", "dataset_seed", "seed", "random_seed", "dose")
+
+
+class ConditionCache:
+    """Each finished condition's result in ``OUT/conditions/``, so an interrupted ``run``
+    re-run with the same arguments evaluates only the conditions still missing.
+    ``OUT/run.json`` holds the arguments (and the expert-set file's digest); a re-run with
+    other values is refused, naming the first that differs."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from spade_jax import storage
+
+        self.dir = storage.as_path(args.out) / "conditions"
+        key = {name: getattr(args, name) for name in _RUN_KEYS}
+        key["expert_sets_sha256"] = hashlib.sha256(Path(args.expert_sets).read_bytes()).hexdigest()
+        record = storage.as_path(args.out) / "run.json"
+        if record.exists():
+            try:
+                old = json.loads(record.read_text())
+            except json.JSONDecodeError:
+                old = None
+            if isinstance(old, dict):
+                differ = [k for k in key if old.get(k) != key[k]]
+                if differ:
+                    raise ValueError(
+                        f"--out {args.out} holds a run with other arguments ({differ[0]}: "
+                        f"{old.get(differ[0])!r}, now {key[differ[0]]!r}); use another --out")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(key, indent=1, sort_keys=True))
+
+    def _path(self, condition: str):
+        return self.dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", condition) + ".json")
+
+    def load(self, condition: str) -> compare.ConditionResult | None:
+        path = self._path(condition)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:  # cut short by a crash: evaluated again
+            return None
+        for name in ("tokens_ps", "scores_ps"):
+            if data.get(name) is not None:
+                data[name] = np.asarray(data[name], np.float64)
+        return compare.ConditionResult(**data)
+
+    def save(self, result: compare.ConditionResult) -> None:
+        data = dataclasses.asdict(result)
+        for name in ("tokens_ps", "scores_ps"):
+            if data[name] is not None:
+                data[name] = np.asarray(data[name]).tolist()
+        self._path(result.condition).write_text(json.dumps(data))
+
+
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
     check_schedule(args.schedule, args.window_tokens)
     doses = parse_doses(args.dose)
@@ -240,8 +300,14 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                                batch_size=args.batch_size)
     eval_config = EvalConfig(samples_per_problem=args.samples, seed=args.seed,
                              max_new_tokens=args.max_new_tokens)
+    cache = ConditionCache(args)
     results = []
     for condition, hook, dose in plan:
+        done = cache.load(condition)
+        if done is not None:
+            results.append(done)
+            print(f"{condition}: reused from {cache.dir}", file=sys.stderr)
+            continue
         config = base
         if condition == "prompt-control":
             config = dataclasses.replace(base, system_prompt=CONCISE_SYSTEM_PROMPT)
@@ -250,6 +316,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             answer_detector=detector if hook is not None else None)
         (result,) = evaluate_suites(policy, [suite], eval_config)
         results.append(_condition_result(condition, policy, result, args.samples, dose))
+        cache.save(results[-1])
         print(f"{condition}: {results[-1]}", file=sys.stderr)
     rows = compare.table_rows(results)
     steer_desc = ", ".join(f"{verb} {names}" for verb, names in (

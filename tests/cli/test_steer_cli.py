@@ -64,7 +64,7 @@ def _greedy_length(prompt, behaviour, target, successor, suppress):
 
 
 @pytest.mark.slow  # ~130 s loaded: JAX subprocess, model build; + the in-process sweep
-def test_end_to_end_table(tmp_path):
+def test_end_to_end_table(tmp_path, capsys):
     tokenizer, model, behaviour, target, successor, plain_ids = _build(tmp_path)
     save_hf(model, model.config, tmp_path / "model")
 
@@ -190,6 +190,24 @@ def test_end_to_end_table(tmp_path):
                        "random-control n=1": unmodified, "steered n=2": windowed,
                        "random-control n=2": unmodified,
                        "prompt-control": expected(CONCISE_SYSTEM_PROMPT, False)}
+    # Resumable: a re-run into the same --out reuses every finished condition (one is
+    # deleted: only it is evaluated again) and writes the same table; other arguments are
+    # refused, naming the first that differs.
+    window_run = ["run", f"--checkpoint={tmp_path / 'model'}",
+                  f"--tokenizer={tmp_path / 'tok' / 'sp.model'}",
+                  f"--suite=jsonl:{tmp_path / 'bench.jsonl'}",
+                  f"--expert_sets={tmp_path / 'sets.json'}", "--suppress=conclusion",
+                  "--schedule=window", f"--window_tokens={window}", "--dose=1,2",
+                  f"--max_new_tokens={MAX_NEW}", f"--out={out}"]
+    table = (out / "results.csv").read_text()
+    (out / "conditions" / "steered_n_2.json").unlink()
+    capsys.readouterr()
+    assert main(window_run) == 0
+    err = capsys.readouterr().err
+    assert err.count("reused from") == 5 and "steered n=2: reused" not in err
+    assert (out / "results.csv").read_text() == table
+    assert main([*window_run, "--eps=0.5"]) == 2
+    assert "holds a run with other arguments (eps" in capsys.readouterr().err
 
     # 6. The cut schedule through the sampler with the text-marker detector: a marker that
     #    completes at generated token f steers the forwards producing tokens 0 .. f, then
