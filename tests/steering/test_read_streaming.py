@@ -388,3 +388,45 @@ def test_width_matched_projection_width_determinism_and_seeds():
     assert features.shape == (10, experts * window)
     with pytest.raises(ValueError, match="cannot widen"):
         width_matched_projection(16, 8, 3)
+
+
+def test_residual_probe_on_captured_residuals_agrees_with_numpy(tiny, tmp_path):
+    """The residual probe as `read` fits it: residual features streamed from real captured
+    telemetry (`telemetry_feature_chunks` + `residual_window_features`), labels a function of
+    the token, against the NumPy logistic regression on the same gathered features."""
+    _, looped, _ = tiny
+    rng = np.random.default_rng(11)
+    sequences = [rng.integers(0, tiny_hf.VOCAB, 16).tolist() for _ in range(24)]
+    with _writer(tmp_path / "t") as writer:
+        score_and_record(looped, sequences, writer, config=CAPTURE)
+
+    def labels(chunk):
+        return chunk.token_ids % NUM_CLASSES
+
+    def features(chunk):
+        return residual_window_features(chunk.residuals, [0, 1])
+
+    def split(is_train):
+        return lambda chunk: (chunk.sequence_ids < 16) == is_train  # by sequence, not token
+
+    train = telemetry_feature_chunks(tmp_path / "t", features, labels, weights=split(True),
+                                     residuals=True)
+    test = telemetry_feature_chunks(tmp_path / "t", features, labels, weights=split(False),
+                                    residuals=True)
+    x, y, w = (np.concatenate(parts) for parts in zip(*train(), strict=True))
+    x_train, y_train = x[w > 0].astype(np.float64), y[w > 0]
+    x_test, y_test = x[w == 0].astype(np.float64), y[w == 0]
+    l2 = 1e-2
+    mean, std, w_ref, b_ref = _numpy_logistic_regression(x_train, y_train, l2, steps=2000)
+    config = StreamingProbeConfig(l2=l2, num_epochs=40, batch_size=32, learning_rate=0.1)
+    fit = fit_streaming_probe(train, x.shape[1], NUM_CLASSES, config)
+    assert fit.num_train == len(y_train) == 16 * 16
+    reference = np.argmax((x_test - mean) / std @ w_ref + b_ref, axis=1)
+    predicted = predict_probe(fit.params, x_test)
+    assert (predicted == reference).mean() >= 0.95
+    assert abs(macro_f1(y_test, predicted) - macro_f1(y_test, reference)) <= 0.05
+    evaluation = evaluate_streaming_probe(
+        fit.params, [(xc, np.where(wc > 0, yc, -1), None) for xc, yc, wc in test()],
+        NUM_CLASSES, majority_class=int(np.bincount(y_train).argmax()))
+    assert evaluation.num_tokens == len(y_test)
+    assert evaluation.macro_f1 == pytest.approx(macro_f1(y_test, predicted))
