@@ -1,6 +1,8 @@
 """A CPU world where SPADE's mechanism is visible (``docs/toy_world.md``).
 
 ``family``: the key-digit games, whose difficulty is the level the designer writes.
+``chain`` / ``chain_world``: the chain games (count up from a start), the alternative
+family selected by ``ToyConfig.family="chain"`` (``experiments/chain.py``).
 ``world``: the warm start, tokenizer text, fixed curriculum and held-out grid of a run
 (``ExperimentConfig.toy``). ``check``: the learning check's verdict on a run's metrics.
 """

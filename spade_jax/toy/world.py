@@ -49,6 +49,14 @@ class ToyConfig:
       pool: the fixed pool of a ``designer_mode="fixed_pool"`` run: "curriculum" (every
         level and rule: the fixed-curriculum baseline) or "constant_key" (the agent-path
         check's games, whose key is always 7: ``toy:check``).
+      family: "key_digit" (``toy/family.py``) or "chain" (``toy/chain.py``: count up
+        from a start modulo ``chain_base``; every function below then builds from it,
+        ``toy/chain_world.py``).
+      chain_base: the chain family's base (its digits count up modulo it).
+      pool_levels: the levels of the chain family's fixed pool (empty: every level).
+      chain_separator: what separates the digits of the chain warm start's answers: " "
+        (``\\boxed{3 4 0}``) or "" (``\\boxed{340}``: each digit is then a token right
+        after the digit it succeeds; the tokenizer splits digits).
     """
 
     enabled: bool = False
@@ -59,8 +67,26 @@ class ToyConfig:
     heldout_levels: tuple[int, ...] = (2, 3, 4, 6, 8)
     heldout_episodes: int = 16
     pool: str = "curriculum"
+    family: str = "key_digit"
+    chain_base: int = 5
+    pool_levels: tuple[int, ...] = ()
+    chain_separator: str = " "
 
     def __post_init__(self) -> None:
+        if self.family not in ("key_digit", "chain"):
+            raise ValueError(f"toy.family must be 'key_digit' or 'chain', got {self.family!r}")
+        if self.chain_base not in range(3, 11):
+            raise ValueError(f"toy.chain_base must be in 3..10, got {self.chain_base!r}")
+        if self.family == "chain" and self.pool != "curriculum":
+            raise ValueError("toy.pool must be 'curriculum' for the chain family (it has no "
+                             "constant-key variant)")
+        if self.chain_separator not in (" ", ""):
+            raise ValueError(f"toy.chain_separator must be ' ' or '', got "
+                             f"{self.chain_separator!r}")
+        bad = [lv for lv in self.pool_levels if lv not in LEVELS]
+        if bad:
+            raise ValueError(f"toy.pool_levels must be levels from {LEVELS}, got "
+                             f"{self.pool_levels}")
         if self.pool not in ("curriculum", "constant_key"):
             raise ValueError(f"toy.pool must be 'curriculum' or 'constant_key', got {self.pool!r}")
         if len(self.designer_level_weights) != len(LEVELS) or \
@@ -89,6 +115,10 @@ def designer_pairs(config: ToyConfig, designer_messages: Any, seed: int) -> list
     examples)`` is the loop's own prompt builder (``Designer._messages``); half the
     prompts carry one memory example (a random level, regime and win rate, as the loop
     shows them), whose level the target does not follow."""
+    if config.family == "chain":
+        from spade_jax.toy import chain_world
+
+        return chain_world.designer_pairs(config, designer_messages, seed)
     draw = rng(seed, 0, Phase.WARM_START, 0)
     weights = np.asarray(config.designer_level_weights, np.float64)
     weights /= weights.sum()
@@ -111,6 +141,10 @@ def designer_pairs(config: ToyConfig, designer_messages: Any, seed: int) -> list
 
 def hint_pairs(config: ToyConfig, seed: int) -> list[tuple[Messages, str]]:
     """(hint-writer chat on a program -> its hint) pairs over every level and rule."""
+    if config.family == "chain":
+        from spade_jax.toy import chain_world
+
+        return chain_world.hint_pairs(config, seed)
     draw = rng(seed, 0, Phase.WARM_START, 1)
     pairs = []
     for _ in range(config.hint_examples):
@@ -130,6 +164,10 @@ def agent_sequences(config: ToyConfig, seed: int, tokenizer: Any, agent: Any) ->
     second turns (after the family's "Wrong." and the rule), whose target is a shown digit
     drawn uniformly: the format of an answer and the random-copy policy (1/L at level L),
     not which digit is the key. ``agent``: the run's ``AgentLoopConfig``."""
+    if config.family == "chain":
+        from spade_jax.toy import chain_world
+
+        return chain_world.agent_sequences(config, seed, tokenizer, agent)
     from spade_jax.rollout.agent_loop import ChatTurns
     from spade_jax.spade.warm_start import supervised_sequence, turn_end_id
 
@@ -147,6 +185,10 @@ def agent_sequences(config: ToyConfig, seed: int, tokenizer: Any, agent: Any) ->
 
 def _agent_examples(config: ToyConfig, seed: int) -> list[tuple[tuple[str, ...], str]]:
     """(observation[, first reply, feedback]) -> answer, as text (``agent_sequences``)."""
+    if config.family == "chain":
+        from spade_jax.toy import chain_world
+
+        return chain_world.agent_examples(config, seed)
     draw = rng(seed, 0, Phase.WARM_START, 2)
     examples = []
     for i in range(config.agent_examples):
@@ -160,8 +202,13 @@ def _agent_examples(config: ToyConfig, seed: int) -> list[tuple[tuple[str, ...],
     return examples
 
 
-def tokenizer_text() -> str:
-    """Text the toy tokenizer is trained on: every program, hint and observation shape."""
+def tokenizer_text(config: ToyConfig | None = None) -> str:
+    """Text the toy tokenizer is trained on: every program, hint and observation shape
+    (of the chain family, when ``config`` selects it)."""
+    if config is not None and config.family == "chain":
+        from spade_jax.toy import chain_world
+
+        return chain_world.tokenizer_text(config.chain_base)
     parts = [render_program(level, rule) for level in LEVELS for rule in RULES]
     parts += [hint_for(rule) for rule in RULES]
     parts += [observation(list(range(n))) for n in LEVELS]
@@ -177,6 +224,10 @@ def fixed_pool(config: ToyConfig) -> list[tuple[str, str | None, str]]:
     """A fixed-pool run's programs: every level and rule once (drawn uniformly, without
     replacement per pass), of the family or (``pool="constant_key"``) of its
     constant-key variant; hints are written by the policy (hint_mode "self")."""
+    if config.family == "chain":
+        from spade_jax.toy import chain_world
+
+        return chain_world.fixed_pool(config)
     key = CONSTANT_KEY if config.pool == "constant_key" else None
     return [(render_program(level, rule, key), None, SKILL) for level in LEVELS
             for rule in RULES]
@@ -186,6 +237,10 @@ def heldout_grid(config: ToyConfig, seed: int) -> list[tuple[int, str, int]]:
     """(level, rule, episode seed) of the held-out evaluation: a fixed grid, the same at
     every evaluation of a run, seeded from Phase.EVAL (training plays are seeded from
     other phases)."""
+    if config.family == "chain":
+        from spade_jax.toy import chain_world
+
+        return chain_world.heldout_grid(config, seed)
     grid = []
     for level in config.heldout_levels:
         for i in range(config.heldout_episodes):
@@ -198,6 +253,10 @@ def heldout_metrics(grid: Sequence[tuple[int, str, int]], returns: Sequence[floa
                     ) -> dict[str, float]:
     """``eval/toy/pass@1`` (share of held-out episodes solved: a positive score), the
     first-try share, the mean score, and pass@1 per level."""
+    if grid and str(grid[0][1]).startswith("chain_base"):  # the chain family's grid
+        from spade_jax.toy import chain_world
+
+        return chain_world.heldout_metrics(grid, returns)
     returns_arr = np.asarray(returns, np.float64)
     levels = np.asarray([lv for lv, _, _ in grid])
     out = {"eval/toy/pass@1": float(np.mean(returns_arr > 0)),

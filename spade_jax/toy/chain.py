@@ -1,0 +1,144 @@
+"""The toy world's second family: "chain" games, whose per-level skill is an output
+mapping (a successor table) rather than an attention pattern (docs/toy_world.md).
+
+Every program is the same short game in the published recipe's contract (a class named
+``*Env``, ``\\boxed{}`` actions, the last reward is the score) with two constants at the
+top; the designer chooses the level by what it writes:
+
+    LEVEL = 4            # how many digits the answer has (1 .. 9)
+    BASE = 5             # the digits count up modulo BASE (fixed per run: ToyConfig.chain_base)
+
+The agent sees ``Start: 3. Length: 4.`` and must answer ``\\boxed{3 4 0 1}``: the start,
+then each next digit the successor of the previous one (``(d + 1) % BASE``); spaces in
+the answer are ignored (``\\boxed{3401}`` is the same answer). One try; the
+score is the share of leading digits that are right, over the longer of the answer and
+the target (``right / max(LEVEL, len(answer))``: extra digits cost, a malformed answer
+scores 0), so 1 only for the exact sequence. So:
+
+- level 1 is a copy (the warm start's format); each further digit is one lookup of the
+  successor table, the same table at every level and for every start;
+- a policy that copies the start and draws the rest uniformly from ``range(BASE)`` solves
+  level L (the whole sequence) with chance ``BASE ** -(L - 1)``, and its expected score
+  is ``sum_k BASE**-k / L`` for k = 0..L-1 (partial credit: ``expected_random_score``);
+- the hint (``hint_for``) states the table as a count (``Count up: 0 1 2 3 4 0.``): a
+  strategy that holds for every start, not an episode's answer (the start is drawn per
+  episode); whether this policy can use it is untested (docs/toy_world.md).
+
+This module imports nothing of the package but ``env_stats`` (as ``family`` does), so
+``family.render_program`` can render a chain program for the held-out eval.
+"""
+
+from __future__ import annotations
+
+import re
+
+from spade_jax.spade.env_stats import stated_level
+
+LEVELS: tuple[int, ...] = tuple(range(1, 10))
+BASES: tuple[int, ...] = (3, 4, 5, 6, 7, 8, 9, 10)
+DEFAULT_BASE = 5
+# The held-out grid's and the fixed pool's "rule" slot for a chain game of this base: the
+# run's held-out eval renders ``family.render_program(level, rule)``, which hands a rule
+# with this prefix to ``render_program`` below.
+GRID_RULE_PREFIX = "chain_base"
+
+_PROGRAM = '''\
+LEVEL = {level}
+BASE = {base}
+
+
+class ChainEnv:
+    def reset(self, seed=None):
+        self.start = random.Random(seed).randrange(BASE)
+        return "Start: %d. Length: %d." % (self.start, LEVEL), {{}}
+
+    def step(self, action):
+        target = [str((self.start + i) % BASE) for i in range(LEVEL)]
+        found = re.fullmatch(r"\\\\boxed\\{{([0-9 ]*)\\}}", action.strip())
+        answer = list(found.group(1).replace(" ", "")) if found else []
+        right = 0
+        for got, want in zip(answer, target):
+            if got != want:
+                break
+            right += 1
+        score = right / max(LEVEL, len(answer))
+        return ("Correct." if score == 1 else "Wrong."), score, True, False, {{}}
+'''
+
+_BASE_LINE = re.compile(r"^BASE\s*=\s*(\d+)\s*$", re.M)
+
+
+def _check(level: int, base: int) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"chain level must be one of {LEVELS}, got {level!r}")
+    if base not in BASES:
+        raise ValueError(f"chain base must be one of {BASES}, got {base!r}")
+
+
+def render_program(level: int, base: int = DEFAULT_BASE) -> str:
+    """The chain game at ``level`` (the answer's length) counting modulo ``base``."""
+    _check(level, base)
+    return _PROGRAM.format(level=level, base=base)
+
+
+def program_level(source: str) -> int | None:
+    """The level a program states (its ``LEVEL = n`` line), None if it states none."""
+    return stated_level(source)
+
+
+def program_base(source: str) -> int | None:
+    match = _BASE_LINE.search(source)
+    return int(match.group(1)) if match else None
+
+
+def grid_rule(base: int) -> str:
+    """The held-out grid's rule slot for chain games of ``base`` (``GRID_RULE_PREFIX``)."""
+    _check(1, base)
+    return f"{GRID_RULE_PREFIX}{base}"
+
+
+def base_of_rule(rule: str) -> int | None:
+    """The base a grid rule names (``grid_rule``), None for any other rule."""
+    if isinstance(rule, str) and rule.startswith(GRID_RULE_PREFIX):
+        return int(rule[len(GRID_RULE_PREFIX):])
+    return None
+
+
+def observation(start: int, level: int) -> str:
+    """The first observation of an episode (as the program writes it)."""
+    return f"Start: {start}. Length: {level}."
+
+
+def target(start: int, level: int, base: int = DEFAULT_BASE) -> list[int]:
+    """The right answer's digits (as the program computes them)."""
+    return [(start + i) % base for i in range(level)]
+
+
+def answer_text(digits: list[int] | tuple[int, ...], separator: str = " ") -> str:
+    """An answer as the warm start writes it: the digits joined by ``separator`` (the
+    program ignores spaces, so ``\\boxed{3 4 0}`` and ``\\boxed{340}`` score alike)."""
+    return "\\boxed{" + separator.join(str(d) for d in digits) + "}"
+
+
+def score(answer: list[int] | tuple[int, ...], start: int, level: int,
+          base: int = DEFAULT_BASE) -> float:
+    """The program's score of an answer (share of right leading digits, over the longer
+    of the answer and the target), computed here for tests and analyses."""
+    right = 0
+    for got, want in zip(answer, target(start, level, base), strict=False):
+        if got != want:
+            break
+        right += 1
+    return right / max(level, len(answer))
+
+
+def expected_random_score(level: int, base: int = DEFAULT_BASE) -> float:
+    """Expected score of the warm start's policy (the start copied, the other L-1 digits
+    uniform over ``range(base)``): leading run k+1 long with chance base^-k."""
+    return sum(base ** -k for k in range(level)) / level
+
+
+def hint_for(base: int = DEFAULT_BASE) -> str:
+    """The strategy hint of a chain program: the successor table, as a count that wraps."""
+    _check(1, base)
+    return "Count up: " + " ".join(str(d) for d in list(range(base)) + [0]) + "."

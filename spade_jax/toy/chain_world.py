@@ -1,0 +1,169 @@
+"""The toy world over the chain family (``ToyConfig.family="chain"``; ``toy/chain.py``):
+warm-start data, tokenizer text, fixed pool and held-out grid, called by ``toy/world.py``'s
+functions of the same names when the config selects this family.
+
+What the warm start teaches, and what it leaves to RL:
+
+- the designer role: the chain program at levels drawn from ``designer_level_weights``,
+  for the loop's own designer prompts (with and without a memory example, whose level the
+  target does not follow), at the run's base;
+- the hint writer: a program -> its hint (the successor table as a count);
+- the agent role: the answer format and level-1 copying only. A third of the examples are
+  level 1 (the target is the start); the rest are at random levels, and their target is
+  the start followed by LEVEL-1 digits drawn uniformly from ``range(base)``: the length
+  and the alphabet of an answer, no successor information
+  (``tests/toy/test_chain.py`` checks the targets' second digits hit the successor at
+  chance rate). The game has one try, so there are no second turns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from spade_jax.seeding import Phase, derive_seed, rng
+from spade_jax.spade.prompts import hint_writer_messages
+from spade_jax.toy import chain
+from spade_jax.toy.family import SKILL
+
+Messages = list[dict[str, str]]
+
+
+def designer_pairs(config: Any, designer_messages: Any, seed: int) -> list[tuple[Messages, str]]:
+    """(designer chat -> chain program) pairs, as ``world.designer_pairs`` builds them for
+    the key-digit family (same draws of level and example)."""
+    draw = rng(seed, 0, Phase.WARM_START, 0)
+    weights = np.asarray(config.designer_level_weights, np.float64)
+    weights /= weights.sum()
+    base = config.chain_base
+    pairs = []
+    for i in range(config.designer_examples):
+        level = int(draw.choice(chain.LEVELS, p=weights))
+        examples = []
+        if i % 2:
+            example_level = int(draw.choice(chain.LEVELS))
+            build_on = bool(draw.integers(2))
+            examples = [{"program": chain.render_program(example_level, base),
+                         "hint": "", "regime": "frontier" if build_on else "mastered",
+                         "win_rate": float(draw.uniform()), "regret": float(draw.uniform(-.2, .6)),
+                         "build_on": build_on}]
+        pairs.append((designer_messages(SKILL, [], examples),
+                      f"```python\n{chain.render_program(level, base)}```"))
+    return pairs
+
+
+def hint_pairs(config: Any, seed: int) -> list[tuple[Messages, str]]:
+    """(hint-writer chat on a chain program -> its hint) pairs over every level."""
+    draw = rng(seed, 0, Phase.WARM_START, 1)
+    return [(hint_writer_messages(chain.render_program(int(draw.choice(chain.LEVELS)),
+                                                       config.chain_base)),
+             chain.hint_for(config.chain_base)) for _ in range(config.hint_examples)]
+
+
+def agent_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
+    """(observation,) -> answer text (module docstring: format and copying only)."""
+    draw = rng(seed, 0, Phase.WARM_START, 2)
+    base = config.chain_base
+    examples = []
+    for i in range(config.agent_examples):
+        level = 1 if i % 3 == 0 else int(draw.choice(chain.LEVELS))
+        start = int(draw.integers(base))
+        digits = [start] + [int(d) for d in draw.integers(base, size=level - 1)]
+        examples.append(((chain.observation(start, level),),
+                         chain.answer_text(digits, config.chain_separator)))
+    return examples
+
+
+def agent_sequences(config: Any, seed: int, tokenizer: Any, agent: Any) -> list[Any]:
+    """``agent_examples`` as token sequences laid out as the agent loop lays out a first
+    turn (its ``ChatTurns``), the reply closed by the turn-end token."""
+    from spade_jax.rollout.agent_loop import ChatTurns
+    from spade_jax.spade.warm_start import supervised_sequence, turn_end_id
+
+    turns = ChatTurns(tokenizer, agent.system_prompt, agent.enable_thinking,
+                      agent.first_turn_template, agent.observation_role)
+    end = turn_end_id(tokenizer)
+    return [supervised_sequence(turns.first_prompt(prompt[0]), tokenizer.encode(answer) + [end])
+            for prompt, answer in agent_examples(config, seed)]
+
+
+def tokenizer_text(base: int = chain.DEFAULT_BASE) -> str:  # both answer formats
+    """Every chain program, hint, observation and answer shape."""
+    parts = [chain.render_program(level, base) for level in chain.LEVELS]
+    parts += [chain.hint_for(base), "Correct.", "Wrong."]
+    parts += [chain.observation(s, level) for s in range(base) for level in chain.LEVELS]
+    parts += [chain.answer_text(chain.target(s, level, base), separator)
+              for s in range(base) for level in chain.LEVELS for separator in (" ", "")]
+    return "\n".join(parts)
+
+
+def fixed_pool(config: Any) -> list[tuple[str, str | None, str]]:
+    """A fixed-pool run's programs: the chain game at every level of ``pool_levels``
+    (every level when empty); hints are written by the policy (hint_mode "self")."""
+    levels = config.pool_levels or chain.LEVELS
+    return [(chain.render_program(level, config.chain_base), None, SKILL) for level in levels]
+
+
+def heldout_grid(config: Any, seed: int) -> list[tuple[int, str, int]]:
+    """(level, rule, episode seed) of the held-out evaluation, seeded from Phase.EVAL as
+    the key-digit grid is, every start equally often (``_seed_with_start``); the rule
+    slot names the base (``chain.grid_rule``), so the
+    run's eval renders the chain program (``family.render_program``)."""
+    rule = chain.grid_rule(config.chain_base)
+    return [(level, rule, _seed_with_start(seed, level, i, i % config.chain_base,
+                                           config.chain_base))
+            for level in config.heldout_levels for i in range(config.heldout_episodes)]
+
+
+def _seed_with_start(seed: int, level: int, i: int, start: int, base: int) -> int:
+    """The first Phase.EVAL-derived episode seed (in a fixed order) whose start, as the
+    program draws it (``random.Random(seed).randrange(base)``), is ``start``: the grid
+    shows every start equally often (episode i has start i % base), so a per-level score
+    is not skewed by which starts 16 random seeds happened to draw."""
+    import random
+
+    for j in range(10_000):
+        candidate = derive_seed(seed, 0, Phase.EVAL, level, i, j)
+        if random.Random(candidate).randrange(base) == start:
+            return candidate
+    raise RuntimeError("no seed with that start")  # chance base^-10000
+
+
+def heldout_metrics(grid: Sequence[tuple[int, str, int]], returns: Sequence[float]
+                    ) -> dict[str, float]:
+    """``eval/toy/pass@1`` (share of held-out episodes solved exactly: score 1; the game
+    has one try, so ``first_try`` is the same), ``eval/toy/return_mean`` (the mean score:
+    partial credit), and per level pass@1 and the mean score."""
+    returns_arr = np.asarray(returns, np.float64)
+    solved = returns_arr >= 1.0 - 1e-9
+    levels = np.asarray([lv for lv, _, _ in grid])
+    out = {"eval/toy/pass@1": float(np.mean(solved)),
+           "eval/toy/first_try": float(np.mean(solved)),
+           "eval/toy/return_mean": float(np.mean(returns_arr))}
+    for level in sorted(set(levels.tolist())):
+        out[f"eval/toy/level_{level}/pass@1"] = float(np.mean(solved[levels == level]))
+        out[f"eval/toy/level_{level}/return_mean"] = float(np.mean(returns_arr[levels == level]))
+    out.update(lookup_metrics(levels, returns_arr))
+    return out
+
+
+def lookup_metrics(levels: np.ndarray, returns: np.ndarray) -> dict[str, float]:
+    """What the scores say about the two skills, reading an episode's score at level L as
+    a leading run of ``round(score * L)`` right digits (exact when the answer has L
+    digits; a longer answer reads as a shorter run):
+
+    ``eval/toy/copy_rate``    share of episodes whose first digit is right (the start
+                              copied: the warm start's skill);
+    ``eval/toy/lookup_rate``  share of successor lookups right, given the digits before
+                              them were (pooled over levels >= 2): 1/base for a policy
+                              that does not know the table, 1 for one that does."""
+    runs = np.rint(returns * levels).astype(int)
+    tried = right = 0
+    for level, run in zip(levels.tolist(), runs.tolist(), strict=True):
+        if level >= 2 and run >= 1:  # lookups 1 .. run-1 right, lookup `run` (if any) wrong
+            tried += min(run, level - 1)
+            right += run - 1
+    return {"eval/toy/copy_rate": float(np.mean(runs >= 1)),
+            "eval/toy/lookup_rate": float(right / tried) if tried else float("nan")}
