@@ -33,7 +33,7 @@ def get_config(variant: str = "") -> ExperimentConfig:
         toy=dataclasses.replace(config.toy, family="chain", chain_base=5))
     if variant == "check":
         config = dataclasses.replace(
-            config, name="chain_check",
+            config,  # the name stays "chain": a variant is named by its experiment
             toy=dataclasses.replace(config.toy, pool_levels=(2, 3),
                                     heldout_levels=(2, 3, 4, 6), heldout_episodes=20),
             spade=dataclasses.replace(
