@@ -22,6 +22,10 @@ from spade_jax.steer import main
 from spade_jax.steering.expert_sets import load_expert_sets
 from spade_jax.tokenizers import train_sentencepiece
 
+# The commands end to end (model build, capture, sampling): the slow tier, with the other
+# command-line tests.
+pytestmark = pytest.mark.slow
+
 BLOCK, BLOCKS, TRACES = 4, 6, 12
 
 

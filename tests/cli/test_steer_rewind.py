@@ -20,6 +20,10 @@ from spade_jax.steer import main
 from spade_jax.steering.commands.rewind import parse_plan_label
 from spade_jax.tokenizers import train_sentencepiece
 
+# The commands end to end (model build, capture, sampling): the slow tier, with the other
+# command-line tests.
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 12
 TRACES = [
     {"trace_id": "t1", "prompt": "what is one plus two",
