@@ -14,7 +14,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,43 @@ def cached(path: Path, compute: Callable[[], Any]) -> tuple[Any, bool]:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, value)
     return value, False
+
+
+def trace_records(path: Path) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """``(where, trace_id, object)`` for every non-blank line of a traces JSONL file (the
+    ``read`` and ``rewind`` inputs); refuses invalid JSON, a line without a ``trace_id`` and
+    a repeated one, naming the file and line."""
+    first_line: dict[str, int] = {}
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CommandError(f"{where}: invalid JSON ({err.msg})") from None
+            if not isinstance(obj, dict) or "trace_id" not in obj:
+                raise CommandError(f"{where}: expected an object with a 'trace_id'")
+            trace_id = str(obj["trace_id"])
+            if trace_id in first_line:
+                raise CommandError(f"{where}: duplicate trace_id {trace_id!r} (first on line "
+                                   f"{first_line[trace_id]})")
+            first_line[trace_id] = line_no
+            yield where, trace_id, obj
+
+
+def trace_content(where: str, trace_id: str, obj: Mapping[str, Any]
+                  ) -> tuple[str | None, tuple[int, ...] | None]:
+    """A trace's ``(text, None)`` or ``(None, token_ids)``; refuses a line with neither."""
+    text, ids = obj.get("text"), obj.get("token_ids")
+    if isinstance(text, str) and text:
+        return text, None
+    if isinstance(ids, list) and ids and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return None, tuple(ids)
+    raise CommandError(f"{where}: trace {trace_id!r} needs a non-empty 'text' or "
+                       f"'token_ids' (a list of ints >= 0)")
 
 
 def safe_name(text: str) -> str:

@@ -76,6 +76,8 @@ from spade_jax.steering.commands._common import (
     run_command,
     safe_name,
     save_run_record,
+    trace_content,
+    trace_records,
     write_csv,
 )
 from spade_jax.steering.labels import (
@@ -152,37 +154,15 @@ def load_traces(path: Path, max_traces: int | None) -> tuple[list[Trace], set[st
     if not path.is_file():
         raise CommandError(f"--traces {path}: no such file")
     traces: list[Trace] = []
-    all_ids: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CommandError(f"{where}: invalid JSON ({err.msg})") from None
-            if not isinstance(obj, dict) or "trace_id" not in obj:
-                raise CommandError(f"{where}: expected an object with a 'trace_id'")
-            trace_id = str(obj["trace_id"])
-            if trace_id in all_ids:
-                raise CommandError(f"{where}: duplicate trace_id {trace_id!r} (first on line "
-                                   f"{all_ids[trace_id]})")
-            all_ids[trace_id] = line_no
-            text, ids = obj.get("text"), obj.get("token_ids")
-            if isinstance(text, str) and text:
-                trace = Trace(trace_id, text, None)
-            elif isinstance(ids, list) and ids and all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                trace = Trace(trace_id, None, tuple(ids))
-            else:
-                raise CommandError(f"{where}: trace {trace_id!r} needs a non-empty 'text' or "
-                                   f"'token_ids' (a list of ints >= 0)")
-            if max_traces is None or len(traces) < max_traces:
-                traces.append(trace)
+    all_ids: set[str] = set()
+    for where, trace_id, obj in trace_records(path):
+        all_ids.add(trace_id)
+        text, ids = trace_content(where, trace_id, obj)
+        if max_traces is None or len(traces) < max_traces:
+            traces.append(Trace(trace_id, text, ids))
     if not traces:
         raise CommandError(f"--traces {path}: no traces")
-    return traces, set(all_ids)
+    return traces, all_ids
 
 
 def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:

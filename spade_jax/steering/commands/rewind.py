@@ -72,6 +72,8 @@ from spade_jax.steering.commands._common import (
     markdown_table,
     run_command,
     save_run_record,
+    trace_content,
+    trace_records,
     write_csv,
 )
 
@@ -267,37 +269,13 @@ def _is_messages(prompt: Any) -> bool:
 def load_traces(path: Path) -> list[Trace]:
     """Every trace of the file; errors name the file and line."""
     traces: list[Trace] = []
-    seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CommandError(f"{where}: invalid JSON ({err.msg})") from None
-            if not isinstance(obj, dict) or "trace_id" not in obj:
-                raise CommandError(f"{where}: expected an object with a 'trace_id'")
-            trace_id = str(obj["trace_id"])
-            if trace_id in seen:
-                raise CommandError(f"{where}: duplicate trace_id {trace_id!r} (first on line "
-                                   f"{seen[trace_id]})")
-            seen[trace_id] = line_no
-            prompt = obj.get("prompt")
-            if prompt is not None and not (isinstance(prompt, str) and prompt) \
-                    and not _is_messages(prompt):
-                raise CommandError(f"{where}: 'prompt' must be a non-empty string or a list of "
-                                   f"{{'role', 'content'}} messages")
-            text, ids = obj.get("text"), obj.get("token_ids")
-            if isinstance(text, str) and text:
-                traces.append(Trace(trace_id, prompt, text, None))
-            elif isinstance(ids, list) and ids and all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                traces.append(Trace(trace_id, prompt, None, tuple(ids)))
-            else:
-                raise CommandError(f"{where}: trace {trace_id!r} needs a non-empty 'text' or "
-                                   f"'token_ids' (a list of ints >= 0)")
+    for where, trace_id, obj in trace_records(path):
+        prompt = obj.get("prompt")
+        if prompt is not None and not (isinstance(prompt, str) and prompt) \
+                and not _is_messages(prompt):
+            raise CommandError(f"{where}: 'prompt' must be a non-empty string or a list of "
+                               f"{{'role', 'content'}} messages")
+        traces.append(Trace(trace_id, prompt, *trace_content(where, trace_id, obj)))
     if not traces:
         raise CommandError(f"--traces {path}: no traces")
     return traces
