@@ -1,6 +1,6 @@
 """The accelerator check: one table of what spade_jax reaches on the device it runs on.
 
-    bash benchmarks/device_check.sh            # on a GPU machine (about 5-8 minutes)
+    bash benchmarks/device_check.sh            # on a GPU machine (5 minutes on an H200)
     bash benchmarks/device_check.sh --tiny     # the same script at tiny shapes, any host
 
 Rows (every ceiling measured in the same run, on the same device):
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -94,13 +95,20 @@ def tiny_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def best_seconds(fn, reps: int) -> float:
+    return timed(fn, reps)[0]
+
+
+def timed(fn, reps: int) -> tuple[float, float]:
+    """(best of ``reps`` calls, the first call: compile included) in seconds."""
+    start = time.perf_counter()
     jax.block_until_ready(fn())
+    first = time.perf_counter() - start
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
-    return min(times)
+    return min(times), first
 
 
 def hbm_bandwidth(num_bytes: int, reps: int) -> float:
@@ -148,31 +156,32 @@ def train_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
     return 3 * (2 * per_token * batch * seq + attention)
 
 
-def decode_rows(name: str, cfg: ModelConfig, model: Qwen3, shapes: Shapes,
-                bandwidth: float) -> list[dict[str, Any]]:
-    rows = []
-    rng = np.random.RandomState(0)
-    for batch in shapes.batches:
-        prompts = rng.randint(1, cfg.vocab_size, (batch, shapes.prompt_len)).tolist()
-        config = SamplerConfig(max_new_tokens=shapes.new_tokens, temperature=0.0,
-                               cache_dtype="bfloat16", compact_batch=False)
+def decode_row(name: str, cfg: ModelConfig, model: Qwen3, shapes: Shapes, bandwidth: float,
+               batch: int, **sampler: Any) -> dict[str, Any]:
+    """Prefill and decode rates at one batch size (``sampler``: SamplerConfig overrides)."""
+    prompts = np.random.RandomState(batch).randint(1, cfg.vocab_size,
+                                                   (batch, shapes.prompt_len)).tolist()
+    config = SamplerConfig(max_new_tokens=shapes.new_tokens, temperature=0.0,
+                           cache_dtype="bfloat16", compact_batch=False, **sampler)
 
-        def call(new_tokens: int, prompts=prompts, config=config):
-            return generate(model, prompts, new_tokens, config=config).tokens
+    def call(new_tokens: int):
+        return generate(model, prompts, new_tokens, config=config).tokens
 
-        first = best_seconds(lambda: call(1), shapes.reps)
-        full = best_seconds(lambda: call(shapes.new_tokens), shapes.reps)
-        row = {"model": name, "B": batch, "prefill tokens/s": batch * shapes.prompt_len / first}
-        if full > first:
-            step = (full - first) / (shapes.new_tokens - 1)
-            context = shapes.prompt_len + shapes.new_tokens / 2
-            bound = decode_step_bytes(cfg, batch, context) / bandwidth
-            row.update({"decode tokens/s": batch / step, "decode step ms": 1e3 * step,
-                        "HBM roofline": bound / step})
-        else:  # tiny shapes: the decode steps are below the timer's resolution
-            row["note"] = "decode below timer resolution"
-        rows.append(row)
-    return rows
+    first, first_compile = timed(lambda: call(1), shapes.reps)
+    full, full_compile = timed(lambda: call(shapes.new_tokens), shapes.reps)
+    row = {"model": name, "B": batch, "prefill tokens/s": batch * shapes.prompt_len / first,
+           "first call s": first_compile + full_compile}
+    if full > first:
+        step = (full - first) / (shapes.new_tokens - 1)
+        context = shapes.prompt_len + shapes.new_tokens / 2
+        bound = decode_step_bytes(cfg, batch, context) / bandwidth
+        row.update({"decode tokens/s": batch / step, "decode step ms": 1e3 * step,
+                    "HBM roofline": bound / step})
+    else:  # tiny shapes: the decode steps are below the timer's resolution
+        row["note"] = "decode below timer resolution"
+    if sampler:
+        row["note"] = " ".join(f"{k}={v}" for k, v in sampler.items())
+    return row
 
 
 def hf_row(cfg: ModelConfig, model: Qwen3, batch: int, shapes: Shapes) -> dict[str, Any]:
@@ -243,21 +252,25 @@ def train_row(cfg: ModelConfig, shapes: Shapes, peak: float) -> dict[str, Any]:
             "train tokens/s": b * t / seconds, "MFU": train_flops(cfg, b, t) / seconds / peak}
 
 
-def tiny_job(seconds_limit: int) -> dict[str, Any]:
+def tiny_job(seconds_limit: int, *extra: str) -> dict[str, Any]:
+    """The main job end to end (2 steps, no warm start) in a subprocess on this device."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as workdir:
         command = [sys.executable, "-m", "spade_jax.train", "--experiment=tiny",
                    f"--workdir={workdir}/run", "--set", "spade.rounds=2",
-                   "--set", "warm_start.steps=0", "--set", "spade.eval_every=0"]
+                   "--set", "warm_start.steps=0", "--set", "spade.eval_every=0", *extra]
         start = time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                                  timeout=seconds_limit,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
-            status, tail = done.returncode, done.stderr[-300:]
+                                  timeout=seconds_limit, env={**os.environ, "PYTHONPATH": path})
+            status, tail = done.returncode, done.stderr[-2000:]
         except subprocess.TimeoutExpired:
             status, tail = "timeout", ""
-    return {"model": "tiny job (2 rounds)", "exit": status,
-            "wall s": time.perf_counter() - start, "note": tail.strip().splitlines()[-1:]}
+    lines = tail.strip().splitlines()
+    if status != 0:
+        print("\n".join(lines[-15:]), flush=True)
+    return {"model": "tiny job (2 steps)" + (f" {' '.join(extra)}" if extra else ""),
+            "exit": status, "wall s": time.perf_counter() - start, "note": lines[-1:]}
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -278,7 +291,7 @@ def _fmt(key: str, value: Any) -> str:
         return f"{100 * value:.1f}%"
     if isinstance(value, float):
         return f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
-    return str(value)
+    return " ".join(str(value).split()).replace("|", "/")  # one table cell
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="device_check")
     parser.add_argument("--skip_hf", action="store_true")
     parser.add_argument("--skip_job", action="store_true")
+    parser.add_argument("--job_seconds", type=int, default=240)
+    parser.add_argument("--moe_impls", default="auto,dense",
+                        help="MoE dispatches to measure (ModelOptions.moe_impl values)")
     args = parser.parse_args(argv)
     shapes = TINY if args.tiny else Shapes()
     out = Path(args.out)
@@ -296,40 +312,68 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
 
     def log(row: dict[str, Any]) -> None:
+        # Written after every row: a run cut short by its time limit still leaves a table.
         rows.append(row)
         print(f"[{time.perf_counter() - started:6.0f} s] {row}", flush=True)
+        (out / "device_check.md").write_text(render(rows) + "\n")
+        (out / "device_check.json").write_text(json.dumps(rows, indent=2, default=str))
 
+    def guarded(what: str, fn) -> Any:
+        # One failing row (an API the device's JAX lacks, memory) must not lose the others.
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - reported as the row's note
+            log({"model": what, "note": f"failed: {type(err).__name__}: {str(err)[:300]}"})
+            return None
+
+    import flax
+    versions = f"jax {jax.__version__}, flax {flax.__version__}"
     bandwidth = hbm_bandwidth(shapes.hbm_bytes, shapes.reps)
     peak = matmul_rate(shapes.matmul_n, shapes.reps)
     log({"model": "device", "B": f"{device.platform} {device.device_kind} x{jax.device_count()}",
-         "note": f"read {bandwidth / 1e9:,.0f} GB/s; bf16 matmul {peak / 1e12:,.1f} TFLOP/s"})
-    models = [("Qwen3-1.7B", QWEN3_1_7B), ("Qwen3-30B-A3B-shaped (8 layers)", QWEN3_30B_A3B_SHAPED)]
-    dense = None
-    for name, cfg in models:
-        cfg = tiny_config(cfg) if args.tiny else cfg
-        model = Qwen3(cfg, ModelOptions(dtype="bfloat16", param_dtype="bfloat16"),
-                      rngs=nnx.Rngs(0))
-        for row in decode_rows(name, cfg, model, shapes, bandwidth):
+         "note": f"read {bandwidth / 1e9:,.0f} GB/s; bf16 matmul {peak / 1e12:,.1f} TFLOP/s; "
+                 f"{versions}"})
+    def decode(name: str, cfg: ModelConfig, model: Qwen3, batch: int, **sampler: Any) -> None:
+        row = guarded(f"{name} B={batch}", functools.partial(
+            decode_row, name, cfg, model, shapes, bandwidth, batch, **sampler))
+        if row is not None:
             log(row)
-        if dense is None:
-            dense = (cfg, model)
-        else:
-            del model
-    cfg, model = dense
+
+    cfg = tiny_config(QWEN3_1_7B) if args.tiny else QWEN3_1_7B
+    model = Qwen3(cfg, ModelOptions(dtype="bfloat16", param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    for batch in shapes.batches:
+        decode("Qwen3-1.7B", cfg, model, batch)
+    # The whole decode in one device call instead of host round trips every chunk_steps.
+    decode("Qwen3-1.7B", cfg, model, shapes.batches[-1], chunk_steps=shapes.new_tokens)
+    moe_cfg = tiny_config(QWEN3_30B_A3B_SHAPED) if args.tiny else QWEN3_30B_A3B_SHAPED
+    for impl in args.moe_impls.split(","):
+        moe = Qwen3(moe_cfg, ModelOptions(dtype="bfloat16", param_dtype="bfloat16",
+                                          moe_impl=impl), rngs=nnx.Rngs(0))
+        for batch in shapes.batches:
+            decode(f"Qwen3-30B-A3B-shaped (8 layers), moe_impl={impl}", moe_cfg, moe, batch)
+        del moe
     batch = shapes.batches[0]
-    log({"model": "ours, whole call (Qwen3-1.7B)", "B": batch,
-         "decode tokens/s": ours_whole_call(model, cfg, batch, shapes),
-         "note": "whole call (prefill included)"})
+    rate = guarded("ours, whole call", functools.partial(ours_whole_call, model, cfg, batch, shapes))
+    if rate is not None:
+        log({"model": "ours, whole call (Qwen3-1.7B)", "B": batch, "decode tokens/s": rate,
+             "note": "whole call (prefill included)"})
     if not args.skip_hf:
-        log(hf_row(cfg, model, batch, shapes))
+        row = guarded("generate (HF)", functools.partial(hf_row, cfg, model, batch, shapes))
+        if row is not None:
+            log(row)
     del model
-    log(train_row(cfg, shapes, peak))
+    row = guarded("train step", functools.partial(train_row, cfg, shapes, peak))
+    if row is not None:
+        log(row)
     if not args.skip_job:
-        log(tiny_job(300))
-    table = render(rows)
-    print("\n" + table)
-    (out / "device_check.md").write_text(table + "\n")
-    (out / "device_check.json").write_text(json.dumps(rows, indent=2, default=str))
+        row = tiny_job(args.job_seconds)
+        log(row)
+        if row["exit"] != 0:
+            # The device machine may lack what the sandbox's layers need (bubblewrap's
+            # mounts, libseccomp); the job's own path on the device is still worth knowing.
+            log(tiny_job(args.job_seconds, "--set", "sandbox.use_namespaces=false",
+                         "--set", "sandbox.allow_weak_isolation=true"))
+    print("\n" + render(rows))
     print(f"\nwrote {out / 'device_check.md'} in {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch shares the GPU in the generate row
-python -c "import jax; print('jax', jax.__version__, jax.devices())"
-exec timeout 570 python benchmarks/device_check.py "$@"
+"${PYTHON:-python3}" -c "import jax; print('jax', jax.__version__, jax.devices())"
+exec timeout "${DEVICE_CHECK_SECONDS:-540}" "${PYTHON:-python3}" benchmarks/device_check.py "$@"

@@ -54,7 +54,7 @@ class ModelOptions:
         all-experts reference; "blocked" block-sorted, fast on CPU; "expert_parallel"
         all_to_all over the mesh's expert axis, "ragged" without one) or "auto" (the
         default): resolved when the model is built by :func:`auto_moe_impl` for the
-        backend ("blocked" on CPU, "expert_parallel" on TPU / GPU).
+        backend ("blocked" on CPU, "expert_parallel" on TPU, "dense" on GPU).
       remat: what the backward pass recomputes per decoder layer, a key of
         ``REMAT_POLICIES``: "none" (keep every activation), "full" (keep only the layer's
         input), "dots" (keep matmul outputs), "dots_no_batch" (keep weight matmuls, recompute
@@ -120,11 +120,15 @@ def auto_moe_impl(backend: str | None = None) -> str:
     """The MoE dispatch fastest on ``backend`` (default: JAX's default backend).
 
     CPU: "blocked" (XLA:CPU runs ``ragged_dot`` as a loop of full matmuls; measured in
-    ``benchmarks/model_forward.py`` and ``benchmarks/sampler.py``). TPU / GPU: grouped
-    matmuls, "expert_parallel" (all_to_all over the mesh's expert axis when the rules
-    give it one, else exactly "ragged")."""
+    ``benchmarks/model_forward.py`` and ``benchmarks/sampler.py``). TPU: grouped matmuls,
+    "expert_parallel" (all_to_all over the mesh's expert axis when the rules give it one,
+    else exactly "ragged"). GPU: "dense". XLA:GPU (jax 0.11.2) lowers ``ragged_dot`` to a
+    masked product over every expert that materialises [E, M, F]: on an H200 the
+    30B-A3B-shaped prefill at B = 256 asked for 48 GiB and failed, and at B = 64 decode ran
+    slower than "dense" (``benchmarks/device_check.sh``, docs/rollout.md). Multi-GPU
+    expert parallelism is chosen explicitly."""
     backend = backend or jax.default_backend()
-    return "blocked" if backend == "cpu" else "expert_parallel"
+    return {"cpu": "blocked", "gpu": "dense"}.get(backend, "expert_parallel")
 
 
 @struct.dataclass

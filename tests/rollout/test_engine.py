@@ -242,8 +242,9 @@ def test_engine_matches_the_sampler_on_stop_strings_eos_budgets_and_slots(model,
 
 
 def test_moe_impl_auto_is_the_backends_fastest_and_explicit_values_win():
-    """Issue 18.4: "auto" (the default) becomes "blocked" on CPU and the grouped-matmul
-    dispatch on TPU / GPU when the model is built; an explicit choice is kept."""
+    """Issue 18.4: "auto" (the default) becomes "blocked" on CPU, the grouped-matmul
+    dispatch on TPU and "dense" on GPU when the model is built; an explicit choice is
+    kept."""
     from flax import nnx
 
     from spade_jax.models import ModelConfig, ModelOptions, Qwen3
@@ -251,7 +252,7 @@ def test_moe_impl_auto_is_the_backends_fastest_and_explicit_values_win():
 
     assert ModelOptions().moe_impl == "auto"
     assert [auto_moe_impl(b) for b in ("cpu", "tpu", "gpu")] == [
-        "blocked", "expert_parallel", "expert_parallel"]
+        "blocked", "expert_parallel", "dense"]
     cfg = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=16,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                       intermediate_size=16, num_experts=4, num_experts_per_tok=2,
