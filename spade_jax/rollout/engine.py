@@ -55,17 +55,12 @@ from flax import nnx, struct
 from spade_jax import sharding
 from spade_jax.models import KVCache
 from spade_jax.models.qwen3 import Packing
-from spade_jax.rollout import sampling
+from spade_jax.rollout import decode_core
+from spade_jax.rollout.decode_core import DONE_REASONS, MAX_TOKENS, RUNNING, StopStrings
 from spade_jax.rollout.routing import routing_dtype
 from spade_jax.rollout.sampler import (
     CACHE_DTYPES,
-    DONE_REASONS,
-    EOS,
-    MAX_TOKENS,
-    RUNNING,
-    STOP_STRING,
     SamplerConfig,
-    StopStrings,
     batch_shards,
     moe_stack,
     next_pow2,
@@ -147,31 +142,13 @@ class SlotState(struct.PyTreeNode):
     experts_bnlx: jax.Array | None = None
 
 
-def _draw(logits_bv, seed_b, step_b, scalars: _Scalars, static: _Static):
-    keys_b = jax.vmap(lambda s, n: jax.random.fold_in(
-        jax.random.fold_in(jax.random.key(s), 0), n))(seed_b, step_b)
-    return sampling.sample_tokens(
-        logits_bv, keys_b, temperature=scalars.temperature, top_k=static.top_k,
-        top_p=scalars.top_p, greedy=static.greedy, use_top_p=static.use_top_p,
-        invariant=static.batch_invariant)
-
-
-def _record(state: SlotState, token_b, logprob_b, running_b) -> SlotState:
-    """Writes the drawn token of running rows into their next column; updates done."""
-    n = state.tokens_bn.shape[1]
-    rows_b = jnp.arange(token_b.shape[0])
-    col_b = jnp.where(running_b, state.num_generated_b, n)  # column n: dropped
-    num_b = state.num_generated_b + running_b.astype(jnp.int32)
-    hit_stop_b = running_b & jnp.any(token_b[:, None] == state.stop_m[None, :], axis=-1)
-    hit_limit_b = running_b & ~hit_stop_b & (num_b >= state.limit_b)
-    return state.replace(
-        tokens_bn=state.tokens_bn.at[rows_b, col_b].set(token_b, mode="drop"),
-        logprobs_bn=state.logprobs_bn.at[rows_b, col_b].set(logprob_b, mode="drop"),
-        num_generated_b=num_b,
-        done_b=state.done_b | hit_stop_b | hit_limit_b,
-        reason_b=jnp.where(hit_stop_b, EOS, jnp.where(hit_limit_b, MAX_TOKENS, state.reason_b)),
-        last_token_b=jnp.where(running_b, token_b, state.last_token_b),
-    )
+def _draw_and_record(state: SlotState, logits_bv, running_b, scalars: _Scalars,
+                     static: _Static) -> SlotState:
+    """Every running row draws its next token with its request's seed (stream 0) and
+    records it (``decode_core``)."""
+    token_b, logprob_b = decode_core.draw(logits_bv, state.seed_b, jnp.zeros_like(state.seed_b),
+                                          state.num_generated_b, scalars, static)
+    return decode_core.record(state, token_b, logprob_b, running_b, state.stop_m[None, :])
 
 
 def _routing(out, static: _Static):
@@ -183,14 +160,11 @@ def _step(model, state: SlotState, scalars: _Scalars, static: _Static) -> SlotSt
     running_b = ~state.done_b
     out = model(state.last_token_b[:, None], attention_mask_bt=running_b[:, None],
                 cache=state.cache, router_hook=static.router_hook, mesh=static.mesh)
-    if state.experts_bnlx is not None:  # the fed token was drawn at column num_generated - 1
-        rows_b = jnp.arange(running_b.shape[0])
-        col_b = jnp.where(running_b, state.num_generated_b - 1, state.experts_bnlx.shape[1])
-        state = state.replace(experts_bnlx=state.experts_bnlx.at[rows_b, col_b].set(
-            _routing(out, static)[:, 0], mode="drop"))
-    token_b, logprob_b = _draw(out.logits[:, -1], state.seed_b, state.num_generated_b,
-                               scalars, static)
-    return _record(state.replace(cache=out.cache), token_b, logprob_b, running_b)
+    if state.experts_bnlx is not None:
+        state = state.replace(experts_bnlx=decode_core.record_routing(
+            state.experts_bnlx, _routing(out, static)[:, 0], running_b, state.num_generated_b))
+    return _draw_and_record(state.replace(cache=out.cache), out.logits[:, -1], running_b,
+                            scalars, static)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
@@ -240,8 +214,7 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_gn, packing:
         num_generated_b=jnp.zeros((k,), jnp.int32), done_b=jnp.zeros((k,), bool),
         reason_b=jnp.full((k,), RUNNING, jnp.int32), limit_b=limit_k, seed_b=seed_k,
         stop_m=state.stop_m)
-    token_k, logprob_k = _draw(logits_kv, seed_k, rows.num_generated_b, scalars, static)
-    rows = _record(rows, token_k, logprob_k, jnp.ones((k,), bool))
+    rows = _draw_and_record(rows, logits_kv, jnp.ones((k,), bool), scalars, static)
 
     def put(dst, src):
         return dst.at[slots_k].set(src, mode="drop")
@@ -303,20 +276,17 @@ def _pack(token_lists: Sequence[Sequence[int]], rows: int, width: int, groups: i
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _cut(state: SlotState, cut_b) -> SlotState:
-    """Ends the rows with ``cut_b >= 0`` after their first ``cut_b`` tokens (a stop string):
-    their cache goes back to the stream before the last kept token (drawn, never fed), as
-    if they had stopped there. Every step of a running row fed one token and drew one, so
-    ``index - num_generated`` is the same at any step of a request."""
+    """:func:`decode_core.cut`, and the cut rows' cache goes back to the stream before the
+    last kept token (drawn, never fed), as if they had stopped there. Every step of a
+    running row fed one token and drew one, so ``index - num_generated`` is the same at any
+    step of a request."""
     cut = cut_b >= 0
     index_b = jnp.where(cut, state.cache.index - (state.num_generated_b - cut_b),
                         state.cache.index)
     slots_s = jnp.arange(state.cache.valid_bs.shape[1])
     valid_bs = state.cache.valid_bs & (~cut[:, None] | (slots_s[None, :] < index_b[:, None]))
-    return state.replace(
-        cache=state.cache.replace(index=index_b, valid_bs=valid_bs),
-        num_generated_b=jnp.where(cut, cut_b, state.num_generated_b),
-        done_b=state.done_b | cut,
-        reason_b=jnp.where(cut, STOP_STRING, state.reason_b))
+    state = state.replace(cache=state.cache.replace(index=index_b, valid_bs=valid_bs))
+    return decode_core.cut(state, cut_b)
 
 
 _PER_ROW = tuple(f.name for f in dataclasses.fields(SlotState) if f.name not in ("cache", "stop_m"))
@@ -603,7 +573,7 @@ class SlotEngine:
         for r in requests:  # cache slots the request can fill: its stream, its draws but one
             self.length[r.slot], self.reach[r.slot] = filled[r.slot], filled[r.slot] + r.limit - 1
         self.busy[[r.slot for r in requests]] = True
-        self.stop_text.settled.difference_update(r.slot for r in requests)
+        self.stop_text.reopen(r.slot for r in requests)
         self.stats["prefill_tokens"] += sum(len(r.tokens) for r in home)
         self.stats["prefill_fed_tokens"] += packed.ids_gn.size
         self.stats["prefill_rows"] += len(home)
@@ -663,17 +633,9 @@ class SlotEngine:
         token or budget), then settled."""
         if not any(self.stop_text.per_row):
             return
-        done_b, num_b, tokens_bn = (to_host(x) for x in (
-            self.state.done_b, self.state.num_generated_b, self.state.tokens_bn))
-        cut_b = np.full((self.num_slots,), -1, np.int32)
-        for s in np.flatnonzero(self.busy):
-            if s in self.stop_text.settled:
-                continue
-            cut = self.stop_text.first_stop(int(s), tokens_bn[s, :num_b[s]].tolist())
-            if cut is not None:
-                cut_b[s] = cut
-            if cut is not None or done_b[s]:
-                self.stop_text.settled.add(int(s))
-        if (cut_b >= 0).any():
+        cut_b = self.stop_text.cuts(
+            [(int(s), int(s)) for s in np.flatnonzero(self.busy)], to_host(self.state.done_b),
+            to_host(self.state.num_generated_b), lambda: to_host(self.state.tokens_bn))
+        if cut_b is not None:
             with self._mesh():
                 self.state = _cut(self.state, to_device(cut_b, like=self.state.done_b))

@@ -37,11 +37,17 @@ from flax import nnx, struct
 
 from spade_jax import preemption, sharding
 from spade_jax.models import KVCache, positions_from_mask
-from spade_jax.rollout import sampling
+from spade_jax.rollout import decode_core
+from spade_jax.rollout.decode_core import (  # noqa: F401 - DONE_REASONS .. re-exported
+    DONE_REASONS,
+    EOS,
+    MAX_TOKENS,
+    RUNNING,
+    STOP_STRING,
+    StopStrings,
+)
 from spade_jax.rollout.routing import routing_dtype
 
-DONE_REASONS = ("running", "eos", "stop_string", "max_tokens")
-RUNNING, EOS, STOP_STRING, MAX_TOKENS = range(4)
 CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ROUTER_MODES = (False, True, "experts")
 
@@ -247,33 +253,16 @@ def moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None:
     return jnp.stack([per_layer[i] for i in moe_layers], axis=2)  # [B, T, L, ...]
 
 
-def _draw(logits_bv, state_like_rows, step, scalars: _Scalars, static: _Static):
-    base = jax.random.key(scalars.seed)
-    keys_b = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(base, r), step))(
-        state_like_rows + scalars.row_offset
-    )
-    return sampling.sample_tokens(
-        logits_bv, keys_b, temperature=scalars.temperature, top_k=static.top_k,
-        top_p=scalars.top_p, greedy=static.greedy, use_top_p=static.use_top_p,
-        invariant=static.batch_invariant,
-    )
-
-
-def _record(state: DecodeState, token_b, logprob_b) -> DecodeState:
-    """Writes this step's token for rows still running and updates done / reason."""
+def _draw_and_record(state: DecodeState, logits_bv, scalars: _Scalars,
+                     static: _Static) -> DecodeState:
+    """Every running row draws its next token (prompt index ``row_id_b`` + the call's
+    offset is its stream) and records it (``decode_core``); the step advances."""
     running_b = ~state.done_b
-    col = state.step
-    tokens_bn = state.tokens_bn.at[:, col].set(jnp.where(running_b, token_b, 0))
-    logprobs_bn = state.logprobs_bn.at[:, col].set(jnp.where(running_b, logprob_b, 0.0))
-    num_b = state.num_generated_b + running_b.astype(jnp.int32)
-    hit_stop_b = running_b & jnp.any(token_b[:, None] == state.stop_bm, axis=-1)
-    hit_limit_b = running_b & ~hit_stop_b & (num_b >= state.limit_b)
-    reason_b = jnp.where(hit_stop_b, EOS, jnp.where(hit_limit_b, MAX_TOKENS, state.reason_b))
-    return state.replace(
-        tokens_bn=tokens_bn, logprobs_bn=logprobs_bn, num_generated_b=num_b,
-        done_b=state.done_b | hit_stop_b | hit_limit_b, reason_b=reason_b,
-        last_token_b=token_b, step=col + 1,
-    )
+    token_b, logprob_b = decode_core.draw(
+        logits_bv, jnp.full_like(state.row_id_b, scalars.seed),
+        state.row_id_b + scalars.row_offset, state.num_generated_b, scalars, static)
+    state = decode_core.record(state, token_b, logprob_b, running_b, state.stop_bm)
+    return _detect(state.replace(step=state.step + 1), token_b, static)
 
 
 def _routing_shape(cfg, static: _Static) -> tuple[tuple[int, ...], bool, bool, Any]:
@@ -329,9 +318,8 @@ def _prefill_state(model, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: 
     if router:
         prompt_router = (moe_stack(out.router_logits, moe_layers) if logits else None,
                          moe_stack(out.selected_experts, moe_layers).astype(experts_dtype))
-    state = state.replace(cache=out.cache)
-    token_b, logprob_b = _draw(last_logits_bv, row_id_b, 0, scalars, static)
-    return _detect(_record(state, token_b, logprob_b), token_b, static), prompt_router
+    return _draw_and_record(state.replace(cache=out.cache), last_logits_bv, scalars,
+                            static), prompt_router
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer"))
@@ -438,18 +426,18 @@ def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) 
     cfg = model.config
     out = model(state.last_token_b[:, None], state.position_b[:, None], cache=state.cache,
                 router_hook=_hook_for(static, state.answer_state), mesh=static.mesh)
-    if state.experts_bnlx is not None:  # routing of the token just fed, column step - 1
+    if state.experts_bnlx is not None:  # routing of the token just fed
         moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-        col = state.step - 1
-        experts_blx = moe_stack(out.selected_experts, moe_layers)[:, 0]
-        state = state.replace(experts_bnlx=state.experts_bnlx.at[:, col].set(
-            experts_blx.astype(state.experts_bnlx.dtype)))
+        running_b, num_b = ~state.done_b, state.num_generated_b
+        state = state.replace(experts_bnlx=decode_core.record_routing(
+            state.experts_bnlx, moe_stack(out.selected_experts, moe_layers)[:, 0], running_b,
+            num_b))
         if state.router_bnle is not None:
-            state = state.replace(router_bnle=state.router_bnle.at[:, col].set(
-                moe_stack(out.router_logits, moe_layers)[:, 0]))
+            state = state.replace(router_bnle=decode_core.record_routing(
+                state.router_bnle, moe_stack(out.router_logits, moe_layers)[:, 0], running_b,
+                num_b))
     state = state.replace(cache=out.cache, position_b=state.position_b + 1)
-    token_b, logprob_b = _draw(out.logits[:, -1], state.row_id_b, state.step, scalars, static)
-    return _detect(_record(state, token_b, logprob_b), token_b, static)
+    return _draw_and_record(state, out.logits[:, -1], scalars, static)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
@@ -653,27 +641,6 @@ def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
     return out
 
 
-class StopStrings:
-    """Host-side stop-string check on decoded text (strings span token boundaries)."""
-
-    def __init__(self, per_row: list[list[str]], tokenizer):
-        if any(per_row) and tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer= to decode the generated tokens")
-        self.per_row, self.tokenizer = per_row, tokenizer
-        self.settled: set[int] = set()  # rows already finished and checked
-
-    def first_stop(self, row: int, tokens: list[int]) -> int | None:
-        """Smallest n such that decode(tokens[:n]) contains a stop string, else None."""
-        stops = self.per_row[row]
-        if not stops or not any(s in self.tokenizer.decode(tokens) for s in stops):
-            return None
-        for n in range(1, len(tokens) + 1):
-            text = self.tokenizer.decode(tokens[:n])
-            if any(s in text for s in stops):
-                return n
-        return None
-
-
 def sample(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]],
@@ -869,30 +836,15 @@ def _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokeni
         moe_layers=parts[0].moe_layers, stats=stats)
 
 
+_cut = jax.jit(decode_core.cut, donate_argnums=0)
+
+
 def _apply_stop_strings(state: DecodeState, stop_text: StopStrings) -> DecodeState:
     """Ends rows whose decoded text now contains a stop string (cutting their tokens)."""
-    done_b = to_host(state.done_b).copy()
-    reason_b = to_host(state.reason_b).copy()
-    num_b = to_host(state.num_generated_b).copy()
-    row_id_b = to_host(state.row_id_b)
-    tokens_bn = None
-    changed = False
-    for b in range(done_b.shape[0]):
-        row = int(row_id_b[b])
-        if row < 0 or not stop_text.per_row[row] or row in stop_text.settled:
-            continue
-        # Read lazily: every host reaches this read at the same row (equal gathered state).
-        tokens_bn = to_host(state.tokens_bn) if tokens_bn is None else tokens_bn
-        cut = stop_text.first_stop(row, tokens_bn[b, : num_b[b]].tolist())
-        if cut is not None:
-            done_b[b], reason_b[b], num_b[b], changed = True, STOP_STRING, cut, True
-        if done_b[b]:  # its tokens will not change any more
-            stop_text.settled.add(row)
-    if not changed:
-        return state
-    return state.replace(done_b=to_device(done_b, like=state.done_b),
-                         reason_b=to_device(reason_b, like=state.reason_b),
-                         num_generated_b=to_device(num_b, like=state.num_generated_b))
+    rows = [(b, int(r)) for b, r in enumerate(to_host(state.row_id_b)) if r >= 0]
+    cut_b = stop_text.cuts(rows, to_host(state.done_b), to_host(state.num_generated_b),
+                           lambda: to_host(state.tokens_bn))
+    return state if cut_b is None else _cut(state, to_device(cut_b, like=state.done_b))
 
 
 def _harvest(state: DecodeState, batch_rows: np.ndarray, finished: dict) -> None:
