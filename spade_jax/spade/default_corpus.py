@@ -167,11 +167,21 @@ def _source_plan(config: DefaultCorpusConfig) -> list[tuple[str, Iterable[Docume
     return plan
 
 
+def _installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _cache_key(config: DefaultCorpusConfig) -> str:
-    versions = {
-        package: importlib.metadata.version(package)
-        for package in ("numpy", "scipy", "sympy", "reasoning_gym")
-    }
+    packages = ("numpy", "scipy", "sympy") + (("reasoning_gym",) if config.include_codeio else ())
+    versions = {package: _installed_version(package) for package in packages}
+    if config.include_codeio and versions["reasoning_gym"] is None:
+        raise ModuleNotFoundError(
+            "the default corpus includes reasoning-gym's CodeIO problems, but reasoning_gym "
+            "is not installed: install the project's dependencies (scripts/install.sh), or "
+            "build the corpus with DefaultCorpusConfig(include_codeio=False)")
     payload = json.dumps(
         {
             "versions": versions,

@@ -229,3 +229,26 @@ def test_zstd_shards_without_zstandard_say_how_to_fix(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "zstandard", None)
     with pytest.raises(ImportError, match="pip install zstandard"):
         JsonlCorpus(path, name="dclm")
+
+
+def test_default_corpus_names_a_missing_reasoning_gym_and_builds_without_codeio(monkeypatch):
+    """A host without reasoning_gym (e.g. an accelerator image with the project's own
+    packages only) gets an error naming the package and the way around it, and a corpus
+    without CodeIO does not need the package at all."""
+    import importlib
+    import importlib.metadata
+
+    dc = importlib.import_module("spade_jax.spade.default_corpus")  # the package re-exports
+
+    real = importlib.metadata.version
+
+    def version(package):
+        if package == "reasoning_gym":
+            raise importlib.metadata.PackageNotFoundError(package)
+        return real(package)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(ModuleNotFoundError, match="reasoning_gym.*include_codeio=False"):
+        dc._cache_key(dc.DefaultCorpusConfig())
+    key = dc._cache_key(dc.DefaultCorpusConfig(include_codeio=False))
+    assert len(key) == 16
