@@ -108,7 +108,10 @@ def designer(model) -> tuple[list[TrainSequence], int]:
 def measure(model, seqs: list[TrainSequence]) -> dict:
     cfg = model.config
     moe = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-    batch = pack_sequences(seqs, PackConfig(buckets=(64, 128, 256), moe_layers=moe,
+    # One 128-token bucket for every set (the episodes fill ~110 tokens, the designer
+    # samples ~25): the three sets pack to one [3, 128] shape, so the re-scoring and the
+    # telemetry compile once, not again for the designer's shorter rows.
+    batch = pack_sequences(seqs, PackConfig(buckets=(128, 256), moe_layers=moe,
                                             num_layers=cfg.num_layers))
     graphdef, params = nnx.split(model)
     rescore = jax.jit(lambda p, b, replay: policy_logprobs(
