@@ -6,7 +6,10 @@
     env = make_env(game, contract="reference", max_turns=25)   # a recipe-format game
 
 Contracts: "paper" (`class Environment`, `PROGRAM_CONTRACT`), "reference" (the published
-recipe's `*Env` games, `REFERENCE_CONTRACT`) or "auto" (the default: detected).
+recipe's `*Env` games, `REFERENCE_CONTRACT`), the tool contracts "tool"
+(`class ToolEnvironment`, `TOOL_CONTRACT`) and "reference_tool_use" (the recipe's
+`ToolUseBaseEnv` games), chosen by name, or "auto" (the default: paper or reference,
+detected).
 
 The reasoning-gym environments (`make_reasoning_gym_env`, `RG_SUITES`) are imported on
 first access: reasoning_gym takes seconds to import.
@@ -17,6 +20,7 @@ from spade_jax.envs.contract import (
     DEFAULT_ALLOWED_IMPORTS,
     PROGRAM_CONTRACT,
     REFERENCE_CONTRACT,
+    TOOL_CONTRACT,
     detect_contract,
     render_contract,
 )
@@ -51,6 +55,7 @@ __all__ = [
     "IsolationReport",
     "PROGRAM_CONTRACT",
     "REFERENCE_CONTRACT",
+    "TOOL_CONTRACT",
     "EnvProgramError",
     "ProgramLoadError",
     "REASON_CODES",

@@ -2,7 +2,7 @@
 
     python -m spade_jax.envs.check PROGRAM.py [--hint TEXT | --hint-file FILE]
                                    [--allow-weak-isolation] [--deadline SECONDS]
-                                   [--contract auto|paper|reference] [--max-turns N]
+                                   [--contract auto|paper|reference|tool|reference_tool_use] [--max-turns N]
 
 Exit status: 0 if the program is valid, 1 if it is not, 2 on a usage error.
 """
@@ -14,7 +14,7 @@ import json
 import sys
 
 from spade_jax.envs.config import SandboxConfig
-from spade_jax.envs.contract import AUTO_CONTRACT, CONTRACTS, REFERENCE_MAX_TURNS
+from spade_jax.envs.contract import ALL_CONTRACTS, AUTO_CONTRACT, REFERENCE_MAX_TURNS
 from spade_jax.envs.pool import EnvPool
 from spade_jax.envs.validate import validate_program
 
@@ -28,12 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-weak-isolation", action="store_true")
     parser.add_argument("--deadline", type=float, default=5.0, help="seconds per call")
     parser.add_argument(
-        "--contract", choices=[AUTO_CONTRACT, *CONTRACTS], default=AUTO_CONTRACT,
+        "--contract", choices=[AUTO_CONTRACT, *ALL_CONTRACTS], default=AUTO_CONTRACT,
         help="program contract (auto: paper if it defines class Environment)",
     )
     parser.add_argument(
         "--max-turns", type=int, default=REFERENCE_MAX_TURNS,
-        help="turn budget of the reference contract",
+        help="turn budget of the reference and tool contracts",
     )
     args = parser.parse_args(argv)
     try:

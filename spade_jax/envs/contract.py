@@ -122,7 +122,19 @@ PROGRAM_CONTRACT: str = render_contract()
 # (a class named `*Env`, boxed actions, episode score = last reward if terminated, clipped
 # to [-1, 1], else 0). "auto" picks one from the source (see `detect_contract`).
 CONTRACTS: tuple[str, ...] = ("paper", "reference")
+# The tool-environment contracts (docs/environments.md, "Tool environments"). "tool": a
+# `class ToolEnvironment` whose tools are declared as function schemas and written as
+# methods; "reference_tool_use": the published recipe's tool games (`*Env` subclasses of
+# its `ToolUseBaseEnv`, `spade_jax.envs.tool_base`). Chosen by name only ("auto" never
+# picks one) and, for now, only in the env layer (validate_program, make_env, EnvPool,
+# envs.check): the SPADE loop's `spade.contract` lists `CONTRACTS`.
+TOOL_CONTRACTS: tuple[str, ...] = ("tool", "reference_tool_use")
+ALL_CONTRACTS: tuple[str, ...] = CONTRACTS + TOOL_CONTRACTS
 AUTO_CONTRACT = "auto"
+# Contracts scored as the recipe scores: the last reward if terminated, clipped to [-1, 1].
+RECIPE_SCORED: frozenset[str] = frozenset({"reference", "reference_tool_use"})
+# The class a "tool" program defines.
+TOOL_CLASS = "ToolEnvironment"
 # The recipe's turn budget N: the game is built with its own defaults (cls(); on TypeError
 # cls(max_turns=N)), its max_turns set to min(its own, N), and truncated after N steps.
 REFERENCE_MAX_TURNS = 25
@@ -164,10 +176,10 @@ MATH_VERIFY_NAMES: frozenset[str] = frozenset(
 
 def check_contract_name(contract: str) -> str:
     """`contract` if it names a contract or "auto"; ValueError naming the choices otherwise."""
-    if contract not in (*CONTRACTS, AUTO_CONTRACT):
+    if contract not in (*ALL_CONTRACTS, AUTO_CONTRACT):
         raise ValueError(
             f"unknown program contract {contract!r}; expected one of "
-            f"{[*CONTRACTS, AUTO_CONTRACT]}"
+            f"{[*ALL_CONTRACTS, AUTO_CONTRACT]}"
         )
     return contract
 
@@ -191,7 +203,8 @@ def detect_contract(source: str) -> str:
     """"paper" if the source defines a top-level `class Environment`, else "reference".
 
     Reads the syntax tree only (nothing runs). Unparsable source counts as "reference";
-    the static gate then reports the syntax error.
+    the static gate then reports the syntax error. Never a tool contract: those are
+    chosen by name.
     """
     import ast
 
@@ -301,3 +314,87 @@ def render_reference_contract(
 
 # The reference contract with the recipe's 25 turns (designer prompt, docs).
 REFERENCE_CONTRACT: str = render_reference_contract()
+
+
+# ----------------------------------------------------------------------------- tools
+
+_TOOL_TEMPLATE = """\
+A tool environment is Python source that defines `class ToolEnvironment`. The agent acts
+only by calling its tools; the tools read and change state the agent cannot see.
+
+    class ToolEnvironment:
+        TOOLS = [                      # function schemas (OpenAI / Hugging Face format)
+            {{"type": "function", "function": {{
+                "name": "get_balance",
+                "description": "The balance of one account.",
+                "parameters": {{"type": "object",
+                               "properties": {{"account": {{"type": "string"}}}},
+                               "required": ["account"]}}}}}},
+            ...
+        ]
+        def __init__(self): ...        # no required arguments
+        def reset(self, seed=None) -> str:
+            # new hidden state from random.Random(seed); return the user's first request
+        def tool_get_balance(self, account): ...   # one method tool_<name> per tool;
+            # returns the tool's result as text (or a plain JSON value)
+        def next_instruction(self) -> str | None:  # optional
+            # called after every turn that does not end the episode: the user's next
+            # request once the current one is done, else None
+        def check(self, answer: str | None) -> float:
+            # the share of the goal the hidden state (and, at the end, the final answer)
+            # reaches, in [0, 1]; answer is None until the agent's final reply
+
+How it is run:
+- The tools are rendered into the agent's prompt. A reply calls them as
+  <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call> (several per reply, run in
+  order). The sandbox checks every call before your method runs: an unknown tool, an
+  unknown or missing argument, a wrong type or a value outside an enum gets an error
+  result, and your method is not called. Argument names must be Python identifiers.
+- The observation after a turn is the result (or error) of each call, then the text of
+  next_instruction() when it returns one.
+- The episode ends when the agent replies without a tool call (that reply is its final
+  answer), or with <answer>...</answer> (then the calls of that reply do not run), or
+  after {max_turns} turns.
+- Rewards come from check() alone: after every turn the agent is paid the change of
+  check(None) (partial credit), and the return of the episode is check(answer) at the
+  end, or the last check(None) when the turn limit cuts it off.
+
+Rules (a program that breaks one is rejected before any agent sees it):
+- TOOLS: 1 to {max_tools} tools, unique names; every parameter has a "type" (string,
+  integer, number, boolean, array, object, null) or an "enum"; "required" names only
+  declared properties; add distractor tools the task does not need.
+- reset(seed) is deterministic, and so is every tool: the same seed and the same calls
+  give the same results and rewards. Use random.Random(seed), never the clock.
+- A tool never raises for arguments that match its schema: it returns an error message
+  (e.g. "error: no account named 'savngs'"). check() never raises and returns a number
+  in [0, 1].
+- Only these imports are available:
+{allowed}.
+  No files, network, processes, threads, clock or environment variables; no
+  eval/exec/open/__import__; no dunder tricks.
+- Each call may use at most {cpu} of CPU time and the program at most {memory} MiB
+  of memory; observations are at most {max_observation_chars} characters.
+"""
+
+
+def render_tool_contract(
+    max_turns: int = REFERENCE_MAX_TURNS,
+    allowed_imports: frozenset[str] = DEFAULT_ALLOWED_IMPORTS,
+    max_observation_chars: int = 16384,
+    call_cpu_budget_s: float = CALL_CPU_BUDGET_S,
+    memory_mb: int = WORKER_MEMORY_MB,
+) -> str:
+    """The "tool" contract's text for a turn budget: what the tool designer is told and
+    what `validate_program(contract="tool")` checks."""
+    from spade_jax.envs.tools import MAX_TOOLS
+
+    if type(max_turns) is not int or max_turns < 1:
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    return _TOOL_TEMPLATE.format(
+        max_turns=max_turns, max_tools=MAX_TOOLS, allowed=_allowed_block(allowed_imports),
+        max_observation_chars=max_observation_chars, cpu=_seconds(call_cpu_budget_s),
+        memory=memory_mb,
+    )
+
+
+TOOL_CONTRACT: str = render_tool_contract()

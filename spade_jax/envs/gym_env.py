@@ -101,6 +101,14 @@ class SandboxedTextEnv(gymnasium.Env):
     def handle(self) -> EnvHandle:
         return self._handle
 
+    @property
+    def tools(self) -> tuple[dict[str, Any], ...] | None:
+        """A tool environment's function schemas, as the trainer checked them at load (for
+        `EpisodeSpec.tools`: the chat template renders them into the first prompt); None
+        under the text contracts. Fixed for the program: a reset that reports other tools
+        fails ("bad_tools")."""
+        return self._handle.tools
+
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[str, dict[str, Any]]:
@@ -168,9 +176,12 @@ def make_env(
       source: the program text.
       pool: the sandbox pool (default: the process-wide one).
       contract: "paper" (`class Environment`, return = sum of rewards in [0, 1]),
-        "reference" (the recipe's `*Env` games, scored as the recipe scores them) or
-        "auto" ("paper" if the source defines a top-level `class Environment`).
-      max_turns: the reference contract's turn budget (the recipe's 25).
+        "reference" (the recipe's `*Env` games, scored as the recipe scores them),
+        "tool" (`class ToolEnvironment`: tool calls, actions as the agent loop's
+        ``action_format="tool_call"`` sends them; `env.tools` gives the schemas),
+        "reference_tool_use" (the recipe's `ToolUseBaseEnv` games) or "auto" ("paper"
+        if the source defines a top-level `class Environment`, else "reference").
+      max_turns: the turn budget of the reference and tool contracts (the recipe's 25).
     """
     if not isinstance(source, str):
         raise TypeError(f"program source must be str, got {type(source).__name__}")

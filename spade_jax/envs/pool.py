@@ -28,12 +28,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from spade_jax import seeding
-from spade_jax.envs import supervisor
+from spade_jax.envs import supervisor, tools
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.envs.contract import (
     AUTO_CONTRACT,
+    RECIPE_SCORED,
     REFERENCE_MAX_TURNS,
     REFERENCE_REWARD_BOUND,
+    TOOL_CONTRACTS,
     resolve_contract,
 )
 from spade_jax.envs.isolation import IsolationReport, measure_layers
@@ -115,6 +117,44 @@ def paper_step_reward(raw_return_before: float, raw_reward: float) -> float:
     return clip(after) - clip(raw_return_before)
 
 
+def _checked_tools(value: Any) -> tuple[dict[str, Any], ...] | SandboxError:
+    """A worker's reported tool list, checked here by the trainer (the worker checked it
+    too, but a program can patch its own worker)."""
+    try:
+        return tuple(tools.check_tool_schemas(value))
+    except tools.ToolSchemaError as err:
+        return SandboxError("bad_tools", str(err))
+
+
+def _tool_turn(handle: EnvHandle, action: str,
+               result: StepResult) -> tuple[StepResult, SandboxError | None]:
+    """The trainer's checks of a tool environment's turn, from the action itself and the
+    tool list it checked at load, whatever the worker says: whether the turn ends the
+    episode ("tool": a final answer; "reference_tool_use": a turn of tool calls never
+    does, nor pays), the reward bounds ("tool": the state check in [0, 1]), and its own
+    count of the turn's calls in info (`tools.audit_calls`)."""
+    by_name = {tool["function"]["name"]: tool for tool in handle.tools or ()}
+    calls, errors, content = tools.parse_action(action)
+    info = dict(result.info, **tools.audit_calls(by_name, action))
+    result = dataclasses.replace(result, info=info)
+    if handle.contract == "tool":
+        final = tools.final_answer(calls, errors, content) is not None
+        if not 0.0 <= result.reward <= 1.0:
+            return result, SandboxError(
+                "reward_out_of_range", f"state check {result.reward!r} outside [0, 1]")
+        if result.terminated != final or result.truncated:
+            return result, SandboxError(
+                "protocol_violation", f"the worker reported terminated={result.terminated}, "
+                f"truncated={result.truncated} for a turn that {'gives' if final else 'does not give'} "
+                "a final answer")
+        return result, None
+    tool_turn = bool(calls) and tools.answer_tag(content) is None
+    if tool_turn and (result.terminated or result.truncated or result.reward != 0.0):
+        return result, SandboxError(
+            "protocol_violation", "a turn of tool calls ended the episode or paid a reward")
+    return result, _reward_bound_error(result.reward, handle.raw_return, True)
+
+
 # ----------------------------------------------------------------------------- snapshots
 
 
@@ -179,6 +219,9 @@ class EnvHandle:
         self.done = True
         self.last_observation = ""
         self._digest = hashlib.blake2b(digest_size=16)
+        # Tool contracts: the program's tool list as the trainer checked it at load
+        # (function schemas, plain JSON), fixed for the handle's life; None otherwise.
+        self.tools: tuple[dict[str, Any], ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -492,6 +535,12 @@ class EnvPool:
             error = reply if isinstance(reply, SandboxError) else None
             if error is None and reply.get("ok") is not True:
                 error = supervisor.check_reset(reply, self.config).error
+            if error is None and contracts[index] in TOOL_CONTRACTS:
+                checked = _checked_tools(reply.get("tools"))
+                if isinstance(checked, SandboxError):
+                    error = checked
+                else:
+                    handles[index].tools = checked
             if error is not None:
                 worker.kill(error)
                 handles[index].worker = None
@@ -541,6 +590,12 @@ class EnvPool:
         )
         for (index, handle, seed), reply in zip(live, replies, strict=True):
             result = supervisor.check_reset(reply, self.config)
+            if result.ok and handle.contract in TOOL_CONTRACTS:
+                checked = _checked_tools(reply.get("tools"))
+                if checked != handle.tools:
+                    result = failed_reset(checked if isinstance(checked, SandboxError) else
+                                          SandboxError("bad_tools", "the tool list reset() "
+                                                       "left differs from the one at load"))
             handle.seed, handle.actions, handle.episode_return = seed, [], 0.0
             handle.raw_return = 0.0
             handle._digest = hashlib.blake2b(repr(seed).encode(), digest_size=16)
@@ -618,14 +673,17 @@ class EnvPool:
         ):  # only the play wrapper's answer for a failed game carries the marker
             result = dataclasses.replace(
                 result, info={k: v for k, v in result.info.items() if k != PROGRAM_ERROR_KEY})
-        reference = handle.contract == "reference"
-        error = _reward_bound_error(result.reward, handle.raw_return, reference)
+        reference = handle.contract in RECIPE_SCORED
+        if handle.contract in TOOL_CONTRACTS:
+            result, error = _tool_turn(handle, action, result)
+        else:
+            error = _reward_bound_error(result.reward, handle.raw_return, reference)
         if error is not None:  # the episode ends here, as an env error, with nothing paid
             handle.done = True
             return dataclasses.replace(result, reward=0.0, terminated=True, error=error)
         handle.actions.append(action)
         budget = self.config.max_episode_steps
-        if reference:
+        if reference or handle.contract in TOOL_CONTRACTS:
             budget = min(budget, handle.max_turns)
         truncated = result.truncated or (
             not result.terminated and len(handle.actions) >= budget
@@ -637,11 +695,17 @@ class EnvPool:
             reward, info = reference_step_reward(result.reward, result.terminated), dict(
                 info, raw_reward=result.reward
             )
+        elif handle.contract == "tool":  # paid: the change of the state check
+            reward = result.reward - handle.raw_return
+            info = dict(info, progress=result.reward)
         else:
             reward = paper_step_reward(handle.raw_return, result.reward)
             if reward != result.reward:
                 info = dict(info, raw_reward=result.reward)
-        handle.raw_return += result.reward
+        if handle.contract == "tool":
+            handle.raw_return = result.reward  # the state check is a level, not an increment
+        else:
+            handle.raw_return += result.reward
         handle.episode_return += reward
         handle.last_observation = result.observation
         if len(action) != len(raw_action):

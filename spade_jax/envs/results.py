@@ -23,6 +23,8 @@ REASON_CODES: dict[str, str] = {
     "`*Env` class under the reference contract)",
     "weak_isolation": "a sandbox layer is missing and weak isolation was not allowed",
     "load_failed": "module-level code or Environment() raised",
+    "bad_tools": "a tool environment's tool list breaks the schema rules, names a tool "
+    "without its method, or changed between load and reset (the detail names the tool)",
     "timeout": "a call ran past its wall-clock deadline; the worker was killed",
     "slow_call": "a call used more CPU time than the per-call budget (the contract's one "
     "second); the worker was killed",

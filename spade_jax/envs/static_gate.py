@@ -14,8 +14,10 @@ import dataclasses
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.envs.contract import (
     MATH_VERIFY_NAMES,
+    RECIPE_SCORED,
     REFERENCE_IMPLICIT_NAMES,
     REFERENCE_IMPORTS,
+    TOOL_CLASS,
     parse_program,
     resolve_contract,
 )
@@ -71,8 +73,11 @@ def check_source(source: str, config: SandboxConfig, contract: str = "paper") ->
     """
     if not isinstance(source, str):
         raise TypeError(f"program source must be str, got {type(source).__name__}")
-    reference = resolve_contract(contract, source) == "reference"
+    kind = resolve_contract(contract, source)
+    reference = kind in RECIPE_SCORED
     allowed = config.allowed_imports | (config.reference_imports if reference else frozenset())
+    if kind == "reference_tool_use":  # the recipe's base class may be imported by name
+        allowed = allowed | {"tool_use_base_env"}
     size = len(source.encode("utf-8", "surrogatepass"))
     if size > config.max_source_bytes:
         return GateResult(
@@ -93,6 +98,8 @@ def check_source(source: str, config: SandboxConfig, contract: str = "paper") ->
         if error is not None:
             line = getattr(node, "lineno", "?")
             return GateResult(SandboxError(error.code, f"line {line}: {error.detail}"))
+    if kind == "tool":
+        return GateResult(_check_contract(tree, TOOL_CLASS, ("reset", "check")), tree)
     return GateResult(_check_reference(tree) if reference else _check_contract(tree), tree)
 
 
@@ -203,17 +210,18 @@ def _check_reference(tree: ast.Module) -> SandboxError | None:
     )
 
 
-def _check_contract(tree: ast.Module) -> SandboxError | None:
-    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Environment"]
+def _check_contract(tree: ast.Module, name: str = "Environment",
+                    needed: tuple[str, ...] = ("reset", "step")) -> SandboxError | None:
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
     if not classes:
-        return SandboxError("missing_contract", "no top-level `class Environment`")
+        return SandboxError("missing_contract", f"no top-level `class {name}`")
     environment = classes[-1]
     if environment.bases:
         return None  # methods may be inherited; the worker checks them at load time
     methods = {
         n.name for n in environment.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
     }
-    missing = [m for m in ("reset", "step") if m not in methods]
+    missing = [m for m in needed if m not in methods]
     if missing:
-        return SandboxError("missing_contract", f"Environment lacks {', '.join(missing)}()")
+        return SandboxError("missing_contract", f"{name} lacks {', '.join(missing)}()")
     return None

@@ -27,6 +27,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -38,7 +39,12 @@ from collections.abc import Callable, Sequence
 from spade_jax import seeding
 from spade_jax.envs import supervisor
 from spade_jax.envs.config import SandboxConfig
-from spade_jax.envs.contract import AUTO_CONTRACT, REFERENCE_MAX_TURNS, resolve_contract
+from spade_jax.envs.contract import (
+    AUTO_CONTRACT,
+    REFERENCE_MAX_TURNS,
+    TOOL_CONTRACTS,
+    resolve_contract,
+)
 from spade_jax.envs.pool import EnvHandle, EnvPool
 from spade_jax.envs.results import SandboxError
 from spade_jax.envs.static_gate import check_source
@@ -178,7 +184,7 @@ def validate_program(
         raise TypeError(f"program source must be str, got {type(source).__name__}")
     contract = resolve_contract(contract, source)
     config = config if config is not None else ValidationConfig()
-    if contract == "reference":  # the wrapper ends every episode at max_turns
+    if contract in ("reference", *TOOL_CONTRACTS):  # the pool ends every episode at max_turns
         config = dataclasses.replace(config, step_cap=max_turns)
     seed = seed if seed is not None else config.seed
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little") >> 1
@@ -194,7 +200,10 @@ def validate_program(
             if not gate.ok:
                 raise _Failed(gate.error, "static_gate")
             passed.append("static_gate")
-        _run_checks(run, source, passed)
+        if contract in TOOL_CONTRACTS:
+            _run_tool_checks(run, source, passed)
+        else:
+            _run_checks(run, source, passed)
     except _Failed as failed:
         return ValidationReport(
             False, str(failed.error), tuple(passed), run.digest, time.monotonic() - start, seed
@@ -338,6 +347,189 @@ def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
     for handle in run.handles:
         _check_usage(handle, config)
     passed.append("resources")
+
+
+def _run_tool_checks(run: _Run, source: str, passed: list[str]) -> None:
+    """The checks of a tool environment (contracts "tool", "reference_tool_use"), in the
+    order of `_run_checks`, with turns an agent could send: the agent loop's JSON actions
+    calling the program's own tools with arguments drawn from their schemas (right ones,
+    and wrong names, missing ones, wrong types, unknown tools, malformed calls), final
+    answers, and plain and garbage text. The tool list was checked at load (by the worker
+    and again here, in the trainer: "bad_tools" names the tool and the problem)."""
+    pool, config = run.pool, run.config
+    run.handles = pool.open_many([source, source], contract=run.contract,
+                                 max_turns=run.max_turns, trial=True)
+    for handle in run.handles:
+        if not handle.ok:
+            raise _Failed(handle.error, "load")
+    passed.append("load")
+    first, fresh = run.handles
+    schemas = first.tools or ()
+    scripted_seed, mixed_seed, adversarial_seed, *random_seeds = run.episode_seeds
+
+    def turns(seed: int, mode: str) -> _ToolTurns:
+        return _ToolTurns(seed, schemas, mode, run.max_turns, pool.config.max_action_chars)
+
+    run.digest = _episode(run, first, scripted_seed, turns(run.actions_seed, "scripted"),
+                          "scripted_episode")
+    passed.append("scripted_episode")
+    again = _episode(run, first, scripted_seed, turns(run.actions_seed, "scripted"),
+                     "deterministic_reset")
+    other = _episode(run, fresh, scripted_seed, turns(run.actions_seed, "scripted"),
+                     "deterministic_reset")
+    mixed = _episode(run, first, mixed_seed, turns(run.actions_seed + 1, "mixed"),
+                     "deterministic_reset")
+    mixed_fresh = _episode(run, fresh, mixed_seed, turns(run.actions_seed + 1, "mixed"),
+                           "deterministic_reset")
+    if not (run.digest == again == other and mixed == mixed_fresh):
+        raise _Failed(
+            SandboxError("nondeterministic_reset", "same seed and actions, different transcript"),
+            "deterministic_reset",
+        )
+    passed.append("deterministic_reset")
+    draws = seeding.rng(run.seed, seeding.Phase.VALIDATION, 1)
+    for _ in range(config.agent_episodes):
+        seed, choices = (int(x) for x in draws.integers(0, 2**31, 2))
+        one = _episode(run, first, seed, turns(choices, "agent"), "agent_like_actions")
+        two = _episode(run, fresh, seed, turns(choices, "agent"), "agent_like_actions")
+        if one != two:
+            raise _Failed(SandboxError(
+                "nondeterministic_reset", "agent-like tool calls: same seed and choices, "
+                "different transcripts in two workers"), "agent_like_actions")
+    passed.append("agent_like_actions")
+    _reset_without_seed(run, fresh)
+    passed.append("reset_seed_none")
+    for episode in range(config.random_episodes):
+        _episode(run, fresh, random_seeds[episode % len(random_seeds)],
+                 turns(run.actions_seed + 2 + episode, "random"), "random_actions")
+    passed.append("random_actions")
+    _episode(run, first, adversarial_seed, turns(run.actions_seed, "adversarial"),
+             "adversarial_actions")
+    passed.append("adversarial_actions")
+    for handle in run.handles:
+        _check_usage(handle, config)
+    passed.append("resources")
+
+
+class _ToolTurns:
+    """Turns of a tool-calling agent (seeded; one instance per episode). "scripted": every
+    tool once with arguments that fit its schema, then a final answer; "mixed", "agent"
+    and "random": calls with fitting or broken arguments (broken: an unknown or missing
+    argument, a wrong type, an unknown tool), malformed calls, plain text and final
+    answers, mostly calls, with strings from the observations ("agent") or random;
+    "adversarial": garbage text, garbage arguments and oversized replies."""
+
+    def __init__(self, seed: int, tools: Sequence[dict], mode: str, max_turns: int,
+                 max_chars: int) -> None:
+        self.rng = random.Random(seed)
+        self.tools = [t["function"] for t in tools]
+        self.mode = mode
+        self.max_turns = max_turns
+        self.max_chars = max_chars
+        self.words: dict[str, None] = {}
+
+    def __call__(self, t: int, observation: str) -> str:
+        self.words.update(dict.fromkeys(_OBSERVED_TOKEN.findall(observation[:4000])))
+        rng = self.rng
+        if self.mode == "scripted":
+            if t < len(self.tools) and t < self.max_turns - 1:
+                return _tool_action([self._call(self.tools[t], broken=False)])
+            return _tool_action([], content=f"<answer>{self._string()}</answer>")
+        if self.mode == "adversarial":
+            return self._adversarial(t)[: self.max_chars]
+        draw = rng.random()
+        if draw < 0.08:  # a final answer, plain or tagged
+            answer = self._string()
+            return answer if rng.random() < 0.5 else _tool_action([], f"<answer>{answer}</answer>")
+        if draw < 0.16:  # malformed calls, as the agent loop reports them or as raw text
+            if rng.random() < 0.5:
+                return _tool_action([], errors=["tool call 0: not JSON (Expecting value at "
+                                                "char 0)"])
+            return '<tool_call>{"name": ' + self._string() + "</tool_call>"
+        calls = [self._call(rng.choice(self.tools), broken=rng.random() < 0.3)
+                 for _ in range(rng.choice((1, 1, 1, 2, 3)))]
+        if rng.random() < 0.1:
+            return "".join(f"<tool_call>{json.dumps(c)}</tool_call>" for c in calls)
+        return _tool_action(calls)
+
+    def _string(self) -> str:
+        rng = self.rng
+        if self.mode == "agent" and self.words and rng.random() < 0.8:
+            return rng.choice(list(self.words))
+        return "".join(rng.choice(string.ascii_letters + string.digits + " _-")
+                       for _ in range(rng.randint(0, 12)))
+
+    def _value(self, schema: dict, depth: int = 0):
+        rng = self.rng
+        if "enum" in schema:
+            return rng.choice(schema["enum"])
+        kind = schema.get("type", "string")
+        kind = rng.choice(kind) if isinstance(kind, list) else kind
+        low, high = schema.get("minimum", -5), schema.get("maximum", 100)
+        if kind == "integer":
+            words = [int(w) for w in self.words if re.fullmatch(r"-?\d{1,9}", w)]
+            if words and rng.random() < 0.5:
+                return rng.choice(words)
+            return rng.randint(int(math.ceil(low)), max(int(math.ceil(low)), int(high)))
+        if kind == "number":
+            return round(rng.uniform(low, high), 2)
+        if kind == "boolean":
+            return rng.random() < 0.5
+        if kind == "null":
+            return None
+        if kind == "array":
+            items = schema.get("items", {"type": "string"})
+            return [self._value(items, depth + 1) for _ in range(rng.randint(0, 3 if depth < 3 else 0))]
+        if kind == "object":
+            properties = schema.get("properties", {})
+            return {name: self._value(sub, depth + 1) for name, sub in properties.items()
+                    if depth < 4 and (name in schema.get("required", []) or rng.random() < 0.5)}
+        return self._string()
+
+    def _call(self, function: dict, broken: bool) -> dict:
+        rng = self.rng
+        parameters = function["parameters"]
+        properties = parameters.get("properties", {})
+        required = parameters.get("required", [])
+        arguments = {name: self._value(schema) for name, schema in properties.items()
+                     if name in required or rng.random() < 0.6}
+        if not broken:
+            return {"name": function["name"], "arguments": arguments}
+        how = rng.choice(("unknown_tool", "extra", "missing", "type"))
+        if how == "unknown_tool":
+            return {"name": function["name"] + "_x", "arguments": arguments}
+        if how == "extra" or not properties:
+            return {"name": function["name"], "arguments": dict(arguments, zz_extra=1)}
+        name = rng.choice(sorted(properties))
+        if how == "missing":
+            arguments.pop(name, None)
+        else:
+            wrong = {"string": 7, "integer": "seven", "number": "7.5", "boolean": "yes"}
+            arguments[name] = wrong.get(properties[name].get("type"), [1.5, "x"])
+        return {"name": function["name"], "arguments": arguments}
+
+    def _adversarial(self, t: int) -> str:
+        rng = self.rng
+        kind = t % 4
+        if kind == 0:
+            return _GARBAGE[(t // 4) % len(_GARBAGE)] or "<tool_call></tool_call>"
+        if kind == 1 and self.tools:
+            function = rng.choice(self.tools)
+            nasty = rng.choice(["", "ünïcødé ✓ 🤖 \u202e", "\x00\x1b[2J", "9" * 4000,
+                                 -(2**70), 1e308, [[[[]]]], {"a": {"b": None}}, True])
+            arguments = {name: nasty for name in function["parameters"].get("properties", {})}
+            return _tool_action([{"name": function["name"], "arguments": arguments}])
+        if kind == 2:
+            return _tool_action([{"name": "__class__", "arguments": {}},
+                                 {"name": "reset", "arguments": {"seed": 1}},
+                                 {"name": "check", "arguments": {"answer": "x"}}])
+        return "<tool_call>" * 50 + '{"name": "x"' + "}" * 200
+
+
+def _tool_action(calls: list, content: str = "", errors: Sequence[str] = ()) -> str:
+    """An action as the agent loop sends it under ``action_format="tool_call"``."""
+    return json.dumps({"content": content, "tool_calls": calls, "errors": list(errors)},
+                      ensure_ascii=False)
 
 
 def _cycle(actions: tuple[str, ...]) -> Callable[[int, str], str]:

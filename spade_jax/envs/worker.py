@@ -19,7 +19,7 @@ import signal
 import sys
 import types
 
-from spade_jax.envs import contract, protocol, seccomp_filter
+from spade_jax.envs import contract, protocol, seccomp_filter, tool_base, tools
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
@@ -172,7 +172,7 @@ def _probe_attacks() -> dict:
 # ----------------------------------------------------------------------------- values
 
 
-def _plain(value, depth: int = 0):
+def _plain(value, depth: int = 0, max_depth: int = 8):
     """A JSON-safe copy of an info value using exact types only (no user methods run)."""
     kind = type(value)
     if value is None or kind in (bool, str):
@@ -181,12 +181,13 @@ def _plain(value, depth: int = 0):
         return value if abs(value) < 2**63 else f"<int of {value.bit_length()} bits>"
     if kind is float:
         return value if math.isfinite(value) else repr(value)
-    if depth >= 8:
+    if depth >= max_depth:
         return "<nested too deep>"
     if kind in (list, tuple):
-        return [_plain(item, depth + 1) for item in value[:1000]]
+        return [_plain(item, depth + 1, max_depth) for item in value[:1000]]
     if kind is dict:
-        return {k: _plain(v, depth + 1) for k, v in list(value.items())[:1000] if type(k) is str}
+        return {k: _plain(v, depth + 1, max_depth)
+                for k, v in list(value.items())[:1000] if type(k) is str}
     return f"<{kind.__name__}>"
 
 
@@ -267,6 +268,8 @@ class _Program:
     def __init__(self, limits: dict) -> None:
         self.limits = limits
         self.env = None
+        self.kind = "paper"
+        self.tools: dict[str, dict] = {}  # tool contracts: name -> checked schema
 
     def load(self, request: dict) -> dict:
         # A real module (dataclasses and typing look classes' modules up in sys.modules),
@@ -275,15 +278,31 @@ class _Program:
         module.__builtins__ = dict(builtins.__dict__)
         sys.modules[module.__name__] = module
         namespace = module.__dict__
-        reference = request.get("contract", "paper") == "reference"
+        self.kind = request.get("contract", "paper")
+        reference = self.kind in contract.RECIPE_SCORED
         if reference:
             namespace.update(_implicit_names())
+        if self.kind == "reference_tool_use":  # the recipe's base class, by name or import
+            namespace["ToolUseBaseEnv"] = tool_base.ToolUseBaseEnv
+            sys.modules["tool_use_base_env"] = tool_base
         code = compile(request["source"], "<environment>", "exec")
         exec(code, namespace)  # noqa: S102 - this is the sandbox
         if reference:
             self.env = _build_game(_game_class(namespace, module.__name__),
                                    int(request["max_turns"]))
+            if self.kind == "reference_tool_use":
+                return {"tools": self._read_tools()}
             return {}
+        if self.kind == "tool":
+            cls = namespace.get(contract.TOOL_CLASS)
+            if not isinstance(cls, type):
+                raise _Reject("missing_contract", f"no class named {contract.TOOL_CLASS}")
+            for method in ("reset", "check"):
+                if not callable(getattr(cls, method, None)):
+                    raise _Reject("missing_contract",
+                                  f"{contract.TOOL_CLASS} has no {method}() method")
+            self.env = cls()
+            return {"tools": self._read_tools()}
         cls = namespace.get("Environment")
         if not isinstance(cls, type):
             raise _Reject("missing_contract", "no class named Environment")
@@ -293,6 +312,24 @@ class _Program:
         self.env = cls()
         return {}
 
+    def _read_tools(self) -> list:
+        """The program's tool list as checked plain JSON (`TOOLS`, or the recipe base's
+        get_tools()); "bad_tools" naming the tool and the problem otherwise."""
+        if self.kind == "tool":
+            declared = getattr(self.env, "TOOLS", None)
+        else:
+            declared = self.env.get_tools()
+        try:
+            checked = tools.check_tool_schemas(_plain(declared, max_depth=32))
+        except tools.ToolSchemaError as err:
+            raise _Reject("bad_tools", str(err)) from None
+        self.tools = {tool["function"]["name"]: tool for tool in checked}
+        if self.kind == "tool":
+            for name in self.tools:
+                if not callable(getattr(self.env, f"tool_{name}", None)):
+                    raise _Reject("bad_tools", f"tool {name!r} has no method tool_{name}()")
+        return checked
+
     def reset(self, request: dict) -> dict:
         result = self.env.reset(seed=request["seed"])
         if type(result) is str:  # lenient: bare observation
@@ -301,12 +338,22 @@ class _Program:
             observation, info = result
         else:
             raise _Reject("bad_type", f"reset() returned {type(result).__name__}, not (str, dict)")
-        return {"obs": _observation(observation, self.limits), "info": _info(info)}
+        reply = {"obs": _observation(observation, self.limits), "info": _info(info)}
+        if self.kind in contract.TOOL_CONTRACTS:
+            reply["tools"] = self._read_tools()
+        return reply
 
     def step(self, request: dict) -> dict:
+        if self.kind == "tool":
+            return self._tool_step(request["action"])
+        if self.kind == "reference_tool_use":
+            return self._recipe_tool_step(request["action"])
         if request.get("lenient"):
             return self._lenient_step(request["action"])
-        result = self.env.step(request["action"])
+        return self._checked_step(request["action"])
+
+    def _checked_step(self, action: str) -> dict:
+        result = self.env.step(action)
         if type(result) not in (tuple, list) or len(result) not in (4, 5):
             raise _Reject(
                 "bad_type", "step() must return (obs, reward, terminated, truncated, info)"
@@ -323,6 +370,79 @@ class _Program:
             "truncated": _flag(truncated, "truncated"),
             "info": _info(info),
         }
+
+    def _run_calls(self, calls: list, dispatch) -> list[tuple[str, bool, str]]:
+        """Each call checked against the tool schemas, then run by ``dispatch(name,
+        arguments) -> (ok, text)``; a call that fails the check is an error result and
+        reaches no method of the program."""
+        results = []
+        for call in calls:
+            problems = tools.call_problems(self.tools, call)
+            if problems:
+                tool = self.tools.get(call["name"])
+                usage = f" (usage: {tools.signature(tool)})" if tool is not None else ""
+                results.append((call["name"], False, "; ".join(problems) + usage))
+            else:
+                results.append((call["name"], *dispatch(call["name"], call["arguments"])))
+        return results
+
+    def _tool_step(self, action: str) -> dict:
+        """A turn of a "tool" program: the final answer is checked, or the calls run."""
+        calls, errors, content = tools.parse_action(action)
+        answer = tools.final_answer(calls, errors, content)
+        results: list = []
+        tail = None
+        if answer is None:
+            calls, dropped = tools.split_calls(calls)
+            errors = errors + dropped
+
+            def dispatch(name: str, arguments: dict) -> tuple[bool, str]:
+                return True, tools.result_text(
+                    _plain(getattr(self.env, f"tool_{name}")(**arguments), max_depth=32))
+
+            results = self._run_calls(calls, dispatch)
+            follow = getattr(self.env, "next_instruction", None)
+            if callable(follow):
+                tail = follow()
+                if tail is not None and type(tail) is not str:
+                    raise _Reject("bad_type", f"next_instruction() returned "
+                                              f"{type(tail).__name__}, not str or None")
+        progress = _number(self.env.check(answer))
+        if not 0.0 <= progress <= 1.0:
+            raise _Reject("reward_out_of_range", f"check() returned {progress!r}, not in [0, 1]")
+        if answer is not None:
+            observation = "Final answer received. The episode is over."
+        else:
+            observation = tools.render_observation(results, errors, tail)
+        return {"obs": _observation(observation, self.limits), "reward": progress,
+                "terminated": answer is not None, "truncated": False,
+                "info": {"progress": progress}}
+
+    def _recipe_tool_step(self, action: str) -> dict:
+        """A turn of a recipe tool game, as the recipe plays one: a reply with
+        <answer>...</answer> goes to the game's step(); a reply with tool calls runs each
+        through the game's execute_tool() (checked against the schemas first; no reward,
+        the episode goes on); any other reply goes to step() (the game's format error),
+        with the parse errors put before its observation."""
+        calls, errors, content = tools.parse_action(action)
+        if tools.answer_tag(content) is not None or not calls:
+            reply = self._checked_step(content)
+            if errors and tools.answer_tag(content) is None:
+                text = tools.render_observation([], errors) + "\n\n" + reply["obs"]
+                reply["obs"] = _observation(text, self.limits)
+            return reply
+        calls, dropped = tools.split_calls(calls)
+
+        def dispatch(name: str, arguments: dict) -> tuple[bool, str]:
+            outcome = self.env.execute_tool(name, arguments)
+            if type(outcome) is not dict or type(outcome.get("output")) is not str:
+                raise _Reject("bad_type", "execute_tool() must return {'output': str, ...}")
+            return outcome.get("returncode") == 0, outcome["output"]
+
+        observation = tools.render_observation(self._run_calls(calls, dispatch),
+                                               errors + dropped)
+        return {"obs": _observation(observation, self.limits), "reward": 0.0,
+                "terminated": False, "truncated": False, "info": {}}
 
     def _lenient_step(self, action: str) -> dict:
         """The recipe's play wrapper around a reference game's step(): an exception, or a

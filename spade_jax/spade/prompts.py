@@ -31,6 +31,7 @@ from spade_jax.envs.contract import (
     PROGRAM_CONTRACT,
     REFERENCE_MAX_TURNS,
     render_reference_contract,
+    render_tool_contract,
 )
 
 # The hint presentation lives in the rollout layer (evaluation uses it too); re-exported
@@ -280,6 +281,111 @@ def _program_scores(pick: Callable[..., Any]) -> tuple[str, float, float]:
     """An example's program, win rate without a hint, and regret (long or short keys)."""
     program = str(pick("program_source", "program", "source")).rstrip("\n")
     return program, float(pick("win_rate_no_hint", "win_rate")), float(pick("regret"))
+
+
+# --------------------------------------------------------------------------- tool contract
+
+# The tool track (contract "tool", `spade_jax.envs.contract.render_tool_contract`): the
+# designer writes a `class ToolEnvironment` whose tools act on hidden state; the agent
+# plays it with native tool calls (AgentLoopConfig(action_format="tool_call",
+# observation_role="tool"), EpisodeSpec.tools = env.tools). Selected by
+# `tool_prompts(prompt_style, max_turns)`; the loop's `spade.contract` does not offer the
+# tool contract yet (docs/environments.md, "Tool environments").
+
+
+def tool_designer_system_prompt(max_turns: int = REFERENCE_MAX_TURNS) -> str:
+    """The designer's system prompt for the tool contract: a small stateful service the
+    agent reaches only through tools, a request that takes several calls in order, traps
+    an agent must notice (distractor tools, a missing detail, a request out of scope),
+    and a state check that says how much of the goal was reached."""
+    return f"""\
+You are the Environment Designer. You write tool-use environments in Python that train
+an agent to work through tools: it sees a user's request and a list of tools, calls them,
+reads what they return, and answers when the job is done.
+
+{render_tool_contract(max_turns)}
+What to build:
+- A small service with state the agent cannot see: accounts, files, orders, bookings,
+  devices, tickets. Tools read it or change it, and a change shows in later reads, so
+  the order of calls matters.
+- A request that takes several calls in a fixed order, where a later call needs a value
+  an earlier one returned (look something up, then act on it, then confirm).
+- Requests may come one after another: next_instruction() gives the next once the
+  current one is done in the state.
+- Traps a careful agent avoids: one or two distractor tools that look useful but are
+  not needed, some of which do harm (the check then gives 0); a request that leaves a
+  value out, so the agent must look it up with a tool instead of guessing; now and then
+  a request no tool can serve, which the agent should decline in its final answer
+  rather than call tools for.
+- A goal you can check: check() compares the hidden state (and the final answer, when
+  the request asks for one) with the goal, and gives partial credit per finished part,
+  e.g. 0.5 for the right change in the state and 0.5 for the right reported value.
+- Tools answer a bad request (an unknown id, not enough money, a closed item) with an
+  error message, never an exception. Use enums for arguments with few valid values.
+- A new instance for every seed (names, amounts, ids drawn with random.Random(seed)),
+  so the agent cannot memorise answers.
+
+Before you reply, play your environment in your head: reset(), the calls in the right
+order, the final answer; check() must give 1.0. Wrong order, a guessed value, or the
+distractor must give less.
+
+Reply with the whole program in one fenced python block and nothing after it.
+"""
+
+
+TOOL_DESIGNER_SYSTEM_PROMPT: str = tool_designer_system_prompt()
+
+# The tool contract's prompt for CPU-sized policies (prompt_style "compact").
+COMPACT_TOOL_DESIGNER_SYSTEM_PROMPT: str = """\
+You write a tool environment in Python: class ToolEnvironment with TOOLS (function
+schemas), reset(self, seed=None) -> the user's request, one method tool_<name> per tool
+over hidden state, and check(self, answer) -> the share of the goal reached in [0, 1].
+Reply with the whole program in one ```python block.
+"""
+
+# hint_mode "self" for tool environments: the policy reads the program and writes a
+# strategy hint for the agent (never trained), as HINT_WRITER_SYSTEM_PROMPT does for games.
+TOOL_HINT_WRITER_SYSTEM_PROMPT: str = """\
+You read the source code of a tool-use environment and write a short hint for an agent
+that will work in it. The agent never sees the code: only the user's request, the tool
+list and what the tools return.
+
+Work out which tools the request needs, in which order, which value each call needs from
+an earlier one, and which tools are traps. Then write 1 to 3 sentences (under 100 words)
+on the strategy: what to look up first, which order the changes must happen in, what to
+check before answering, and which tools to leave alone.
+
+Give no concrete values: no ids, names, amounts or answers drawn from the code, since
+every episode draws new ones. Do not name variables of the code. Reply with the hint
+text only."""
+
+
+def tool_hint_writer_messages(program: str) -> list[dict[str, str]]:
+    """Chat messages asking the policy for a strategy hint on a tool ``program``."""
+    fence = _fence_for(program)
+    return [{"role": "system", "content": TOOL_HINT_WRITER_SYSTEM_PROMPT},
+            {"role": "user", "content": f"Environment code:\n{fence}python\n{program}\n{fence}"}]
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPrompts:
+    """The prompts of the tool track: the designer's system prompt (its reply is one
+    ```python block, read like a reference-contract reply; the per-slot user prompt is
+    the loop's to choose) and the hint writer's (`tool_hint_writer_messages`)."""
+
+    designer_system: str
+    hint_writer_system: str
+
+
+def tool_prompts(prompt_style: str = "full", max_turns: int = REFERENCE_MAX_TURNS) -> ToolPrompts:
+    """The tool track's prompts for a prompt style ("full" or "compact", as
+    `spade.prompt_style`) and turn budget."""
+    styles = {"full": lambda: tool_designer_system_prompt(max_turns),
+              "compact": lambda: COMPACT_TOOL_DESIGNER_SYSTEM_PROMPT}
+    style = str(prompt_style)
+    if style not in styles:
+        raise ValueError(f"prompt_style must be one of {sorted(styles)}, got {prompt_style!r}")
+    return ToolPrompts(styles[style](), TOOL_HINT_WRITER_SYSTEM_PROMPT)
 
 
 # --------------------------------------------------------------------------- user prompts
