@@ -305,7 +305,9 @@ class Zygote:
         return answer
 
     def _stderr(self) -> str:
-        if self._process.poll() is None:
+        try:  # a broken channel usually means it is exiting: its stderr says why
+            self._process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
             return "zygote still running"
         err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
         return f"exit code {self._process.returncode}, stderr: {err[-2000:]}"

@@ -40,6 +40,7 @@ from spade_jax.envs.contract import (
 )
 from spade_jax.envs.isolation import IsolationReport, measure_layers
 from spade_jax.envs.launcher import Zygote, ZygoteError, find_bwrap
+from spade_jax.envs.preflight import bwrap_unusable
 from spade_jax.envs.results import (
     ResetResult,
     SandboxError,
@@ -355,6 +356,8 @@ class EnvPool:
                 if zygote is not None:
                     zygote.close()
                 if attempt == attempts:
+                    if self._namespaced:
+                        raise bwrap_unusable(find_bwrap(self.config), err) from err
                     raise
                 log.error("sandbox zygote failed to start (%s); retrying (%d/%d)",
                           err, attempt, attempts)

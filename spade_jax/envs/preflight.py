@@ -50,6 +50,17 @@ class SandboxUnavailable(RuntimeError):
     """The sandbox lacks isolation layers and weak isolation was not allowed."""
 
 
+def bwrap_unusable(bwrap: str | None, error: Exception) -> SandboxUnavailable:
+    """The error for a host where the sandbox's zygote never started under bubblewrap
+    (seen in a Firecracker VM: "bwrap: Can't remount readonly on /newroot/usr/lib/python3/
+    dist-packages ... Invalid argument"): what happened, and the two ways on."""
+    return SandboxUnavailable(
+        f"the sandbox could not start under bubblewrap ({bwrap}) on this host: {error}\n"
+        "Fix the host (a root filesystem bwrap can bind read-only, user namespaces), or "
+        "run without the namespaces layer: --set sandbox.use_namespaces=false plus "
+        "--allow_weak_sandbox (seccomp, rlimits, no-new-privs and per-worker uids stay).")
+
+
 def missing_layers(report: IsolationReport) -> list[tuple[str, str]]:
     """(layer, how to provide it) for every required layer the probe found missing."""
     bwrap = shutil.which("bwrap")

@@ -53,3 +53,20 @@ def test_weak_isolation_runs_only_when_allowed_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="spade_jax.envs.preflight"):
         require_isolation(_report({"seccomp"}), allow_weak=True)
     assert "WITHOUT these isolation layers" in caplog.text and "seccomp" in caplog.text
+
+
+def test_a_bwrap_that_cannot_build_the_sandbox_is_a_clear_error(tmp_path):
+    """A host where bubblewrap is installed but fails (seen in a Firecracker VM: it could not
+    remount its read-only binds) stops the pool with an error naming bwrap's complaint and
+    the ways on, not a zygote traceback."""
+    from spade_jax.envs import EnvPool, SandboxConfig
+
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho \"bwrap: Can't remount readonly on /newroot/usr: "
+                    "Invalid argument\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(SandboxUnavailable) as err:
+        EnvPool(SandboxConfig(bwrap_path=str(fake)))
+    message = str(err.value)
+    assert str(fake) in message and "sandbox.use_namespaces=false" in message
+    assert "--allow_weak_sandbox" in message and "Can't remount readonly" in message
