@@ -4,7 +4,9 @@
     python -m spade_jax.train --experiment=chain --workdir=runs/chain              # with designer
 
 The agent sees ``Start: 3. Length: 4.`` and answers ``\\boxed{3 4 0 1}`` (count up from the
-start modulo ``toy.chain_base``; the score is the share of right leading digits). The same
+start modulo ``toy.chain_base``; the score is the share of right leading digits, 0 for an
+answer of the wrong length: ``toy.chain_length_rule="exact_length"``, set here; the
+family's default is ``"partial"``, which keeps credit for a short answer). The same
 policy, model and warm-start recipe as ``toy``; the warm start teaches the answer format
 and level-1 copying, no successor information.
 
@@ -30,7 +32,13 @@ def get_config(variant: str = "") -> ExperimentConfig:
         sampler=dataclasses.replace(config.agent.sampler, max_new_tokens=24))
     config = dataclasses.replace(
         config, name="chain", agent=agent,
-        toy=dataclasses.replace(config.toy, family="chain", chain_base=5))
+        # exact_length: an answer of the wrong length scores 0, so the length is part of
+        # the skill (under partial credit the answers shrank to 2 digits whatever the
+        # level; docs/toy_world.md, "Chain games").
+        toy=dataclasses.replace(config.toy, family="chain", chain_base=5,
+                                chain_length_rule="exact_length"),
+        # The designer's skill text describes chain games (spade/skills.py CHAIN).
+        spade=dataclasses.replace(config.spade, skills="toy_chain"))
     if variant == "check":
         config = dataclasses.replace(
             config,  # the name stays "chain": a variant is named by its experiment

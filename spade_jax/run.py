@@ -70,9 +70,10 @@ log = logging.getLogger(__name__)
 
 
 # ---- components ------------------------------------------------------------------------
-def build_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
+def build_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike, toy: Any = None):
     """``spec.path`` when given (on every host); otherwise the sentencepiece model in
-    ``workdir/tokenizer``, trained there on the first run.
+    ``workdir/tokenizer``, trained there on the first run (``spec.text="toy"``: on the toy
+    world's text for the family ``toy``, the run's ``ToyConfig``, selects).
 
     Multi-host: the trained model depends on each host's local files (installed package
     versions), so process 0 trains or loads it and sends the model file's bytes; the other
@@ -83,8 +84,8 @@ def build_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
     if spec.path:
         return load_tokenizer(spec.path)
     if jax.process_count() == 1:
-        return _train_or_load_tokenizer(spec, workdir)
-    tokenizer = _train_or_load_tokenizer(spec, workdir) if distributed.is_primary() else None
+        return _train_or_load_tokenizer(spec, workdir, toy)
+    tokenizer = _train_or_load_tokenizer(spec, workdir, toy) if distributed.is_primary() else None
     data = distributed.agree_bytes(tokenizer.model_file.read_bytes() if tokenizer else b"")
     if tokenizer is not None:
         return tokenizer
@@ -94,7 +95,7 @@ def build_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
     return load_tokenizer(local)
 
 
-def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
+def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike, toy: Any = None):
     from spade_jax.tokenizers import load_tokenizer, project_text_files, train_sentencepiece
 
     directory = storage.as_path(workdir) / "tokenizer"
@@ -106,7 +107,7 @@ def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
         from spade_jax.toy.world import tokenizer_text
 
         toy_text = mirror.local / "toy_world.txt"
-        toy_text.write_text(tokenizer_text() + "\n" + _loop_prompt_text())
+        toy_text.write_text(tokenizer_text(toy) + "\n" + _loop_prompt_text(toy))
         files = [toy_text]
     else:
         files = project_text_files() + [_seed_program_text(mirror.local)]
@@ -117,17 +118,20 @@ def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike):
     return tokenizer
 
 
-def _loop_prompt_text() -> str:
-    """The fixed prompt texts of the loop's roles (designer, hint writer, agent)."""
+def _loop_prompt_text(toy: Any = None) -> str:
+    """The fixed prompt texts of the loop's roles (designer, hint writer, agent), the
+    designer's on the toy family's skill (``toy``: the run's ``ToyConfig``)."""
     from spade_jax.spade.prompts import (
         COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT,
         HINT_WRITER_SYSTEM_PROMPT,
         reference_designer_user_prompt,
     )
+    from spade_jax.toy import chain
     from spade_jax.toy.family import SKILL
 
+    skill = chain.SKILL if toy is not None and toy.family == "chain" else SKILL
     return "\n".join([COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT, HINT_WRITER_SYSTEM_PROMPT,
-                      reference_designer_user_prompt(SKILL, [], max_doc_chars=64)])
+                      reference_designer_user_prompt(skill, [], max_doc_chars=64)])
 
 
 def _seed_program_text(directory: Path) -> Path:
@@ -299,7 +303,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         except Exception:
             pool.close()
             raise
-    tokenizer = build_tokenizer(config.tokenizer, workdir)
+    tokenizer = build_tokenizer(config.tokenizer, workdir, config.toy)
     mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
     model = build_model(config.model, tokenizer, config.seed, mesh)
     if distributed.is_primary():  # what `python -m spade_jax.export` rebuilds the policy from

@@ -106,12 +106,21 @@ KEY_DIGIT = Skill(
     "the key is the largest or the smallest (RULE)",
 )
 
+# The toy world's chain family (spade_jax/toy/chain.py; ``toy.family="chain"``): the
+# designer's choice is the level, the answer's length.
+CHAIN = Skill(
+    "chain",
+    "count up from a start digit modulo BASE and write the digits; choose how many digits "
+    "the answer has (LEVEL)",
+)
+
 SKILL_SETS: dict[str, tuple[Skill, ...]] = {
     "main": RECIPE_SKILLS,
     "two_skill": RECIPE_TWO_SKILL,
     "project": MAIN_SKILLS,
     "project_two_skill": TWO_SKILL_CURRICULUM,
     "toy": (KEY_DIGIT,),
+    "toy_chain": (CHAIN,),
 }
 
 

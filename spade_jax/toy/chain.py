@@ -13,13 +13,18 @@ then each next digit the successor of the previous one (``(d + 1) % BASE``); spa
 the answer are ignored (``\\boxed{3401}`` is the same answer). One try; the
 score is the share of leading digits that are right, over the longer of the answer and
 the target (``right / max(LEVEL, len(answer))``: extra digits cost, a malformed answer
-scores 0), so 1 only for the exact sequence. So:
+scores 0), so 1 only for the exact sequence. That is the ``"partial"`` length rule (the
+default, ``ToyConfig.chain_length_rule``); under ``"exact_length"`` an answer whose length
+is not LEVEL scores 0 and one of the right length scores ``right / LEVEL`` (so stopping
+early, which partial credit pays for, earns nothing: the length is part of the skill).
+So:
 
 - level 1 is a copy (the warm start's format); each further digit is one lookup of the
   successor table, the same table at every level and for every start;
 - a policy that copies the start and draws the rest uniformly from ``range(BASE)`` solves
   level L (the whole sequence) with chance ``BASE ** -(L - 1)``, and its expected score
-  is ``sum_k BASE**-k / L`` for k = 0..L-1 (partial credit: ``expected_random_score``);
+  is ``sum_k BASE**-k / L`` for k = 0..L-1 (partial credit: ``expected_random_score``;
+  the same under both length rules, since it writes L digits);
 - the hint (``hint_for``) states the table as a count (``Count up: 0 1 2 3 4 0.``): a
   strategy that holds for every start, not an episode's answer (the start is drawn per
   episode); whether this policy can use it is untested (docs/toy_world.md).
@@ -41,6 +46,17 @@ DEFAULT_BASE = 5
 # run's held-out eval renders ``family.render_program(level, rule)``, which hands a rule
 # with this prefix to ``render_program`` below.
 GRID_RULE_PREFIX = "chain_base"
+# The family's skill name (spade.skills="toy_chain": ``spade_jax.spade.skills.CHAIN``): the
+# designer prompts of the warm start and the pool's games name it.
+SKILL = "chain"
+# How an answer's length enters its score (``ToyConfig.chain_length_rule``; module docstring).
+LENGTH_RULES: tuple[str, ...] = ("partial", "exact_length")
+DEFAULT_LENGTH_RULE = "partial"
+# The score line of each rule's program (``right`` leading digits of ``answer`` are right).
+_SCORE_LINES = {
+    "partial": "score = right / max(LEVEL, len(answer))",
+    "exact_length": "score = right / LEVEL if len(answer) == LEVEL else 0.0",
+}
 
 _PROGRAM = '''\
 LEVEL = {level}
@@ -61,24 +77,29 @@ class ChainEnv:
             if got != want:
                 break
             right += 1
-        score = right / max(LEVEL, len(answer))
+        {score_line}
         return ("Correct." if score == 1 else "Wrong."), score, True, False, {{}}
 '''
 
 _BASE_LINE = re.compile(r"^BASE\s*=\s*(\d+)\s*$", re.M)
 
 
-def _check(level: int, base: int) -> None:
+def _check(level: int, base: int, length_rule: str = DEFAULT_LENGTH_RULE) -> None:
     if level not in LEVELS:
         raise ValueError(f"chain level must be one of {LEVELS}, got {level!r}")
     if base not in BASES:
         raise ValueError(f"chain base must be one of {BASES}, got {base!r}")
+    if length_rule not in LENGTH_RULES:
+        raise ValueError(f"chain length rule must be one of {LENGTH_RULES}, got {length_rule!r}")
 
 
-def render_program(level: int, base: int = DEFAULT_BASE) -> str:
-    """The chain game at ``level`` (the answer's length) counting modulo ``base``."""
-    _check(level, base)
-    return _PROGRAM.format(level=level, base=base)
+def render_program(level: int, base: int = DEFAULT_BASE,
+                   length_rule: str = DEFAULT_LENGTH_RULE) -> str:
+    """The chain game at ``level`` (the answer's length) counting modulo ``base``, scored
+    by ``length_rule`` (``LENGTH_RULES``; the ``"partial"`` program is the one the family
+    had before the rule existed, byte for byte)."""
+    _check(level, base, length_rule)
+    return _PROGRAM.format(level=level, base=base, score_line=_SCORE_LINES[length_rule])
 
 
 def program_level(source: str) -> int | None:
@@ -91,17 +112,46 @@ def program_base(source: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def grid_rule(base: int) -> str:
-    """The held-out grid's rule slot for chain games of ``base`` (``GRID_RULE_PREFIX``)."""
-    _check(1, base)
-    return f"{GRID_RULE_PREFIX}{base}"
+def program_length_rule(source: str) -> str | None:
+    """The length rule a chain program scores by (its score line), None if neither."""
+    found = [rule for rule, line in _SCORE_LINES.items() if line in source]
+    return found[0] if len(found) == 1 else None
+
+
+def grid_rule(base: int, length_rule: str = DEFAULT_LENGTH_RULE) -> str:
+    """The held-out grid's rule slot for chain games of ``base`` scored by ``length_rule``:
+    ``chain_base5`` (partial: the name it had before the rule existed) or
+    ``chain_base5_exact_length``."""
+    _check(1, base, length_rule)
+    suffix = "" if length_rule == DEFAULT_LENGTH_RULE else f"_{length_rule}"
+    return f"{GRID_RULE_PREFIX}{base}{suffix}"
+
+
+def _parse_rule(rule: object) -> tuple[int, str] | None:
+    if not isinstance(rule, str) or not rule.startswith(GRID_RULE_PREFIX):
+        return None
+    base, _, length_rule = rule[len(GRID_RULE_PREFIX):].partition("_")
+    return int(base), length_rule or DEFAULT_LENGTH_RULE
 
 
 def base_of_rule(rule: str) -> int | None:
     """The base a grid rule names (``grid_rule``), None for any other rule."""
-    if isinstance(rule, str) and rule.startswith(GRID_RULE_PREFIX):
-        return int(rule[len(GRID_RULE_PREFIX):])
-    return None
+    parsed = _parse_rule(rule)
+    return parsed[0] if parsed else None
+
+
+def length_rule_of_rule(rule: str) -> str | None:
+    """The length rule a grid rule names (``grid_rule``), None for any other rule."""
+    parsed = _parse_rule(rule)
+    return parsed[1] if parsed else None
+
+
+def render_grid_program(level: int, rule: str) -> str:
+    """The chain program a held-out grid entry ``(level, rule)`` names (``grid_rule``)."""
+    parsed = _parse_rule(rule)
+    if parsed is None:
+        raise ValueError(f"not a chain grid rule: {rule!r}")
+    return render_program(level, *parsed)
 
 
 def observation(start: int, level: int) -> str:
@@ -121,14 +171,18 @@ def answer_text(digits: list[int] | tuple[int, ...], separator: str = " ") -> st
 
 
 def score(answer: list[int] | tuple[int, ...], start: int, level: int,
-          base: int = DEFAULT_BASE) -> float:
-    """The program's score of an answer (share of right leading digits, over the longer
-    of the answer and the target), computed here for tests and analyses."""
+          base: int = DEFAULT_BASE, length_rule: str = DEFAULT_LENGTH_RULE) -> float:
+    """The program's score of an answer, computed here for tests and analyses: the share
+    of right leading digits over the longer of the answer and the target (``"partial"``),
+    or 0 unless the answer has ``level`` digits and then the share (``"exact_length"``)."""
+    _check(level, base, length_rule)
     right = 0
     for got, want in zip(answer, target(start, level, base), strict=False):
         if got != want:
             break
         right += 1
+    if length_rule == "exact_length":
+        return right / level if len(answer) == level else 0.0
     return right / max(level, len(answer))
 
 

@@ -5,8 +5,9 @@ functions of the same names when the config selects this family.
 What the warm start teaches, and what it leaves to RL:
 
 - the designer role: the chain program at levels drawn from ``designer_level_weights``,
-  for the loop's own designer prompts (with and without a memory example, whose level the
-  target does not follow), at the run's base;
+  for the loop's own designer prompts on the chain skill (``chain.SKILL``; with and
+  without a memory example, whose level the target does not follow), at the run's base
+  and length rule;
 - the hint writer: a program -> its hint (the successor table as a count);
 - the agent role: the answer format and level-1 copying only. A third of the examples are
   level 1 (the target is the start); the rest are at random levels, and their target is
@@ -26,7 +27,6 @@ import numpy as np
 from spade_jax.seeding import Phase, derive_seed, rng
 from spade_jax.spade.prompts import hint_writer_messages
 from spade_jax.toy import chain
-from spade_jax.toy.family import SKILL
 
 Messages = list[dict[str, str]]
 
@@ -37,7 +37,7 @@ def designer_pairs(config: Any, designer_messages: Any, seed: int) -> list[tuple
     draw = rng(seed, 0, Phase.WARM_START, 0)
     weights = np.asarray(config.designer_level_weights, np.float64)
     weights /= weights.sum()
-    base = config.chain_base
+    base, rule = config.chain_base, config.chain_length_rule
     pairs = []
     for i in range(config.designer_examples):
         level = int(draw.choice(chain.LEVELS, p=weights))
@@ -45,12 +45,12 @@ def designer_pairs(config: Any, designer_messages: Any, seed: int) -> list[tuple
         if i % 2:
             example_level = int(draw.choice(chain.LEVELS))
             build_on = bool(draw.integers(2))
-            examples = [{"program": chain.render_program(example_level, base),
+            examples = [{"program": chain.render_program(example_level, base, rule),
                          "hint": "", "regime": "frontier" if build_on else "mastered",
                          "win_rate": float(draw.uniform()), "regret": float(draw.uniform(-.2, .6)),
                          "build_on": build_on}]
-        pairs.append((designer_messages(SKILL, [], examples),
-                      f"```python\n{chain.render_program(level, base)}```"))
+        pairs.append((designer_messages(chain.SKILL, [], examples),
+                      f"```python\n{chain.render_program(level, base, rule)}```"))
     return pairs
 
 
@@ -58,7 +58,8 @@ def hint_pairs(config: Any, seed: int) -> list[tuple[Messages, str]]:
     """(hint-writer chat on a chain program -> its hint) pairs over every level."""
     draw = rng(seed, 0, Phase.WARM_START, 1)
     return [(hint_writer_messages(chain.render_program(int(draw.choice(chain.LEVELS)),
-                                                       config.chain_base)),
+                                                       config.chain_base,
+                                                       config.chain_length_rule)),
              chain.hint_for(config.chain_base)) for _ in range(config.hint_examples)]
 
 
@@ -90,8 +91,9 @@ def agent_sequences(config: Any, seed: int, tokenizer: Any, agent: Any) -> list[
 
 
 def tokenizer_text(base: int = chain.DEFAULT_BASE) -> str:  # both answer formats
-    """Every chain program, hint, observation and answer shape."""
-    parts = [chain.render_program(level, base) for level in chain.LEVELS]
+    """Every chain program (under both length rules), hint, observation and answer shape."""
+    parts = [chain.render_program(level, base, rule) for rule in chain.LENGTH_RULES
+             for level in chain.LEVELS]
     parts += [chain.hint_for(base), "Correct.", "Wrong."]
     parts += [chain.observation(s, level) for s in range(base) for level in chain.LEVELS]
     parts += [chain.answer_text(chain.target(s, level, base), separator)
@@ -103,15 +105,16 @@ def fixed_pool(config: Any) -> list[tuple[str, str | None, str]]:
     """A fixed-pool run's programs: the chain game at every level of ``pool_levels``
     (every level when empty); hints are written by the policy (hint_mode "self")."""
     levels = config.pool_levels or chain.LEVELS
-    return [(chain.render_program(level, config.chain_base), None, SKILL) for level in levels]
+    return [(chain.render_program(level, config.chain_base, config.chain_length_rule), None,
+             chain.SKILL) for level in levels]
 
 
 def heldout_grid(config: Any, seed: int) -> list[tuple[int, str, int]]:
     """(level, rule, episode seed) of the held-out evaluation, seeded from Phase.EVAL as
     the key-digit grid is, every start equally often (``_seed_with_start``); the rule
-    slot names the base (``chain.grid_rule``), so the
-    run's eval renders the chain program (``family.render_program``)."""
-    rule = chain.grid_rule(config.chain_base)
+    slot names the base and the length rule (``chain.grid_rule``), so the run's eval
+    renders the run's chain program (``family.render_program``)."""
+    rule = chain.grid_rule(config.chain_base, config.chain_length_rule)
     return [(level, rule, _seed_with_start(seed, level, i, i % config.chain_base,
                                            config.chain_base))
             for level in config.heldout_levels for i in range(config.heldout_episodes)]
@@ -152,7 +155,10 @@ def heldout_metrics(grid: Sequence[tuple[int, str, int]], returns: Sequence[floa
 def lookup_metrics(levels: np.ndarray, returns: np.ndarray) -> dict[str, float]:
     """What the scores say about the two skills, reading an episode's score at level L as
     a leading run of ``round(score * L)`` right digits (exact when the answer has L
-    digits; a longer answer reads as a shorter run):
+    digits; a longer answer reads as a shorter run; under the ``"exact_length"`` rule an
+    answer of any other length scores 0 and reads as a run of 0, so there ``copy_rate``
+    is the share with the right length and first digit, and ``lookup_rate`` counts the
+    answers of the right length only):
 
     ``eval/toy/copy_rate``    share of episodes whose first digit is right (the start
                               copied: the warm start's skill);

@@ -81,7 +81,7 @@ def render_program(level: int, rule: str, constant_key: int | None = None) -> st
         # eval renders every grid entry through this function (``spade_jax/toy/chain.py``).
         from spade_jax.toy import chain
 
-        return chain.render_program(level, chain.base_of_rule(rule))
+        return chain.render_grid_program(level, rule)
     if rule not in RULES:
         raise ValueError(f"toy rule must be one of {RULES}, got {rule!r}")
     if constant_key is not None and constant_key not in range(10):

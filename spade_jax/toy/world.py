@@ -57,6 +57,11 @@ class ToyConfig:
       chain_separator: what separates the digits of the chain warm start's answers: " "
         (``\\boxed{3 4 0}``) or "" (``\\boxed{340}``: each digit is then a token right
         after the digit it succeeds; the tokenizer splits digits).
+      chain_length_rule: how a chain answer's length enters its score (``toy/chain.py``):
+        "partial" (the share of right leading digits over the longer of answer and target:
+        a short answer keeps partial credit) or "exact_length" (0 unless the answer has
+        LEVEL digits, else the share of right leading digits). The programs (pool,
+        designer warm start, held-out grid) are rendered with it.
     """
 
     enabled: bool = False
@@ -71,6 +76,7 @@ class ToyConfig:
     chain_base: int = 5
     pool_levels: tuple[int, ...] = ()
     chain_separator: str = " "
+    chain_length_rule: str = "partial"
 
     def __post_init__(self) -> None:
         if self.family not in ("key_digit", "chain"):
@@ -83,6 +89,9 @@ class ToyConfig:
         if self.chain_separator not in (" ", ""):
             raise ValueError(f"toy.chain_separator must be ' ' or '', got "
                              f"{self.chain_separator!r}")
+        if self.chain_length_rule not in ("partial", "exact_length"):
+            raise ValueError(f"toy.chain_length_rule must be 'partial' or 'exact_length', got "
+                             f"{self.chain_length_rule!r}")
         bad = [lv for lv in self.pool_levels if lv not in LEVELS]
         if bad:
             raise ValueError(f"toy.pool_levels must be levels from {LEVELS}, got "

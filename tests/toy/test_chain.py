@@ -29,19 +29,21 @@ from spade_jax.toy.world import (
 CONFIG = ToyConfig(enabled=True, family="chain")
 
 
-def _game(level, base=5):
+def _game(level, base=5, length_rule="partial"):
     namespace = {"random": random, "re": re}
-    exec(chain.render_program(level, base), namespace)  # noqa: S102 - the project's own program
+    exec(chain.render_program(level, base, length_rule), namespace)  # noqa: S102 - the project's own program
     return namespace["ChainEnv"]()
 
 
-@pytest.mark.parametrize("base", [3, 5])
-def test_every_levels_program_passes_the_recipe_contracts_validation(base):
+@pytest.mark.parametrize("base,length_rule", [(3, "partial"), (5, "partial"),
+                                              (5, "exact_length")])
+def test_every_levels_program_passes_the_recipe_contracts_validation(base, length_rule):
     for level in chain.LEVELS:
-        source = chain.render_program(level, base)
+        source = chain.render_program(level, base, length_rule)
         report = validate_program(source, contract="reference")
         assert report.ok, (level, report)
         assert chain.program_level(source) == level and chain.program_base(source) == base
+        assert chain.program_length_rule(source) == length_rule
 
 
 def test_gymnasium_checker_passes_on_the_sandboxed_game():
@@ -198,3 +200,102 @@ def test_the_unspaced_answer_format_scores_alike_and_still_teaches_no_successor(
     assert abs(hits / pairs - 0.2) < 0.02
     with pytest.raises(ValueError, match="toy.chain_separator"):
         ToyConfig(chain_separator=",")
+
+
+# Level 3, start 3, base 5: the target is 3 4 0. Scores worked out by hand for each rule.
+HAND_SCORES = [  # answer, partial, exact_length
+    ("\\boxed{3 4 0}", 1.0, 1.0),
+    ("\\boxed{340}", 1.0, 1.0),
+    ("\\boxed{3 4 1}", 2 / 3, 2 / 3),        # right length, 2 leading digits right
+    ("\\boxed{3 0 0}", 1 / 3, 1 / 3),        # the first right only (the third does not count)
+    ("\\boxed{4 4 0}", 0.0, 0.0),            # wrong first digit
+    ("\\boxed{3 4}", 2 / 3, 0.0),            # stops early: partial credit only under "partial"
+    ("\\boxed{3}", 1 / 3, 0.0),
+    ("\\boxed{3 4 0 1}", 3 / 4, 0.0),        # one digit too many
+    ("\\boxed{}", 0.0, 0.0),
+    ("3 4 0", 0.0, 0.0),                     # malformed
+]
+
+
+@pytest.mark.parametrize("answer,partial,exact", HAND_SCORES)
+def test_the_exact_length_rule_scores_zero_unless_the_answer_has_level_digits(
+        answer, partial, exact):
+    """Both rules' programs (as the sandbox runs them) and the host-side ``chain.score``
+    agree with the hand-computed scores of a level-3 game whose start is 3."""
+    seed = next(s for s in range(100) if random.Random(s).randrange(5) == 3)
+    digits = [int(d) for d in re.findall(r"\d", answer)] if answer.startswith("\\boxed") \
+        else None
+    for rule, want in (("partial", partial), ("exact_length", exact)):
+        game = _game(3, 5, rule)
+        assert game.reset(seed=seed)[0] == "Start: 3. Length: 3."
+        _, reward, done, _, _ = game.step(answer)
+        assert reward == pytest.approx(want) and done, (rule, answer)
+        if digits is not None:
+            assert chain.score(digits, 3, 3, 5, rule) == pytest.approx(want), (rule, answer)
+    with pytest.raises(ValueError, match="length rule"):
+        chain.score([3], 3, 3, 5, "longest")
+
+
+def test_the_exact_length_program_scores_alike_in_the_sandbox():
+    with EnvPool(SandboxConfig(call_deadline_s=3.0, spare_workers=1)) as pool:
+        env = make_env(chain.render_program(3, 5, "exact_length"), pool, contract="reference",
+                       max_turns=1)
+        observation, _ = env.reset(seed=7)
+        start = int(re.match(r"Start: (\d)", observation).group(1))
+        right = chain.target(start, 3)
+        for answer, want in ((right, 1.0), (right[:2], 0.0), (right + [0], 0.0),
+                             (right[:2] + [(right[2] + 1) % 5], 2 / 3)):
+            env.reset(seed=7)
+            reward = env.step(chain.answer_text(answer))[1]
+            assert reward == pytest.approx(want) == pytest.approx(
+                chain.score(answer, start, 3, 5, "exact_length"))
+        env.close()
+
+
+def test_the_length_rule_reaches_the_pool_the_designer_targets_and_the_grid():
+    config = ToyConfig(enabled=True, family="chain", pool_levels=(2, 3),
+                       chain_length_rule="exact_length")
+    assert [chain.program_length_rule(p) for p, _, _ in fixed_pool(config)] == \
+        ["exact_length"] * 2
+    assert {chain.program_length_rule(recipe_program(target)) for _, target in
+            designer_pairs(config, lambda *a: [{"role": "user", "content": ""}], seed=0)} == \
+        {"exact_length"}
+    grid = heldout_grid(config, seed=1)
+    assert {rule for _, rule, _ in grid} == {"chain_base5_exact_length"}
+    assert family_render_program(3, grid[0][1]) == chain.render_program(3, 5, "exact_length")
+    # The default is unchanged: partial credit, the grid rule's old name, the old seeds.
+    assert ToyConfig().chain_length_rule == "partial"
+    assert heldout_grid(CONFIG, seed=1)[0][1] == "chain_base5"
+    assert [s for _, _, s in heldout_grid(CONFIG, seed=1)] == [s for _, _, s in grid]
+    assert family_render_program(3, "chain_base5") == chain.render_program(3, 5)
+    assert chain.program_length_rule(chain.render_program(3, 5)) == "partial"
+    with pytest.raises(ValueError, match="toy.chain_length_rule"):
+        ToyConfig(chain_length_rule="longest")
+    # The exact-length rule's held-out readings: a wrong-length answer reads as no copy.
+    m = heldout_metrics([(3, "chain_base5_exact_length", 0)] * 2, [0.0, 2 / 3])
+    assert m["eval/toy/copy_rate"] == 0.5 and m["eval/toy/lookup_rate"] == 0.5
+
+
+def test_a_chain_runs_tokenizer_is_trained_on_the_chain_worlds_text(tmp_path):
+    """``run.build_tokenizer`` hands the run's ``ToyConfig`` to the toy tokenizer text, so
+    a chain run's tokenizer knows the chain observations, programs and skill text (before,
+    it was trained on the key-digit world's text whatever the family)."""
+    from spade_jax.experiment import TokenizerSpec, load_experiment
+    from spade_jax.run import _loop_prompt_text, build_tokenizer
+    from spade_jax.spade.skills import CHAIN, KEY_DIGIT, get_skill_set
+
+    config = load_experiment("chain:check")
+    assert get_skill_set(config.spade.skills) == (CHAIN,)
+    assert config.toy.chain_length_rule == "exact_length"  # the chain experiments' rule
+    assert f"'{CHAIN.name}': {CHAIN.description}" in _loop_prompt_text(config.toy)
+    assert f"'{KEY_DIGIT.name}'" in _loop_prompt_text() == _loop_prompt_text(ToyConfig())
+    tokenizer = build_tokenizer(TokenizerSpec(vocab_size=400, text="toy"), tmp_path, config.toy)
+    text = (tmp_path / "tokenizer" / "toy_world.txt").read_text()
+    assert "Start: 3. Length: 4." in text and "Digits: " not in text
+    assert chain.render_program(4, 5, "exact_length") in text
+    assert f"'{CHAIN.name}'" in text
+    # One piece per digit, so every answer digit is a token the policy writes on its own.
+    pieces = [tokenizer.decode([t]) for t in tokenizer.encode("\\boxed{3 4 0 1}")]
+    assert [p.strip() for p in pieces if p.strip().isdigit()] == ["3", "4", "0", "1"]
+    # The key-digit world's tokenizer text is unchanged (no config, or a key-digit one).
+    assert tokenizer_text(ToyConfig()) == tokenizer_text() and "Digits: " in tokenizer_text()
