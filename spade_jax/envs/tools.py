@@ -262,7 +262,8 @@ def parse_reply(text: str) -> tuple[list[dict[str, Any]], list[str], str]:
     Each ``<tool_call>...</tool_call>`` holds one JSON object with a string "name" and an
     object "arguments" (absent = {}; a JSON string holding an object is accepted); one that
     does not is an error naming the call, not a call. An unclosed ``<tool_call>`` is an
-    error too. The same reading as `spade_jax.rollout.agent_loop.parse_tool_calls`."""
+    error too. The agent loop reads replies with it too
+    (`spade_jax.rollout.agent_loop.parse_tool_calls`)."""
     calls: list[dict[str, Any]] = []
     errors: list[str] = []
     for index, match in enumerate(_TOOL_CALL.finditer(text)):

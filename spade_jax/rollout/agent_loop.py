@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from spade_jax import distributed, preemption
+from spade_jax.envs import tools
 from spade_jax.rollout.engine import Finished, Request, SlotEngine
 from spade_jax.rollout.records import EndReason, EpisodeRecord
 from spade_jax.rollout.sampler import SamplerConfig
@@ -176,40 +177,14 @@ class ActionParser:
         return (found[-1].strip(), True) if found else (visible, False)
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-
-
 def parse_tool_calls(text: str) -> tuple[list[dict[str, Any]], list[str], str]:
     """Qwen3's native tool calls in a reply: (calls, errors, the text outside them). Each
     ``<tool_call>...</tool_call>`` must hold one JSON object with a string "name" and an
-    object "arguments" (absent = {}); one that does not is an error naming the call and
-    the problem, not a call. An unclosed ``<tool_call>`` is an error too."""
-    calls: list[dict[str, Any]] = []
-    errors: list[str] = []
-    for index, match in enumerate(_TOOL_CALL.finditer(text)):
-        body = match.group(1).strip()
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as err:
-            errors.append(f"tool call {index}: not JSON ({err.msg} at char {err.pos})")
-            continue
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            errors.append(f"tool call {index}: expected an object with a string 'name'")
-            continue
-        arguments = value.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(arguments, dict):
-            errors.append(f"tool call {index} ({value['name']}): 'arguments' must be an object")
-            continue
-        calls.append({"name": value["name"], "arguments": arguments})
-    outside = _TOOL_CALL.sub("", text)
-    if "<tool_call>" in outside:
-        errors.append("an unclosed <tool_call>")
-    return calls, errors, outside.strip()
+    object "arguments" (absent = {}; a JSON string holding an object is accepted); one that
+    does not is an error naming the call and the problem, not a call. An unclosed
+    ``<tool_call>`` is an error too. The sandbox's tool contract reads replies with the
+    same function (`spade_jax.envs.tools.parse_reply`)."""
+    return tools.parse_reply(text)
 
 
 def last_boxed(text: str) -> str | None:
