@@ -302,16 +302,30 @@ class _Run:
         return _Failed(error, check)
 
 
-def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
-    """Every check after the static gate, in order; raises _Failed at the first failure."""
-    pool, config, reference = run.pool, run.config, run.reference
-    run.handles = pool.open_many([source, source], contract=run.contract,
-                                 max_turns=run.max_turns, trial=True)
+def _load_pair(run: _Run, source: str, passed: list[str]) -> tuple[EnvHandle, EnvHandle]:
+    """The program loaded in two workers: the checks replay the first one's episodes in
+    the second ("fresh"), so a transcript that depends on a worker's history shows."""
+    run.handles = run.pool.open_many([source, source], contract=run.contract,
+                                     max_turns=run.max_turns, trial=True)
     for handle in run.handles:
         if not handle.ok:
             raise _Failed(handle.error, "load")
     passed.append("load")
-    first, fresh = run.handles
+    return tuple(run.handles)
+
+
+def _require_same_transcripts(same: bool) -> None:
+    if not same:
+        raise _Failed(
+            SandboxError("nondeterministic_reset", "same seed and actions, different transcript"),
+            "deterministic_reset",
+        )
+
+
+def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
+    """Every check after the static gate, in order; raises _Failed at the first failure."""
+    pool, config, reference = run.pool, run.config, run.reference
+    first, fresh = _load_pair(run, source, passed)
     if reference:
         _recipe_checks(run, first)
         passed.append("recipe_checks")
@@ -325,11 +339,7 @@ def _run_checks(run: _Run, source: str, passed: list[str]) -> None:
     shuffled = _random_actions(rng, pool.config.max_action_chars, boxed=reference)
     mixed = _episode(run, first, mixed_seed, shuffled, "deterministic_reset")
     mixed_fresh = _episode(run, fresh, mixed_seed, shuffled, "deterministic_reset")
-    if not (run.digest == again == other and mixed == mixed_fresh):
-        raise _Failed(
-            SandboxError("nondeterministic_reset", "same seed and actions, different transcript"),
-            "deterministic_reset",
-        )
+    _require_same_transcripts(run.digest == again == other and mixed == mixed_fresh)
     passed.append("deterministic_reset")
     _agent_like_episodes(run, first, fresh)
     passed.append("agent_like_actions")
@@ -357,13 +367,7 @@ def _run_tool_checks(run: _Run, source: str, passed: list[str]) -> None:
     answers, and plain and garbage text. The tool list was checked at load (by the worker
     and again here, in the trainer: "bad_tools" names the tool and the problem)."""
     pool, config = run.pool, run.config
-    run.handles = pool.open_many([source, source], contract=run.contract,
-                                 max_turns=run.max_turns, trial=True)
-    for handle in run.handles:
-        if not handle.ok:
-            raise _Failed(handle.error, "load")
-    passed.append("load")
-    first, fresh = run.handles
+    first, fresh = _load_pair(run, source, passed)
     schemas = first.tools or ()
     scripted_seed, mixed_seed, adversarial_seed, *random_seeds = run.episode_seeds
 
@@ -381,11 +385,7 @@ def _run_tool_checks(run: _Run, source: str, passed: list[str]) -> None:
                      "deterministic_reset")
     mixed_fresh = _episode(run, fresh, mixed_seed, turns(run.actions_seed + 1, "mixed"),
                            "deterministic_reset")
-    if not (run.digest == again == other and mixed == mixed_fresh):
-        raise _Failed(
-            SandboxError("nondeterministic_reset", "same seed and actions, different transcript"),
-            "deterministic_reset",
-        )
+    _require_same_transcripts(run.digest == again == other and mixed == mixed_fresh)
     passed.append("deterministic_reset")
     draws = seeding.rng(run.seed, seeding.Phase.VALIDATION, 1)
     for _ in range(config.agent_episodes):
