@@ -63,6 +63,7 @@ from spade_jax.evaluation.tool_benchmarks.common import (
     UserSimulator,
     backend_classes,
     invoke,
+    new_task_id,
     parse_call_text,
     parse_tool_doc,
     public_methods,
@@ -141,10 +142,7 @@ def load_acebench(question_path: str | Path, answer_path: str | Path) -> list[Ac
     tasks: list[AceTask] = []
     seen: set[str] = set()
     for where, record in read_jsonl(question_path):
-        task_id = str(field(record, "id", (str, int), where))
-        if task_id in seen:
-            raise where.error(f"field 'id': duplicate id {task_id!r}")
-        seen.add(task_id)
+        task_id = new_task_id(record, where, seen)
         question = field(record, "question", str, where)
         config = field(record, "initial_config", dict, where, required=False, default={})
         classes = field(record, "involved_classes", list, where)

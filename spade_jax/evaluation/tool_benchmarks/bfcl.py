@@ -64,6 +64,7 @@ from spade_jax.evaluation.tool_benchmarks.common import (
     TurnLog,
     backend_classes,
     invoke,
+    new_task_id,
     parse_call_text,
     parse_tool_doc,
     public_methods,
@@ -154,10 +155,7 @@ def load_bfcl(question_path: str | Path, answer_path: str | Path, func_doc_dir: 
     tasks: list[BfclTask] = []
     seen: set[str] = set()
     for where, record in read_jsonl(question_path):
-        task_id = str(field(record, "id", (str, int), where))
-        if task_id in seen:
-            raise where.error(f"field 'id': duplicate id {task_id!r}")
-        seen.add(task_id)
+        task_id = new_task_id(record, where, seen)
         turns = _parse_turns(field(record, "question", list, where), where)
         if not turns:
             raise where.error("field 'question' is empty")

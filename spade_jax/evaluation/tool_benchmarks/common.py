@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from spade_jax.evaluation.data import DataError, Where
+from spade_jax.evaluation.data import DataError, Where, field
 
 Message = dict[str, Any]
 Policy = Callable[[list[Message], list[dict[str, Any]]], Any]
@@ -71,6 +71,16 @@ def read_json_file(path: str | Path) -> Any:
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{err.lineno}: malformed JSON ({err.msg} at column "
                         f"{err.colno})") from None
+
+
+def new_task_id(record: Mapping[str, Any], where: Where, seen: set[str]) -> str:
+    """A task record's "id" (a string or an integer, read as a string), added to ``seen``;
+    one already there is an error naming the record's file and line."""
+    task_id = str(field(record, "id", (str, int), where))
+    if task_id in seen:
+        raise where.error(f"field 'id': duplicate id {task_id!r}")
+    seen.add(task_id)
+    return task_id
 
 
 def read_json_array(path: str | Path) -> Iterator[tuple[Where, Any]]:

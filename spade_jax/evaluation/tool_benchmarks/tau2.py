@@ -73,6 +73,7 @@ from spade_jax.evaluation.tool_benchmarks.common import (
     TurnLog,
     UserSimulator,
     invoke,
+    new_task_id,
     parse_tool_doc,
     public_methods,
     read_json_array,
@@ -250,10 +251,7 @@ def load_tau2_tasks(path: str | Path) -> list[Tau2Task]:
     for where, record in read_json_array(path):
         if not isinstance(record, dict):
             raise where.error(f"expected a task object, got {type(record).__name__}")
-        task_id = str(field(record, "id", (str, int), where))
-        if task_id in seen:
-            raise where.error(f"field 'id': duplicate id {task_id!r}")
-        seen.add(task_id)
+        task_id = new_task_id(record, where, seen)
         instructions = _instructions(field(record, "user_scenario", dict, where), where)
         agent_data, init_actions = None, []
         state = _opt(record, "initial_state", dict, where, "")
