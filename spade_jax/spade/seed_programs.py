@@ -7,12 +7,21 @@ The seed programs have two uses:
 - the default offline pool for the fixed-designer ablation. In the paper that pool comes
   from a strong model; `load_program_pool` reads such a pool from a directory.
 
-The programs live as `seed_programs/<name>.py.txt` next to this module. The `.py.txt`
-suffix keeps them out of imports, test collection and the ruff run, and `pyproject.toml`
-ships them as package data. They are kept short (20 to 35 lines) so a small model can
-reproduce them. Each one follows `spade_jax.envs.PROGRAM_CONTRACT` and imports only `random`
-and `re`. Each hint states a fact about the structure of the task. It never gives an
-instance's answer, because a hint is fixed text while every seed draws a new instance.
+Two sets, one per contract the designer can be asked to write (`seed_programs_for`):
+
+- `SEED_PROGRAMS`: games under the "paper" contract (`spade_jax.envs.PROGRAM_CONTRACT`),
+  two for each of the project's six skills, 20 to 35 lines, importing only `random` and `re`;
+- `TOOL_SEED_PROGRAMS`: tool environments under the "tool" contract
+  (`spade_jax.envs.contract.TOOL_CONTRACT`), one for each of three of the recipe's tool
+  skills, 25 to 40 lines, importing only `random`; each has a distractor tool the task does
+  not need and a check() that gives partial credit.
+
+The programs live as `seed_programs/<name>.py.txt` next to this module (the tool ones as
+`tool_<name>.py.txt`). The `.py.txt` suffix keeps them out of imports, test collection and
+the ruff run, and `pyproject.toml` ships them as package data. They are kept short so a
+small model can reproduce them. Each hint states a fact about the structure of the task or
+a strategy. It never gives an instance's answer or a concrete value, because a hint is
+fixed text while every seed draws a new instance.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-from spade_jax.envs.contract import CONTRACTS, detect_contract
+from spade_jax.envs.contract import ALL_CONTRACTS, detect_contract
 
 _SOURCE_DIR = pathlib.Path(__file__).with_name("seed_programs")
 
@@ -32,11 +41,14 @@ class SeedProgram:
     Attributes:
       name: identifier (file stem); unique within a pool.
       skill: the skill the program exercises (a `Skill.name`, or the pool's label).
-      source: the program text, following `spade_jax.envs.PROGRAM_CONTRACT`.
+      source: the program text, following the contract `contract` names.
       hint: the hint shown to the agent in the hint arm. It is None only for pool programs
         that come without a `.hint.txt` file.
-      contract: the program contract it follows, "paper" (`class Environment`) or
-        "reference" (the recipe's `*Env` games); pass it to `validate_program` / `make_env`.
+      contract: the program contract it follows (one of
+        `spade_jax.envs.contract.ALL_CONTRACTS`): "paper" (`class Environment`),
+        "reference" (the recipe's `*Env` games), "tool" (`class ToolEnvironment`) or
+        "reference_tool_use" (the recipe's tool games); pass it to `validate_program` /
+        `make_env`.
     """
 
     name: str
@@ -54,9 +66,9 @@ class SeedProgram:
             raise ValueError(f"SeedProgram {self.name!r}: source is empty")
         if self.hint is not None and not self.hint.strip():
             raise ValueError(f"SeedProgram {self.name!r}: hint is empty (use None for no hint)")
-        if self.contract not in CONTRACTS:
+        if self.contract not in ALL_CONTRACTS:
             raise ValueError(
-                f"SeedProgram {self.name!r}: contract must be one of {CONTRACTS}, "
+                f"SeedProgram {self.name!r}: contract must be one of {ALL_CONTRACTS}, "
                 f"got {self.contract!r}"
             )
 
@@ -138,17 +150,65 @@ _SEED_TABLE: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _load_seed_programs() -> tuple[SeedProgram, ...]:
+# (file stem, skill, hint) of the "tool" seeds: one for each of three of the recipe's tool
+# skills (`spade_jax.spade.skills.TOOL_SKILLS`, names exactly as written there).
+_TOOL_SEED_TABLE: tuple[tuple[str, str, str], ...] = (
+    (
+        "tool_order_status",
+        "Data Retrieval",
+        "Orders are filed by id, not by customer name: look the customer's order id up "
+        "first, read that order's status, and name the status in your final reply.",
+    ),
+    (
+        "tool_stock_levels",
+        "State Modification",
+        "The tools only change stock by an amount, so read each requested item's current "
+        "level and adjust it by the difference; leave every other item untouched.",
+    ),
+    (
+        "tool_room_booking",
+        "Multi-Step Workflows",
+        "Bookings take a room's id, not its name: find the id, book it once for the "
+        "requested hour, then give the booking code exactly as the booking returned it.",
+    ),
+)
+
+
+def _load_seed_programs(
+    table: tuple[tuple[str, str, str], ...], contract: str = "paper"
+) -> tuple[SeedProgram, ...]:
     programs = []
-    for name, skill, hint in _SEED_TABLE:
+    for name, skill, hint in table:
         path = _SOURCE_DIR / f"{name}.py.txt"
         if not path.is_file():
             raise FileNotFoundError(f"seed program {name!r} is missing its source {path}")
-        programs.append(SeedProgram(name, skill, path.read_text(encoding="utf-8"), hint))
+        programs.append(
+            SeedProgram(name, skill, path.read_text(encoding="utf-8"), hint, contract)
+        )
     return tuple(programs)
 
 
-SEED_PROGRAMS: tuple[SeedProgram, ...] = _load_seed_programs()
+SEED_PROGRAMS: tuple[SeedProgram, ...] = _load_seed_programs(_SEED_TABLE)
+TOOL_SEED_PROGRAMS: tuple[SeedProgram, ...] = _load_seed_programs(_TOOL_SEED_TABLE, "tool")
+
+# The seed programs of each contract the SPADE loop's designer writes
+# (`spade_jax.envs.contract.LOOP_CONTRACTS` minus "reference", which has none).
+_SEEDS_BY_CONTRACT: dict[str, tuple[SeedProgram, ...]] = {
+    "paper": SEED_PROGRAMS,
+    "tool": TOOL_SEED_PROGRAMS,
+}
+
+
+def seed_programs_for(contract: str) -> tuple[SeedProgram, ...]:
+    """The seed programs written for `contract`: "paper" -> `SEED_PROGRAMS`, "tool" ->
+    `TOOL_SEED_PROGRAMS`. ValueError naming the contract and the choices otherwise."""
+    try:
+        return _SEEDS_BY_CONTRACT[contract]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"no seed programs for contract {contract!r}; expected one of "
+            f"{sorted(_SEEDS_BY_CONTRACT)}"
+        ) from None
 
 
 def load_program_pool(
