@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import tiny_hf
+from xla_test_flags import jax_flags
 
 from spade_jax.models.safetensors_io import TensorIndex
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": jax_flags()}
     return subprocess.run([sys.executable, "-m", "spade_jax.convert", *args],
                           capture_output=True, text=True, env=env, timeout=300)
 

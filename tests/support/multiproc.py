@@ -14,6 +14,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from xla_test_flags import jax_flags
+
 REPO = Path(__file__).resolve().parents[2]
 COORDINATION = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
@@ -28,8 +30,7 @@ def jax_env(devices: int = 1, **extra: str) -> dict[str, str]:
     """The environment of one JAX process on ``devices`` simulated CPU devices, importing
     this checkout, alone (no coordination variables inherited); ``extra`` added."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}" if devices > 1
-               else "")
+               XLA_FLAGS=jax_flags(devices))
     for key in COORDINATION:
         env.pop(key, None)
     return {**env, **extra}

@@ -1,0 +1,19 @@
+"""XLA flags of the suite's JAX processes: LLVM at -O0 for XLA:CPU (the suite's time is
+mostly compiling tiny programs; -O0 compiles them about a third faster and changes only the
+last bits of results, tests/models/test_opt_level.py). tests/conftest.py sets it for the
+pytest processes; a test that starts a JAX subprocess with XLA_FLAGS of its own builds them
+here (``jax_flags()``), unless it checks numerics at the default level (the exact-replay
+drivers), a result measured at it (the learning check), or runs mostly compiled code
+rather than compiling (a `spade_jax.train` run's warm start took 123 s at -O0 against
+80 s: the train-command tests keep the default level)."""
+
+from __future__ import annotations
+
+LLVM_O0 = "--xla_backend_optimization_level=0"
+
+
+def jax_flags(devices: int = 1) -> str:
+    """XLA_FLAGS for a JAX subprocess on ``devices`` simulated CPU devices, at -O0."""
+    if devices > 1:
+        return f"--xla_force_host_platform_device_count={devices} {LLVM_O0}"
+    return LLVM_O0
