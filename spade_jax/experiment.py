@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 from spade_jax.envs.config import SandboxConfig
 from spade_jax.models.config import ModelConfig
@@ -233,24 +234,43 @@ class ExperimentConfig:
 
 def check_warm_start(config: ExperimentConfig) -> None:
     """Refuses a warm start that would teach the designer programs of another contract
-    than the one its prompt asks for (the seed programs follow the paper's contract; a
-    run with ``spade.contract='reference'`` needs programs of that contract, or none)."""
-    from spade_jax.spade import seed_programs
-
+    than the one its prompt asks for (the seed programs follow the paper's or the tool
+    contract; a run with ``spade.contract='reference'`` has none, so it needs
+    ``warm_start.steps=0``)."""
     ws, spade = config.warm_start, config.spade
     if ws.steps == 0 or config.toy.enabled or spade.game_source != GameSourceKind.SELF_DESIGN:
         return
-    programs = [p for p in seed_programs.SEED_PROGRAMS if not ws.programs or p.name in ws.programs]
-    if not programs:
-        raise ValueError(f"warm_start.programs {list(ws.programs)} names no seed program; "
-                         f"known: {[p.name for p in seed_programs.SEED_PROGRAMS]}")
-    wrong = [p.name for p in programs if p.contract != spade.contract]
+    warm_start_programs(config)
+
+
+def warm_start_programs(config: ExperimentConfig) -> list[Any]:
+    """The seed programs the warm start teaches (`spade.seed_programs`): those named in
+    ``warm_start.programs``, or every seed program of the run's contract; each must follow
+    that contract (ValueError naming the programs otherwise)."""
+    from spade_jax.spade import seed_programs
+
+    ws, contract = config.warm_start, config.spade.contract
+    every = seed_programs.SEED_PROGRAMS + seed_programs.TOOL_SEED_PROGRAMS
+    if ws.programs:
+        programs = [p for p in every if p.name in ws.programs]
+        unknown = sorted(set(ws.programs) - {p.name for p in programs})
+        if unknown:
+            raise ValueError(f"warm_start.programs {unknown} names no seed program; "
+                             f"known: {[p.name for p in every]}")
+    else:
+        programs = [p for p in every if p.contract == contract]
+        if not programs:
+            raise ValueError(f"no seed program follows spade.contract={contract.value!r}: "
+                             f"set warm_start.steps=0 (the warm start teaches the designer "
+                             f"to answer the run's own prompt with seed programs)")
+    wrong = [p.name for p in programs if p.contract != contract]
     if wrong:
         raise ValueError(
             f"warm_start.programs {wrong} follow another contract than spade.contract="
-            f"{spade.contract.value!r}: the warm start teaches the designer to answer the "
+            f"{contract.value!r}: the warm start teaches the designer to answer the "
             f"run's own prompt with them (set warm_start.steps=0, or choose programs of "
             f"that contract)")
+    return programs
 
 
 def experiment_path(name: str) -> Path:

@@ -100,6 +100,9 @@ class MetricsWriter:
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
+            # A NaN is a value here (a step without games has no validity rate), not a
+            # fault: tensorboardX would warn on every one of them.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
             self._tensorboard = SummaryWriter(
                 str(local / TENSORBOARD_DIR), flush_secs=cfg.tensorboard_flush_secs
             )

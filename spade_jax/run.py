@@ -39,6 +39,7 @@ from spade_jax.experiment import (
     json_value,
     require_corpus,
     train_config_for_run,
+    warm_start_programs,
 )
 from spade_jax.metrics import MetricsWriter, Progress
 from spade_jax.models import Qwen3, abstract_model, load_hf, preset
@@ -52,7 +53,7 @@ from spade_jax.rollout.routing import compact_routing
 from spade_jax.rollout.sampler import SamplerConfig, sample
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import seed_programs
-from spade_jax.spade.config import GameSourceKind
+from spade_jax.spade.config import Contract, GameSourceKind
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
 from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
 from spade_jax.spade.game_source import FixedEnv, FixedPool, GameSource, SelfDesign
@@ -61,6 +62,7 @@ from spade_jax.spade.memory import EnvironmentMemory, MemoryConfig
 from spade_jax.spade.prompts import (
     DESIGNER_SYSTEM_PROMPT,
     format_designer_output,
+    format_program_reply,
 )
 from spade_jax.spade.reward import make_designer_reward
 from spade_jax.spade.skills import get_skill_set
@@ -493,8 +495,10 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
         seqs = _toy_warm_start_sequences(config, tokenizer, loop)
         log.info("toy warm start: %d steps on %d examples", ws.steps, len(seqs))
         return _supervised_pass(config, tokenizer, graphdef, state, seqs)
-    check_warm_start(config)  # the programs exist and follow the run's contract
-    programs = [p for p in seed_programs.SEED_PROGRAMS if not ws.programs or p.name in ws.programs]
+    programs = warm_start_programs(config)  # they exist and follow the run's contract
+    # A tool designer replies with the program alone (its prompt asks for no hint).
+    target = (format_program_reply if spade_cfg.contract == Contract.TOOL
+              else format_designer_output)
     docs_sampler = build_corpus_sampler(config, seed_offset=7919)
     skills = [s.name for s in get_skill_set(spade_cfg.skills)]
     pairs = []
@@ -504,7 +508,7 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
                     if docs_sampler is not None and variant > 0 else [])
             skill = skills[variant % len(skills)] if ws.vary_skills else prog.skill
             pairs.append((loop.designer.messages(skill, docs, []),
-                          format_designer_output(prog.source, prog.hint)))
+                          target(prog.source, prog.hint)))
     if jax.process_count() > 1:
         # The warm-start batch is global, so every host needs the same pairs, but each drew
         # its documents from its own corpus: process 0's pairs everywhere (one broadcast).
@@ -588,6 +592,7 @@ def build_game_source(config: ExperimentConfig) -> GameSource:
 
             return FixedPool(toy_pool(config.toy))
         programs = (seed_programs.load_program_pool(spade.pool_dir) if spade.pool_dir
+                    else seed_programs.TOOL_SEED_PROGRAMS if spade.contract == Contract.TOOL
                     else seed_programs.SEED_PROGRAMS)
         return FixedPool([(p.source, p.hint, p.skill) for p in programs])
     return SelfDesign()

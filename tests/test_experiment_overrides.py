@@ -28,6 +28,7 @@ from spade_jax.experiment import (
 from spade_jax.models import ModelConfig
 from spade_jax.overrides import OverrideError, diff
 from spade_jax.rl.optim import OptimizerConfig, learning_rate_schedule
+from spade_jax.spade.prompts import TOOL_AGENT_SYSTEM_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.py") if not p.stem.startswith("_"))
@@ -199,6 +200,39 @@ def test_the_4b_and_8b_experiments_are_small_variants_of_the_30b(name, changes):
     assert {k: new for k, (_, new) in changed.items()} == changes
 
 
+_TOOL_AGENT = {"agent.system_prompt": TOOL_AGENT_SYSTEM_PROMPT, "agent.action_format": "tool_call",
+               "agent.observation_role": "tool"}
+
+
+@pytest.mark.parametrize("name, base, changes", [
+    # cmd/tool_use/_train_spade_blend.sh (30b): regeneration and delay 8, hints up to 2048
+    # tokens, documents cut to 4000, KL 0.005; the tool contract, skills and agent.
+    ("spade_tool_use_30b_a3b", "qwen3_30b_a3b", {
+        **_TOOL_AGENT, "agent.first_turn_template": "{observation}",
+        "train.agent.loss.kl_coef": 0.005, "train.designer.loss.kl_coef": 0.005,
+        "train.pooled_min_denominator": 192, "spade.regeneration_interval": 8,
+        "spade.designer_delay": 8, "spade.hint_max_tokens": 2048, "spade.skills": "tool",
+        "spade.contract": "tool", "spade.max_doc_words": 4000, "corpus.domain": "tool"}),
+    # cmd/tool_use/train_spade_4b.sh: 500 steps, 16 environments x 16 plays, regeneration
+    # and delay 32, regret_based, 4 hint plays of hints up to 512 tokens.
+    ("spade_tool_use_4b", "spade_tool_use_30b_a3b", {
+        "model.preset": "qwen3_4b_instruct_2507", "mesh.expert": 1, "train.microbatches": 8,
+        "train.pooled_min_denominator": 256, "spade.rounds": 500, "spade.envs_per_round": 16,
+        "spade.regeneration_interval": 32, "spade.plays_per_game": 16, "spade.hint_plays": 4,
+        "spade.designer_delay": 32, "spade.hint_max_tokens": 512,
+        "spade.designer_reward": "regret", "spade.global_batch": 256}),
+    ("tiny_tool_use", "tiny", {
+        **_TOOL_AGENT, "designer_sampler.max_new_tokens": 800, "agent.max_turns": 3,
+        "agent.max_turn_tokens": 32, "agent.max_episode_tokens": 1536,
+        "agent.sampler.max_new_tokens": 32, "spade.skills": "tool", "spade.contract": "tool",
+        "spade.eval_every": 0, "warm_start.programs": ()}),
+])
+def test_the_tool_experiments_are_small_variants_of_their_games_experiments(name, base, changes):
+    changed = diff(load_experiment(base), load_experiment(name))
+    assert changed.pop("name") == (base, name)
+    assert {k: new for k, (_, new) in changed.items()} == changes
+
+
 def test_total_steps_follows_the_run_length():
     assert OptimizerConfig().total_steps is None
     config = load_experiment("tiny", ["train.optimizer.schedule=cosine", "spade.rounds=7"])
@@ -311,5 +345,12 @@ def test_a_warm_start_of_another_contract_than_the_run_is_refused_before_the_run
     with pytest.raises(ValueError, match=r"warm_start.programs \[.*\] follow another contract"):
         check_warm_start(reference)
     check_warm_start(load_experiment("tiny", ["spade.contract='reference'", "warm_start.steps=0"]))
-    with pytest.raises(ValueError, match="names no seed program"):
+    with pytest.raises(ValueError, match=r"\['nope'\] names no seed program"):
         check_warm_start(load_experiment("tiny", ["warm_start.programs=('nope',)"]))
+    # Without names, the run's contract picks the seeds; the recipe's contract has none.
+    with pytest.raises(ValueError, match="no seed program follows spade.contract='reference'"):
+        check_warm_start(load_experiment("tiny", ["spade.contract='reference'",
+                                                  "warm_start.programs=()"]))
+    with pytest.raises(ValueError, match=r"\['modular_product', 'sort_numbers'\] follow another"):
+        check_warm_start(load_experiment("tiny", ["spade.contract='tool'"]))
+    check_warm_start(load_experiment("tiny", ["spade.contract='tool'", "warm_start.programs=()"]))

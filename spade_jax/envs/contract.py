@@ -126,10 +126,14 @@ CONTRACTS: tuple[str, ...] = ("paper", "reference")
 # `class ToolEnvironment` whose tools are declared as function schemas and written as
 # methods; "reference_tool_use": the published recipe's tool games (`*Env` subclasses of
 # its `ToolUseBaseEnv`, `spade_jax.envs.tool_base`). Chosen by name only ("auto" never
-# picks one) and, for now, only in the env layer (validate_program, make_env, EnvPool,
-# envs.check): the SPADE loop's `spade.contract` lists `CONTRACTS`.
+# picks one).
 TOOL_CONTRACTS: tuple[str, ...] = ("tool", "reference_tool_use")
 ALL_CONTRACTS: tuple[str, ...] = CONTRACTS + TOOL_CONTRACTS
+# The contracts the SPADE loop's designer can be asked to write (`spade.contract`): each
+# has a designer prompt family (`spade.design.Designer.messages`). "reference_tool_use"
+# programs load and play (validate_program, make_env, EnvPool, envs.check) but have no
+# designer prompt of their own.
+LOOP_CONTRACTS: tuple[str, ...] = CONTRACTS + ("tool",)
 AUTO_CONTRACT = "auto"
 # Contracts scored as the recipe scores: the last reward if terminated, clipped to [-1, 1].
 RECIPE_SCORED: frozenset[str] = frozenset({"reference", "reference_tool_use"})

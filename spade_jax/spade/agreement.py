@@ -105,6 +105,23 @@ def agree_drops(reasons: list[str]) -> list[str]:
     return _per_episode(reasons, str)
 
 
+def agree_tools(tools: list[Any]) -> list[Any]:
+    """Each episode's tool schemas (None: a text environment, or a copy another host
+    steps) as known on the host that opened its copy, on every host: every host renders
+    every episode's first prompt, so each needs the tools of copies it never opens."""
+    if single_host():
+        return tools
+    known: list[Any] = [None] * len(tools)
+    for host_tools in distributed.all_gather_json([None if t is None else list(t)
+                                                  for t in tools]):
+        if len(host_tools) != len(tools):
+            raise RuntimeError(f"multi-host rollout: a host has {len(host_tools)} episodes "
+                               f"where this one ({jax.process_index()}) has {len(tools)}")
+        known = [k if k is not None or t is None else tuple(t)
+                 for k, t in zip(known, host_tools, strict=True)]
+    return known
+
+
 def _per_episode(values: list[Any], cast: Callable[[Any], Any]) -> list[Any]:
     """Process 0's value for each episode of the batch; every host raises together when
     one ran a different number of episodes."""

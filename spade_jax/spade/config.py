@@ -69,6 +69,9 @@ class Contract(enum.StrEnum):
 
     REFERENCE = "reference"  # the recipe's ``*Env`` classes, boxed actions
     PAPER = "paper"  # ``class Environment``
+    # ``class ToolEnvironment``: tools over hidden state, played with native tool calls
+    # (the agent needs AgentLoopConfig(action_format="tool_call", observation_role="tool"))
+    TOOL = "tool"
 
 
 class PromptStyle(enum.StrEnum):
@@ -295,11 +298,11 @@ class SpadeConfig:
             raise ValueError(f"spade.play_env_seconds must be >= 0, got {self.play_env_seconds}")
         if not 0 <= self.hint_top_p <= 1:
             raise ValueError(f"spade.hint_top_p must be in [0, 1], got {self.hint_top_p}")
-        if self.designer_writes_hints and self.contract == Contract.REFERENCE and \
+        if self.designer_writes_hints and self.contract != Contract.PAPER and \
                 self.designer_mode == DesignerMode.SELF:
-            raise ValueError("spade.hint_mode='designer' needs spade.contract='paper': the "
-                             "reference contract's designer prompt asks for a game without a "
-                             "hint (use hint_mode='self')")
+            raise ValueError(f"spade.hint_mode='designer' needs spade.contract='paper': the "
+                             f"{self.contract.value} contract's designer prompt asks for a "
+                             f"program without a hint (use hint_mode='self')")
 
     @property
     def game_source(self) -> GameSourceKind:

@@ -46,6 +46,9 @@ from spade_jax.spade.prompts import (
     parse_hint,
     reference_designer_system_prompt,
     reference_designer_user_prompt,
+    tool_designer_user_prompt,
+    tool_hint_writer_messages,
+    tool_prompts,
 )
 from spade_jax.spade.skills import active_skills, get_skill_set
 from spade_jax.spade.window import (
@@ -135,24 +138,24 @@ class Designer:
     def messages(self, skill: str, documents: list[str],
                   examples: list[dict[str, Any]]) -> list[dict[str, str]]:
         """The designer's chat for one slot, in the prompt family of the game contract:
-        the recipe's games (memory examples split into frontier games to build on and
-        others to avoid) or the paper's ``class Environment`` with a hint."""
+        the recipe's games or tool environments (memory examples split into frontier
+        programs to build on and others to avoid), or the paper's ``class Environment``
+        with a hint."""
         cfg = self.config
+        limits = dict(max_doc_chars=cfg.max_doc_chars, max_doc_words=cfg.max_doc_words,
+                      max_program_chars=cfg.max_program_chars)
+        good = [e for e in examples if e["build_on"]]
+        bad = [e for e in examples if not e["build_on"]]
         if cfg.contract == Contract.REFERENCE:
-            good = [e for e in examples if e["build_on"]]
-            bad = [e for e in examples if not e["build_on"]]
             system = (COMPACT_REFERENCE_DESIGNER_SYSTEM_PROMPT if cfg.prompt_style == PromptStyle.COMPACT
                       else reference_designer_system_prompt(self.max_turns))
-            user = reference_designer_user_prompt(skill, documents, good, bad,
-                                                  max_doc_chars=cfg.max_doc_chars,
-                                                  max_doc_words=cfg.max_doc_words,
-                                                  max_program_chars=cfg.max_program_chars)
+            user = reference_designer_user_prompt(skill, documents, good, bad, **limits)
+        elif cfg.contract == Contract.TOOL:
+            system = tool_prompts(cfg.prompt_style, self.max_turns).designer_system
+            user = tool_designer_user_prompt(skill, documents, good, bad, **limits)
         else:
             system = DESIGNER_SYSTEM_PROMPTS[cfg.prompt_style]
-            user = designer_user_prompt(skill, documents, examples,
-                                        max_doc_chars=cfg.max_doc_chars,
-                                        max_doc_words=cfg.max_doc_words,
-                                        max_program_chars=cfg.max_program_chars)
+            user = designer_user_prompt(skill, documents, examples, **limits)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     def _prompt_draws(self, skills: Sequence[str]) -> tuple[list[list[Document]],
@@ -289,8 +292,10 @@ class Designer:
         for attempt_index in range(self.config.hint_attempts):
             if not todo:
                 return
+            messages = (tool_hint_writer_messages if self.config.contract == Contract.TOOL
+                        else hint_writer_messages)
             prompts = [list(self.tokenizer.apply_chat_template(
-                hint_writer_messages(g.program), add_generation_prompt=True,
+                messages(g.program), add_generation_prompt=True,
                 enable_thinking=False)) for g in todo]
             tokens, *_ = self.generate(
                 prompts, seed=derive_seed(self.seed, step, Phase.HINT_WRITE, attempt_index),

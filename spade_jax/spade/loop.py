@@ -49,7 +49,7 @@ from spade_jax.rollout.records import EndReason, EpisodeRecord
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade import agreement, env_copies, env_stats, step_metrics
 from spade_jax.spade.baseline_round import AgentStep
-from spade_jax.spade.config import DesignerGroups, MemoryTiming, SpadeConfig
+from spade_jax.spade.config import Contract, DesignerGroups, MemoryTiming, SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler
 from spade_jax.spade.design import Designer, PromptSampler
 from spade_jax.spade.game_source import GameSource, SelfDesign
@@ -86,6 +86,11 @@ class HintedEnv(gymnasium.Wrapper):
     def reset(self, **kwargs):
         observation, info = self.env.reset(**kwargs)
         return agent_first_observation(observation, self.hint), info
+
+    @property
+    def tools(self) -> tuple[dict[str, Any], ...] | None:
+        """The wrapped tool environment's schemas (gymnasium wrappers forward no attributes)."""
+        return getattr(self.env, "tools", None)
 
 
 class RunEpisodes(Protocol):
@@ -375,7 +380,7 @@ class SpadeLoop:
         round's agent seed); process 0's returns on every host."""
         seed = derive_seed(self.seed, step, Phase.AGENT) if seed is None else seed
         try:
-            records = self.run_episodes(specs, seed=seed) if specs else []
+            records = self.run_episodes(self._with_tools(specs), seed=seed) if specs else []
         finally:
             for spec in specs:
                 if spec.env is not None:  # None: another host steps it
@@ -384,6 +389,14 @@ class SpadeLoop:
         for rec, ret in zip(records, returns, strict=True):
             rec.return_ = ret
         return records
+
+    def _with_tools(self, specs: list[EpisodeSpec]) -> list[EpisodeSpec]:
+        """Under the tool contract, each episode with its environment's tool schemas (the
+        chat template renders them into the first prompt), agreed across hosts."""
+        if self.config.contract != Contract.TOOL:
+            return specs
+        tools = agreement.agree_tools([None if s.env is None else s.env.tools for s in specs])
+        return [dataclasses.replace(s, tools=t) for s, t in zip(specs, tools, strict=True)]
 
     def _refresh_replayed(self, records: list[EpisodeRecord], step: int) -> None:
         """Replayed memory environments get this round's no-hint statistics."""
@@ -495,7 +508,7 @@ class SpadeLoop:
             return envs[0]
 
         def run(specs: list[EpisodeSpec], seed: int) -> list[EpisodeRecord]:
-            return self.run_episodes(specs, seed=seed)
+            return self.run_episodes(self._with_tools(specs), seed=seed)
 
         def play_groups(requests: list[GroupRequest], seed: int) -> list[list[EpisodeRecord]]:
             return self._play_refill(requests, programs, owners, step, seed)

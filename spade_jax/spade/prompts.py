@@ -128,6 +128,17 @@ def agent_system_prompt(answer_tag: str | None = None) -> str:
 # Matches the default `spade_jax.rollout.agent_loop.ActionParser()` (no answer tag).
 AGENT_SYSTEM_PROMPT: str = agent_system_prompt(None)
 
+# The agent's system prompt under the tool contract (AgentLoopConfig(action_format=
+# "tool_call", observation_role="tool")); a Qwen3 chat template appends the tool list.
+TOOL_AGENT_SYSTEM_PROMPT: str = (
+    "You are the Tool Agent. A user asks for something that you can only do or find out "
+    "through the tools listed below. Call tools as <tool_call>{\"name\": ..., "
+    "\"arguments\": {...}}</tool_call>, one or several per reply; their results come back "
+    "in the next message. Look values up instead of guessing them, and leave tools the "
+    "request does not need alone. When the job is done, reply without a tool call: that "
+    "reply is your final answer, and it should state what was asked for."
+)
+
 
 # --------------------------------------------------------------------------- reference contract
 
@@ -288,9 +299,10 @@ def _program_scores(pick: Callable[..., Any]) -> tuple[str, float, float]:
 # The tool track (contract "tool", `spade_jax.envs.contract.render_tool_contract`): the
 # designer writes a `class ToolEnvironment` whose tools act on hidden state; the agent
 # plays it with native tool calls (AgentLoopConfig(action_format="tool_call",
-# observation_role="tool"), EpisodeSpec.tools = env.tools). Selected by
-# `tool_prompts(prompt_style, max_turns)`; the loop's `spade.contract` does not offer the
-# tool contract yet (docs/environments.md, "Tool environments").
+# observation_role="tool"), EpisodeSpec.tools = env.tools). The loop selects these with
+# spade.contract="tool": `tool_prompts(prompt_style, max_turns)` for the system prompts,
+# `tool_designer_user_prompt` per slot, `tool_hint_writer_messages` for self-written hints
+# (docs/environments.md, "Tool environments").
 
 
 def tool_designer_system_prompt(max_turns: int = REFERENCE_MAX_TURNS) -> str:
@@ -365,6 +377,57 @@ def tool_hint_writer_messages(program: str) -> list[dict[str, str]]:
     fence = _fence_for(program)
     return [{"role": "system", "content": TOOL_HINT_WRITER_SYSTEM_PROMPT},
             {"role": "user", "content": f"Environment code:\n{fence}python\n{program}\n{fence}"}]
+
+
+def tool_designer_user_prompt(
+    skill: str | Skill,
+    documents: Sequence[str],
+    good_examples: Sequence[Mapping[str, Any]] = (),
+    bad_examples: Sequence[Mapping[str, Any]] = (),
+    *,
+    max_doc_chars: int,
+    max_program_chars: int = 4000,
+    max_doc_words: int = 0,
+) -> str:
+    """The per-slot request for one tool environment: the skill, corpus documents to
+    ground the service in, earlier environments to build on (their programs) and to avoid
+    (one line each, naming their tools). Arguments as `reference_designer_user_prompt`."""
+    _check_limits(max_doc_chars, max_program_chars)
+    resolved = _resolve_skill(skill)
+    parts = [f"Design one new tool environment that trains the skill '{resolved.name}': "
+             f"{resolved.description}."]
+    parts += _document_parts(
+        documents, max_doc_chars, max_doc_words,
+        "Source material, drawn fresh for this request. Model the service, its records "
+        "or its procedure on it; do not copy it.")
+    if good_examples:
+        parts.append("Environments that sat at the agent's frontier. Take ideas from them, "
+                     "but build a different service or request:")
+        for index, example in enumerate(good_examples):
+            program, win_rate, regret = _scored_program(example, index)
+            program = _truncate(program, max_program_chars)
+            fence = _fence_for(program)
+            parts.append(f"Agent win rate {win_rate:.2f}, regret {regret:+.2f}\n"
+                         f"{fence}python\n{program}\n{fence}")
+    if bad_examples:
+        parts.append("Environments to avoid:\n" + "\n".join(
+            _tool_avoid_note(example, index) for index, example in enumerate(bad_examples)))
+    parts.append("Reply with the complete program in one ```python block.")
+    return "\n\n".join(parts)
+
+
+def _tool_avoid_note(example: Any, index: int) -> str:
+    """A tool environment to avoid as one line: too easy or too hard and the names of its
+    tools (every such program is a `class ToolEnvironment`; its tool methods tell them
+    apart)."""
+    pick = _picker(example, f"example {index}")
+    program, win_rate, _ = _program_scores(pick)
+    regime = str(pick("regime", default=""))
+    too = {"mastered": "too easy", "intractable": "too hard"}.get(
+        regime, "too easy" if win_rate >= 0.5 else "too hard")
+    tools = re.findall(r"^\s+def\s+tool_(\w+)", program, flags=re.M)
+    named = f"tools {', '.join(tools[:6])}" if tools else "no tool methods"
+    return f"- {too} (agent win rate {win_rate:.2f}): {named}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -756,4 +819,19 @@ def format_designer_output(program: str, hint: str) -> str:
     if not isinstance(parsed, DesignerOutput) or (parsed.program, parsed.hint) != (program, hint):
         reason = parsed.code if isinstance(parsed, ParseFailure) else "content changed"
         raise ValueError(f"program/hint cannot be written in the designer format ({reason})")
+    return text
+
+
+def format_program_reply(program: str, hint: str | None = None) -> str:
+    """A designer reply holding the program alone, as the reference and tool contracts'
+    prompts ask (``hint`` is ignored: those designers write none), e.g. a warm-start
+    target. `parse_designer_output(reply, require_hint=False)` gives back the program."""
+    if not isinstance(program, str) or not program.strip():
+        raise ValueError("program must be a non-empty str")
+    fence = _fence_for(program)
+    text = f"{fence}python\n{program}\n{fence}\n"
+    parsed = parse_designer_output(text, require_hint=False)
+    if not isinstance(parsed, DesignerOutput) or parsed.program != program:
+        reason = parsed.code if isinstance(parsed, ParseFailure) else "content changed"
+        raise ValueError(f"program cannot be written as a designer reply ({reason})")
     return text

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+_WORD_JOINERS = str.maketrans("", "", " _-")
+
 
 @dataclasses.dataclass(frozen=True)
 class Skill:
@@ -20,8 +22,9 @@ class Skill:
     description: str
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").replace(" ", "").isalnum():
-            raise ValueError(f"Skill.name must be non-empty words, got {self.name!r}")
+        if not self.name or not self.name.translate(_WORD_JOINERS).isalnum():
+            raise ValueError(f"Skill.name must be non-empty words (letters and digits "
+                             f"joined by spaces, '_' or '-'), got {self.name!r}")
         if not self.description.strip():
             raise ValueError(f"Skill {self.name!r} needs a description")
 
@@ -114,6 +117,43 @@ CHAIN = Skill(
     "the answer has (LEVEL)",
 )
 
+# The published recipe's six tool-use skills (cmd/tool_use: --spade-skills), for
+# spade.contract="tool"; names are the recipe's (underscores read as spaces), descriptions
+# are ours.
+API_ORCHESTRATION = Skill(
+    "API Orchestration",
+    "combining several tools into one job: the output of one call is the input of the "
+    "next, and the calls must come in the right order",
+)
+DATA_RETRIEVAL = Skill(
+    "Data Retrieval",
+    "finding facts held behind tools: search, filter and look records up by id, then "
+    "report exactly what was asked",
+)
+STATE_MODIFICATION = Skill(
+    "State Modification",
+    "changing hidden state through tools (create, update, move, delete) so that it ends "
+    "exactly as the request asks, and nothing else changes",
+)
+ERROR_RECOVERY = Skill(
+    "Error Recovery",
+    "reading a tool's error (an unknown id, a closed item, too little stock) and getting "
+    "the job done another way instead of repeating the failing call",
+)
+TOOL_SELECTION = Skill(
+    "Tool Selection",
+    "choosing the right tool among similar and distracting ones, and declining a request "
+    "that no tool can serve",
+)
+MULTI_STEP_WORKFLOWS = Skill(
+    "Multi-Step Workflows",
+    "following a request through several stages, where the user's next instruction "
+    "arrives once the current one is done in the state",
+)
+TOOL_SKILLS: tuple[Skill, ...] = (
+    API_ORCHESTRATION, DATA_RETRIEVAL, STATE_MODIFICATION, ERROR_RECOVERY, TOOL_SELECTION,
+    MULTI_STEP_WORKFLOWS)
+
 SKILL_SETS: dict[str, tuple[Skill, ...]] = {
     "main": RECIPE_SKILLS,
     "two_skill": RECIPE_TWO_SKILL,
@@ -121,6 +161,7 @@ SKILL_SETS: dict[str, tuple[Skill, ...]] = {
     "project_two_skill": TWO_SKILL_CURRICULUM,
     "toy": (KEY_DIGIT,),
     "toy_chain": (CHAIN,),
+    "tool": TOOL_SKILLS,
 }
 
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from spade_jax.envs.contract import CONTRACTS
+from spade_jax.envs.contract import LOOP_CONTRACTS
 from spade_jax.experiment import config_hash, json_value, load_experiment
 from spade_jax.overrides import OverrideError, apply_overrides
 from spade_jax.spade import config as spade_config
@@ -66,7 +66,7 @@ def test_the_enums_list_exactly_the_choices_of_the_modules_that_use_them():
     assert {m.value for m in CorpusDraws} == set(CORPUS_DRAWS)
     assert {m.value for m in MemorySelection} == set(SELECTIONS)
     assert {m.value for m in ProgramExtraction} == set(PROGRAM_EXTRACTIONS)
-    assert {m.value for m in Contract} == set(CONTRACTS)
+    assert {m.value for m in Contract} == set(LOOP_CONTRACTS)
     # An enum member looks a mode up in a module's table keyed by the plain string.
     assert PROGRAM_EXTRACTIONS[ProgramExtraction.RECIPE] is PROGRAM_EXTRACTIONS["recipe"]
 
@@ -92,3 +92,5 @@ def test_game_source_and_hint_properties():
     assert paper.designer_writes_hints and not paper.policy_writes_hints
     with pytest.raises(ValueError, match="hint_mode='designer' needs spade.contract='paper'"):
         SpadeConfig(hint_mode="designer")
+    with pytest.raises(ValueError, match="the tool contract's designer prompt"):
+        SpadeConfig(hint_mode="designer", contract="tool")
