@@ -4,7 +4,8 @@
 
 A mechanics run, not a result: a ~0.5M-parameter policy with a sentencepiece tokenizer
 trained on the project's own text, warm-started on the project's example environment
-programs so the designer role writes programs that validate. Every phase, metric,
+programs (and their hints) so the designer role writes programs that validate and the
+hint writer writes hints. Every phase, metric,
 checkpoint and the report are real; the numbers say nothing about SPADE's claims.
 """
 

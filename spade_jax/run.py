@@ -489,7 +489,10 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
     """Supervised pass on (designer prompt -> seed program + hint) pairs. The prompts are
     the loop's own (`Designer.messages`: the run's contract, prompt style and skill text),
     with real corpus documents (from a sampler of its own, so the run's corpus cursor is
-    untouched) or none, and no memory examples."""
+    untouched) or none, and no memory examples. When the policy writes the hints
+    (``hint_mode="self"``), also (hint-writer prompt -> the seed program's hint) pairs, one
+    per program: an untaught tiny policy often answers the hint prompt with nothing, and a
+    game without a hint has no hint arm."""
     spade_cfg, ws = config.spade, config.warm_start
     if config.toy.enabled:
         seqs = _toy_warm_start_sequences(config, tokenizer, loop)
@@ -509,12 +512,16 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
             skill = skills[variant % len(skills)] if ws.vary_skills else prog.skill
             pairs.append((loop.designer.messages(skill, docs, []),
                           target(prog.source, prog.hint)))
+    designer_pairs = len(pairs)
+    if spade_cfg.policy_writes_hints:
+        pairs += [(loop.designer.hint_messages(prog.source), prog.hint) for prog in programs]
     if jax.process_count() > 1:
         # The warm-start batch is global, so every host needs the same pairs, but each drew
         # its documents from its own corpus: process 0's pairs everywhere (one broadcast).
         pairs = [(messages, target) for messages, target in distributed.agree_json(pairs)]
     seqs = supervised_pairs(tokenizer, pairs)
-    log.info("warm start: %d steps on %d designer examples", ws.steps, len(seqs))
+    log.info("warm start: %d steps on %d designer and %d hint-writer examples", ws.steps,
+             designer_pairs, len(seqs) - designer_pairs)
     return _supervised_pass(config, tokenizer, graphdef, state, seqs)
 
 

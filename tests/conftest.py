@@ -43,6 +43,7 @@ LONG_FILES_FIRST = (
     "tests/cli/test_train_cli.py",
     "tests/multihost/test_multihost_model.py",
     "tests/spade/test_router_replay.py",
+    "tests/cli/test_tool_use_cli.py",
     "tests/test_exact_replay.py",
     "tests/toy/test_learning_check.py",
     "tests/rollout/test_engine.py",

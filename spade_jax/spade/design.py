@@ -292,10 +292,8 @@ class Designer:
         for attempt_index in range(self.config.hint_attempts):
             if not todo:
                 return
-            messages = (tool_hint_writer_messages if self.config.contract == Contract.TOOL
-                        else hint_writer_messages)
             prompts = [list(self.tokenizer.apply_chat_template(
-                messages(g.program), add_generation_prompt=True,
+                self.hint_messages(g.program), add_generation_prompt=True,
                 enable_thinking=False)) for g in todo]
             tokens, *_ = self.generate(
                 prompts, seed=derive_seed(self.seed, step, Phase.HINT_WRITE, attempt_index),
@@ -303,6 +301,12 @@ class Designer:
             for game, ids in zip(todo, tokens, strict=True):
                 game.hint = parse_hint(self.tokenizer.decode(ids, skip_special_tokens=True))
             todo = [g for g in todo if g.hint is None]
+
+    def hint_messages(self, program: str) -> list[dict[str, str]]:
+        """The hint writer's chat for one program of the run's contract."""
+        if self.config.contract == Contract.TOOL:
+            return tool_hint_writer_messages(program)
+        return hint_writer_messages(program)
 
     def probe_levels(self, games: list[Game], step: int) -> None:
         """The reward levels each program can emit, probed in the sandbox with seeded

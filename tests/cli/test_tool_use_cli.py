@@ -24,7 +24,10 @@ def test_tiny_tool_use_writes_valid_tool_environments_and_plays_them(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["validity_rate"] > 0 and row["valid_envs"] > 0
-    assert row["hints_written"] == row["valid_envs"]
-    assert row["episodes/no_hint"] > 0 and row["episodes/hint"] > 0 and row["batch/agent"] > 0
+    # The hint writer is the untrained policy: some games get no usable hint (no hint arm).
+    assert 0 < row["hints_written"] <= row["valid_envs"]
+    assert row["episodes/hint"] == 2 * row["hints_written"]  # tiny's hint_plays
+    assert row["episodes/no_hint"] == 2 * row["valid_envs"]  # plays_per_game
+    assert row["batch/agent"] > 0
     log = (tmp_path / "train.log").read_text()
-    assert "warm start: 160 steps on 18 designer examples" in log
+    assert "warm start: 160 steps on 18 designer and 3 hint-writer examples" in log

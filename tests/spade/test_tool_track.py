@@ -160,3 +160,27 @@ def test_tool_designer_prompts_follow_the_prompt_style():
     # The warm start's target reads back as the program alone.
     reply = parse_designer_output(format_program_reply(ORDERS.source), require_hint=False)
     assert reply.program == ORDERS.source
+
+
+ORDERS_TOOLS = [{"type": "function", "function": {"name": n}}
+                for n in ("find_order", "order_status", "cancel_order")]
+
+
+def test_tool_lists_are_agreed_across_hosts(monkeypatch):
+    """A host renders the first prompt of every episode, also of copies another host opened:
+    each episode's tools come from whichever host holds its copy (an all-gather), the same
+    on every host; a host with another episode count fails loudly."""
+    from spade_jax import distributed
+    from spade_jax.spade import agreement
+
+    orders = tuple(ORDERS_TOOLS)
+    stock = ({"type": "function", "function": {"name": "get_stock"}},)
+    per_host = [[orders, None, None], [None, list(stock), None]]  # episode 2: a text env
+    monkeypatch.setattr(agreement, "single_host", lambda: False)
+    monkeypatch.setattr(distributed, "all_gather_json", lambda value: [
+        [None if t is None else list(t) for t in host] for host in per_host])
+    for mine in per_host:
+        assert agreement.agree_tools(mine) == [orders, stock, None]
+    with pytest.raises(RuntimeError, match="a host has 3 episodes where this one"):
+        agreement.agree_tools([orders, None])
+
