@@ -2,7 +2,7 @@
 
     python -m spade_jax.train --experiment=tiny --workdir=runs/tiny
 
-A mechanics run, not a result: a ~0.5M-parameter policy with a sentencepiece tokenizer
+A mechanics run, not a result: a ~1M-parameter policy with a sentencepiece tokenizer
 trained on the project's own text, warm-started on the project's example environment
 programs (and their hints) so the designer role writes programs that validate and the
 hint writer writes hints. Every phase, metric,

@@ -108,6 +108,9 @@ class WarmStartConfig:
     programs: tuple[str, ...] = ()  # seed program names to use; empty = all
     prompts_per_program: int = 3  # prompt variants: one without documents, the rest with
     vary_skills: bool = False  # variants cycle through every skill, not the program's own
+    # Tool contract: demonstrated episodes per tool seed program (its scripted solution,
+    # played in the sandbox; `spade.tool_demos`) taught to the agent role (0 = none).
+    agent_demos: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -520,9 +520,45 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
         # its documents from its own corpus: process 0's pairs everywhere (one broadcast).
         pairs = [(messages, target) for messages, target in distributed.agree_json(pairs)]
     seqs = supervised_pairs(tokenizer, pairs)
-    log.info("warm start: %d steps on %d designer and %d hint-writer examples", ws.steps,
-             designer_pairs, len(seqs) - designer_pairs)
-    return _supervised_pass(config, tokenizer, graphdef, state, seqs)
+    demos = (_tool_agent_sequences(config, tokenizer, loop.designer.pool, programs)
+             if spade_cfg.contract == Contract.TOOL and ws.agent_demos else [])
+    log.info("warm start: %d steps on %d designer, %d hint-writer and %d agent examples",
+             ws.steps, designer_pairs, len(seqs) - designer_pairs, len(demos))
+    return _supervised_pass(config, tokenizer, graphdef, state, seqs + demos)
+
+
+def _tool_agent_sequences(config, tokenizer, pool, programs) -> list:
+    """``warm_start.agent_demos`` demonstrated episodes of each tool seed program with a
+    scripted solution (`spade.tool_demos`), played in the sandbox with seeds (seed, 0,
+    WARM_START, program, episode) and laid out as the agent loop lays out an episode (its
+    ``ChatTurns`` with the env's tools): one example per reply, its prefix the episode so
+    far."""
+    from spade_jax.envs import make_env
+    from spade_jax.rollout.agent_loop import ChatTurns
+    from spade_jax.spade.tool_demos import SOLVERS, demo_turns
+    from spade_jax.spade.warm_start import supervised_sequence, turn_end_id
+
+    agent = config.agent
+    turns = ChatTurns(tokenizer, agent.system_prompt, agent.enable_thinking,
+                      agent.first_turn_template, agent.observation_role)
+    end = turn_end_id(tokenizer)
+    out = []
+    for index, prog in enumerate(p for p in programs if p.name in SOLVERS):
+        for episode in range(config.warm_start.agent_demos):
+            env = make_env(prog.source, pool, contract="tool", max_turns=agent.max_turns)
+            try:
+                tools = env.tools
+                first, played = demo_turns(
+                    env, SOLVERS[prog.name],
+                    derive_seed(config.seed, 0, Phase.WARM_START, index, episode), agent.max_turns)
+            finally:
+                env.close()
+            ids = turns.first_prompt(first, tools)
+            for reply, observation in played:
+                answer = list(tokenizer.encode(reply)) + [end]
+                out.append(supervised_sequence(ids, answer))
+                ids = ids + answer + turns.after_policy(observation, True)
+    return out
 
 
 def _toy_warm_start_sequences(config, tokenizer, loop: SpadeLoop) -> list:

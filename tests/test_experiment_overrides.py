@@ -223,9 +223,10 @@ _TOOL_AGENT = {"agent.system_prompt": TOOL_AGENT_SYSTEM_PROMPT, "agent.action_fo
         "spade.designer_reward": "regret", "spade.global_batch": 256}),
     ("tiny_tool_use", "tiny", {
         **_TOOL_AGENT, "designer_sampler.max_new_tokens": 800, "agent.max_turns": 3,
-        "agent.max_turn_tokens": 32, "agent.max_episode_tokens": 1536,
-        "agent.sampler.max_new_tokens": 32, "spade.skills": "tool", "spade.contract": "tool",
-        "spade.eval_every": 0, "warm_start.programs": ()}),
+        "agent.max_turn_tokens": 80, "agent.max_episode_tokens": 1536,
+        "agent.sampler.max_new_tokens": 80, "spade.skills": "tool", "spade.contract": "tool",
+        "spade.eval_every": 0, "warm_start.programs": (), "warm_start.agent_demos": 1,
+        "warm_start.steps": 300}),
 ])
 def test_the_tool_experiments_are_small_variants_of_their_games_experiments(name, base, changes):
     changed = diff(load_experiment(base), load_experiment(name))

@@ -109,6 +109,9 @@ def play_metrics(records: Sequence[Any]) -> dict[str, float]:
         "tokens/agent_generated": float(sum(r.cost.tokens_generated for r in records)),
         "agent/parse_failures": float(sum(r.cost.parse_failures for r in records)),
         "agent/env_seconds": float(sum(r.cost.env_seconds for r in records)),
+        # Policy turns per episode: above 1 when the agent keeps an episode going (a
+        # multi-turn game's feedback, or a tool call, whose result comes back next turn).
+        "agent/turns_mean": _mean([float(len(r.turn_spans)) for r in records]),
     }
 
 

@@ -81,6 +81,7 @@ class ScriptedToolPolicy:
             rec.append([1, 2], policy=False)
             rec.append([3, 4], policy=True, logprobs=[-0.5, -0.5])
             rec.return_, rec.step_rewards = float(reward), [float(reward)]
+            rec.turn_spans = [(2, 4)] * (1 + ("find_order" in names))  # one per step
             records.append(rec)
         return records
 
@@ -138,6 +139,9 @@ def test_a_tool_window_designs_validates_hints_and_plays_with_the_tool_lists(poo
     # Finding an order's id is not reading its status and the answer names no status;
     # no stock was adjusted: every play scores 0 under the programs' own checks.
     assert metrics["return_no_hint_mean"] == 0.0
+    turns = [1 + ("find_order" in p["tools"]) for p in policy.plays]
+    assert metrics["agent/turns_mean"] == pytest.approx(sum(turns) / len(turns))
+    assert 1 < metrics["agent/turns_mean"] < 2  # both kinds of game were played
 
 
 def test_tool_designer_prompts_follow_the_prompt_style():
