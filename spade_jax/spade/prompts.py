@@ -232,33 +232,51 @@ def reference_designer_user_prompt(
         documents, max_doc_chars, max_doc_words,
         "Source material, drawn fresh for this request. Build the game around an idea, "
         "quantity or procedure from it; do not copy it.")
-    if good_examples:
-        parts.append("Games that sat at the agent's frontier. Take ideas from them, but "
-                     "make something different:")
-        for index, example in enumerate(good_examples):
-            program, win_rate, regret = _scored_program(example, index)
-            program = _truncate(program, max_program_chars)
-            fence = _fence_for(program)
-            parts.append(f"Agent win rate {win_rate:.2f}, regret {regret:+.2f}\n"
-                         f"{fence}python\n{program}\n{fence}")
-    if bad_examples:  # the recipe names a game to avoid in one line, without its code
-        parts.append("Games to avoid:\n" + "\n".join(
-            _avoid_note(example, index) for index, example in enumerate(bad_examples)))
+    # The recipe names a game to avoid in one line, without its code.
+    parts += _example_parts(good_examples, bad_examples, max_program_chars, (
+        "Games that sat at the agent's frontier. Take ideas from them, but make something "
+        "different:"), "Games to avoid:", _class_name)
     parts.append("Reply with the complete game in one ```python block.")
     return "\n\n".join(parts)
 
 
-def _avoid_note(example: Any, index: int) -> str:
-    """A game to avoid as one line: too easy or too hard (its regime, else its win rate
-    against one half), the agent's win rate, and the game's class name."""
+def _example_parts(good: Sequence[Any], bad: Sequence[Any], max_program_chars: int,
+                   good_heading: str, bad_heading: str, name_of: Callable[[str], str]
+                   ) -> list[str]:
+    """Memory examples in a designer request: each program to build on with its scores,
+    then one line per program to avoid (`_avoid_note`, naming it with ``name_of``)."""
+    parts = [good_heading] if good else []
+    for index, example in enumerate(good):
+        program, win_rate, regret = _scored_program(example, index)
+        program = _truncate(program, max_program_chars)
+        fence = _fence_for(program)
+        parts.append(f"Agent win rate {win_rate:.2f}, regret {regret:+.2f}\n"
+                     f"{fence}python\n{program}\n{fence}")
+    if bad:
+        parts.append(bad_heading + "\n" + "\n".join(
+            _avoid_note(example, index, name_of) for index, example in enumerate(bad)))
+    return parts
+
+
+def _avoid_note(example: Any, index: int, name_of: Callable[[str], str]) -> str:
+    """A program to avoid as one line: too easy or too hard (its regime, else its win rate
+    against one half), the agent's win rate, and what ``name_of`` calls the program."""
     pick = _picker(example, f"example {index}")
     program, win_rate, _ = _program_scores(pick)
     regime = str(pick("regime", default=""))
     too = {"mastered": "too easy", "intractable": "too hard"}.get(
         regime, "too easy" if win_rate >= 0.5 else "too hard")
+    return f"- {too} (agent win rate {win_rate:.2f}): {name_of(program)}"
+
+
+def _class_name(program: str) -> str:
     found = re.search(r"^class\s+(\w+)", program, flags=re.M)
-    name = f"class {found.group(1)}" if found else "a game without a class"
-    return f"- {too} (agent win rate {win_rate:.2f}): {name}"
+    return f"class {found.group(1)}" if found else "a game without a class"
+
+
+def _tool_names(program: str) -> str:
+    tools = re.findall(r"^\s+def\s+tool_(\w+)", program, flags=re.M)
+    return f"tools {', '.join(tools[:6])}" if tools else "no tool methods"
 
 
 def _scored_program(example: Any, index: int) -> tuple[str, float, float]:
@@ -400,34 +418,12 @@ def tool_designer_user_prompt(
         documents, max_doc_chars, max_doc_words,
         "Source material, drawn fresh for this request. Model the service, its records "
         "or its procedure on it; do not copy it.")
-    if good_examples:
-        parts.append("Environments that sat at the agent's frontier. Take ideas from them, "
-                     "but build a different service or request:")
-        for index, example in enumerate(good_examples):
-            program, win_rate, regret = _scored_program(example, index)
-            program = _truncate(program, max_program_chars)
-            fence = _fence_for(program)
-            parts.append(f"Agent win rate {win_rate:.2f}, regret {regret:+.2f}\n"
-                         f"{fence}python\n{program}\n{fence}")
-    if bad_examples:
-        parts.append("Environments to avoid:\n" + "\n".join(
-            _tool_avoid_note(example, index) for index, example in enumerate(bad_examples)))
+    # Every such program is a `class ToolEnvironment`: its tool methods tell them apart.
+    parts += _example_parts(good_examples, bad_examples, max_program_chars, (
+        "Environments that sat at the agent's frontier. Take ideas from them, but build a "
+        "different service or request:"), "Environments to avoid:", _tool_names)
     parts.append("Reply with the complete program in one ```python block.")
     return "\n\n".join(parts)
-
-
-def _tool_avoid_note(example: Any, index: int) -> str:
-    """A tool environment to avoid as one line: too easy or too hard and the names of its
-    tools (every such program is a `class ToolEnvironment`; its tool methods tell them
-    apart)."""
-    pick = _picker(example, f"example {index}")
-    program, win_rate, _ = _program_scores(pick)
-    regime = str(pick("regime", default=""))
-    too = {"mastered": "too easy", "intractable": "too hard"}.get(
-        regime, "too easy" if win_rate >= 0.5 else "too hard")
-    tools = re.findall(r"^\s+def\s+tool_(\w+)", program, flags=re.M)
-    named = f"tools {', '.join(tools[:6])}" if tools else "no tool methods"
-    return f"- {too} (agent win rate {win_rate:.2f}): {named}"
 
 
 @dataclasses.dataclass(frozen=True)
