@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import pytest
+from byte_tokenizer import ByteTokenizer
 
 from spade_jax.envs import EnvPool, SandboxConfig
 from spade_jax.experiment import load_experiment
@@ -32,22 +33,6 @@ VALID = seed_programs.SEED_PROGRAMS[0]
 OTHER = seed_programs.SEED_PROGRAMS[2]
 BROKEN_PROGRAM = "class Environment:\n    def reset(self, seed=None):\n        return 1/0, {}\n"
 HINT_TEXT = "Reduce modulo m first."
-
-
-class ByteTokenizer:
-    """Characters as token ids: enough for the loop's prompt and decode calls."""
-
-    eos_ids = frozenset({0})
-    pad_id = 0
-
-    def apply_chat_template(self, messages, add_generation_prompt=False, enable_thinking=True):
-        return [ord(c) + 1 for c in "".join(f"<{m['role']}>{m['content']}" for m in messages)]
-
-    def encode(self, text):
-        return [ord(c) + 1 for c in text]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(i - 1) for i in ids if i > 0)
 
 
 def scripted_return(seed: int, hinted: bool, loss: float = -1.0) -> float:

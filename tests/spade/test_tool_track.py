@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from byte_tokenizer import ByteTokenizer
 
 from spade_jax.envs import EnvPool, SandboxConfig
 from spade_jax.rollout.records import EpisodeRecord
@@ -31,20 +32,6 @@ STOCK = next(p for p in TOOL_SEED_PROGRAMS if p.name == "tool_stock_levels")
 TOOL_HINT = "Look the id up first, then read its status; never cancel."
 
 
-class CharTokenizer:
-    eos_ids = frozenset({0})
-    pad_id = 0
-
-    def apply_chat_template(self, messages, add_generation_prompt=False, enable_thinking=True):
-        return [ord(c) + 1 for c in "".join(f"<{m['role']}>{m['content']}" for m in messages)]
-
-    def encode(self, text):
-        return [ord(c) + 1 for c in text]
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(i - 1) for i in ids if i > 0)
-
-
 class ScriptedToolPolicy:
     """The designer replies with the tool seed programs (and one unterminated reply), the
     hint writer with TOOL_HINT; an episode calls ``find_order`` for its customer when the
@@ -54,7 +41,7 @@ class ScriptedToolPolicy:
         self.replies, self.design_prompts, self.hint_prompts, self.plays = replies, [], [], []
 
     def generate(self, prompts, *, seed, purpose):
-        tok = CharTokenizer()
+        tok = ByteTokenizer()
         if purpose == "hint":
             self.hint_prompts += [tok.decode(p) for p in prompts]
             outs = [TOOL_HINT] * len(prompts)
@@ -106,7 +93,7 @@ def test_a_tool_window_designs_validates_hints_and_plays_with_the_tool_lists(poo
     cut = format_program_reply(STOCK.source)[:200]  # a reply cut before its block closes
     policy = ScriptedToolPolicy([format_program_reply(ORDERS.source), cut,
                                  format_program_reply(STOCK.source)])
-    loop = SpadeLoop(CONFIG, tokenizer=CharTokenizer(), pool=pool, generate=policy.generate,
+    loop = SpadeLoop(CONFIG, tokenizer=ByteTokenizer(), pool=pool, generate=policy.generate,
                      run_episodes=policy.run_episodes, update=policy.update,
                      corpus_sampler=None, memory=EnvironmentMemory(MemoryConfig(seed=0)),
                      reward_rule=make_designer_reward("blend"), seed=0, max_turns=4)
@@ -148,7 +135,7 @@ def test_tool_designer_prompts_follow_the_prompt_style():
     from spade_jax.spade.design import Designer
 
     compact = Designer(SpadeConfig(contract="tool", skills="tool", prompt_style="compact"),
-                       tokenizer=CharTokenizer(), pool=None, generate=None, corpus_sampler=None,
+                       tokenizer=ByteTokenizer(), pool=None, generate=None, corpus_sampler=None,
                        memory=EnvironmentMemory(MemoryConfig()), seed=0, max_turns=5)
     examples = [{"program": ORDERS.source, "hint": None, "regime": "frontier", "win_rate": 0.5,
                  "regret": 0.2, "build_on": True},
