@@ -112,7 +112,11 @@ def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike, toy
         toy_text.write_text(tokenizer_text(toy) + "\n" + _loop_prompt_text(toy))
         files = [toy_text]
     else:
-        files = project_text_files() + [_seed_program_text(mirror.local)]
+        # The package's own text only, not the checkout's docs/ and tests/: the same command
+        # then trains the same tokenizer (and so makes the same run) from a source checkout
+        # or an installed wheel, and editing a doc or a test does not change a run.
+        package = Path(__file__).resolve().parent
+        files = project_text_files(package) + [_seed_program_text(mirror.local)]
     log.info("training a %d-piece sentencepiece tokenizer on %d %s text files", spec.vocab_size,
              len(files), spec.text)
     tokenizer = train_sentencepiece(files, str(mirror.local / "spm"), vocab_size=spec.vocab_size)
