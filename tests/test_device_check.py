@@ -31,3 +31,22 @@ def test_the_device_check_runs_at_tiny_shapes(tmp_path):
     assert 0 < train["MFU"] and train["train tokens/s"] > 0
     assert all(row["prefill tokens/s"] > 0 for row in rows if row["model"].startswith("Qwen3"))
     assert (tmp_path / "device_check.md").read_text().startswith("| model | B |")
+
+
+@pytest.mark.slow  # a tiny model's sampler compiles and one profiled call (~15 s)
+def test_the_decode_profile_runs_at_tiny_shapes(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "decode_profile", SCRIPT.parent / "decode_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--tiny", f"--out={tmp_path}"]) == 0
+    printed = capsys.readouterr().out
+    for form in ("ours", "heads-major", "jax.nn (xla)"):  # the attention forms, each timed
+        assert any(line.split()[:len(form.split())] == form.split() and " ms " in line
+                   for line in printed.splitlines()), form
+    assert "decode step in the loop" in printed and "the model's step alone" in printed
+    # The kernel table read the profiler's trace: a busy line and at least one kernel row.
+    table = printed.split("kernels of one call")[1]
+    assert " busy " in table and " ms " in table.split("busy", 1)[1]
+    assert list(tmp_path.rglob("perfetto_trace.json.gz"))
