@@ -241,7 +241,7 @@ def _tokenizer(host: int, out_dir: Path) -> dict[str, Any]:
         trained.append(str(prefix))
         return saved[1](files, prefix, **kwargs)
 
-    tokenizers.project_text_files = lambda: [corpus]
+    tokenizers.project_text_files = lambda root=None: [corpus]
     tokenizers.train_sentencepiece = counting_train
     try:
         workdir = out_dir / f"work{host}"  # per host: host 1 cannot read process 0's file
