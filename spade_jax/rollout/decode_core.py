@@ -1,15 +1,13 @@
-"""What every decode path shares: one draw, one record, one routing record, one stop-string
-pass. :func:`spade_jax.rollout.sampler.sample` (a batch of prompts, one shared cache
-index) and :class:`spade_jax.rollout.engine.SlotEngine` (slots with a cache index each)
-keep their own state types and schedules; how a row draws, what it records, when it is
-done and where a stop string cuts it are defined here once, so the two cannot drift.
+"""What every decode path shares: one state type, one draw, one record, one routing record,
+one stop-string pass. :func:`spade_jax.rollout.sampler.sample` (a batch of prompts, one
+shared cache index) and :class:`spade_jax.rollout.engine.SlotEngine` (slots with a cache
+index each) keep their own schedules; what a row carries, how it draws, what it records,
+when it is done and where a stop string cuts it are defined here once, so the two cannot
+drift.
 
-Row state both paths carry (names as in their states): ``tokens_bn`` / ``logprobs_bn``
-(the current request's draws), ``num_generated_b``, ``done_b``, ``reason_b`` (an index into
-:data:`DONE_REASONS`), ``limit_b`` and ``last_token_b`` (the token to feed next). A row
-that is running at a step has drawn ``num_generated_b`` tokens, so its next draw goes to
-that column and uses that step number: a row's tokens depend on its (seed, stream) and its
-own history only, never on which rows share its batch or call.
+A row that is running at a step has drawn ``num_generated_b`` tokens, so its next draw goes
+to that column and uses that step number: a row's tokens depend on its (seed, stream) and
+its own history only, never on which rows share its batch or call.
 """
 
 from __future__ import annotations
@@ -19,11 +17,60 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
+from spade_jax.models import KVCache
 from spade_jax.rollout import sampling
 
 DONE_REASONS = ("running", "eos", "stop_string", "max_tokens")
 RUNNING, EOS, STOP_STRING, MAX_TOKENS = range(4)
+
+
+class DecodeState(struct.PyTreeNode):
+    """The decode carry of every path: B rows (the sampler's prompts, the engine's slots),
+    each generating one request into an N-token buffer. A field a path does not use is
+    None (the tree has no leaf there, so no program carries it).
+
+    Both paths: ``cache`` (the sampler's has one shared index, the engine's one per row),
+    ``last_token_b`` (the token to feed next), the request's draws ``tokens_bn`` /
+    ``logprobs_bn``, ``num_generated_b``, ``done_b``, ``reason_b`` (an index into
+    :data:`DONE_REASONS`), ``limit_b`` (the row's max new tokens), ``seed_b`` /
+    ``stream_b`` (its PRNG stream: :func:`draw`), ``stop_bm`` (stop ids, -1 = unused:
+    [B, M] per row, or [1, M] shared) and ``experts_bnlx`` (the experts of each fed
+    generated token, when routing is recorded).
+
+    The sampler only: ``position_b`` (RoPE position of ``last_token_b``: its prompts are
+    left-padded, so a position is not a cache slot), ``row_id_b`` (prompt index, -1 for a
+    padding row), ``step`` (buffer columns written so far: its calls end at a step),
+    ``router_bnle`` (fp32 router logits, ``return_router=True``) and ``answer_state``
+    (the first-answer detector's per-row state)."""
+
+    cache: KVCache
+    last_token_b: jax.Array  # [B] int32
+    tokens_bn: jax.Array  # [B, N] int32
+    logprobs_bn: jax.Array  # [B, N] fp32
+    num_generated_b: jax.Array  # [B] int32
+    done_b: jax.Array  # [B] bool
+    reason_b: jax.Array  # [B] int32
+    limit_b: jax.Array  # [B] int32
+    seed_b: jax.Array  # [B] int32
+    stream_b: jax.Array  # [B] int32
+    stop_bm: jax.Array  # [B, M] or [1, M] int32
+    experts_bnlx: jax.Array | None = None  # [B, N, L, X] (compact dtype, or int32)
+    position_b: jax.Array | None = None  # [B] int32
+    row_id_b: jax.Array | None = None  # [B] int32
+    step: jax.Array | None = None  # [] int32
+    router_bnle: jax.Array | None = None  # [B, N, L, E] fp32
+    answer_state: Any = None
+
+
+def draw_and_record(state: DecodeState, logits_bv: jax.Array, running_b: jax.Array,
+                    scalars: Any, static: Any) -> tuple[DecodeState, jax.Array]:
+    """Every running row draws its next token from ``logits_bv`` with its own stream and
+    records it; returns the state and the drawn tokens ([B], a done row's are dropped)."""
+    token_b, logprob_b = draw(logits_bv, state.seed_b, state.stream_b, state.num_generated_b,
+                              scalars, static)
+    return record(state, token_b, logprob_b, running_b, state.stop_bm), token_b
 
 
 def draw(logits_bv: jax.Array, seed_b: jax.Array, stream_b: jax.Array, step_b: jax.Array,

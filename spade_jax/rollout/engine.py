@@ -56,7 +56,13 @@ from spade_jax import sharding
 from spade_jax.models import KVCache
 from spade_jax.models.qwen3 import Packing
 from spade_jax.rollout import decode_core
-from spade_jax.rollout.decode_core import DONE_REASONS, MAX_TOKENS, RUNNING, StopStrings
+from spade_jax.rollout.decode_core import (
+    DONE_REASONS,
+    MAX_TOKENS,
+    RUNNING,
+    DecodeState,
+    StopStrings,
+)
 from spade_jax.rollout.routing import routing_dtype
 from spade_jax.rollout.sampler import (
     CACHE_DTYPES,
@@ -124,31 +130,11 @@ class _Scalars(struct.PyTreeNode):
     top_p: jax.Array
 
 
-class SlotState(struct.PyTreeNode):
-    """Device state of every slot (B slots, N new-token buffer, M stop ids)."""
-
-    cache: KVCache  # per-row index
-    last_token_b: jax.Array  # [B] int32, the token to feed next
-    tokens_bn: jax.Array  # [B, N] int32 tokens of the current request
-    logprobs_bn: jax.Array  # [B, N] fp32
-    num_generated_b: jax.Array  # [B] int32
-    done_b: jax.Array  # [B] bool: not generating (finished, waiting or empty)
-    reason_b: jax.Array  # [B] int32 index into DONE_REASONS
-    limit_b: jax.Array  # [B] int32
-    seed_b: jax.Array  # [B] int32 PRNG seed of the request
-    stop_m: jax.Array  # [M] int32 stop ids shared by all rows (-1 = unused)
-    # [B, N, L, X] experts of the fed generated tokens (column n: the token drawn at n), or
-    # None when routing is not recorded.
-    experts_bnlx: jax.Array | None = None
-
-
-def _draw_and_record(state: SlotState, logits_bv, running_b, scalars: _Scalars,
-                     static: _Static) -> SlotState:
+def _draw_and_record(state: DecodeState, logits_bv, running_b, scalars: _Scalars,
+                     static: _Static) -> DecodeState:
     """Every running row draws its next token with its request's seed (stream 0) and
     records it (``decode_core``)."""
-    token_b, logprob_b = decode_core.draw(logits_bv, state.seed_b, jnp.zeros_like(state.seed_b),
-                                          state.num_generated_b, scalars, static)
-    return decode_core.record(state, token_b, logprob_b, running_b, state.stop_m[None, :])
+    return decode_core.draw_and_record(state, logits_bv, running_b, scalars, static)[0]
 
 
 def _routing(out, static: _Static):
@@ -156,7 +142,7 @@ def _routing(out, static: _Static):
     return moe_stack(out.selected_experts, static.moe_layers).astype(static.routing_dtype)
 
 
-def _step(model, state: SlotState, scalars: _Scalars, static: _Static) -> SlotState:
+def _step(model, state: DecodeState, scalars: _Scalars, static: _Static) -> DecodeState:
     running_b = ~state.done_b
     out = model(state.last_token_b[:, None], attention_mask_bt=running_b[:, None],
                 cache=state.cache, router_hook=static.router_hook, mesh=static.mesh)
@@ -168,7 +154,7 @@ def _step(model, state: SlotState, scalars: _Scalars, static: _Static) -> SlotSt
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
-def _decode(graphdef, params, state: SlotState, max_steps, scalars, *, static: _Static):
+def _decode(graphdef, params, state: DecodeState, max_steps, scalars, *, static: _Static):
     """Up to ``max_steps`` decode steps, fewer when every slot is done."""
     model = nnx.merge(graphdef, params)
 
@@ -187,7 +173,7 @@ def _decode(graphdef, params, state: SlotState, max_steps, scalars, *, static: _
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
-def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_gn, packing: Packing, mask_ut,
+def _admit(graphdef, params, state: DecodeState, home_u, fresh_u, ids_gn, packing: Packing, mask_ut,
            last_gu, src_k, slots_k, limit_k, seed_k, scalars, *, static: _Static):
     """Prefills U unique requests (row u extends the cache of slot ``home_u[u]``, emptied
     first when ``fresh_u[u]``; its added tokens are the real ones of ``mask_ut[u]``, fed
@@ -208,19 +194,18 @@ def _admit(graphdef, params, state: SlotState, home_u, fresh_u, ids_gn, packing:
     cache = state.cache.put_rows(slots_k, out.cache.take_rows(src_k))
 
     k, n = src_k.shape[0], state.tokens_bn.shape[1]
-    rows = SlotState(  # the admitted rows' fresh request state
+    rows = DecodeState(  # the admitted rows' fresh request state
         cache=None, last_token_b=jnp.zeros((k,), jnp.int32),
         tokens_bn=jnp.zeros((k, n), jnp.int32), logprobs_bn=jnp.zeros((k, n), jnp.float32),
         num_generated_b=jnp.zeros((k,), jnp.int32), done_b=jnp.zeros((k,), bool),
         reason_b=jnp.full((k,), RUNNING, jnp.int32), limit_b=limit_k, seed_b=seed_k,
-        stop_m=state.stop_m)
+        stream_b=jnp.zeros((k,), jnp.int32), stop_bm=state.stop_bm)
     rows = _draw_and_record(rows, logits_kv, jnp.ones((k,), bool), scalars, static)
 
     def put(dst, src):
         return dst.at[slots_k].set(src, mode="drop")
 
-    fields = [f.name for f in dataclasses.fields(SlotState)
-              if f.name not in ("cache", "stop_m", "experts_bnlx")]
+    fields = [f for f in _PER_ROW if f != "experts_bnlx" and getattr(rows, f) is not None]
     state = state.replace(cache=cache, **{f: put(getattr(state, f), getattr(rows, f))
                                           for f in fields})
     return state, (_routing(out, static) if static.moe_layers else None)
@@ -275,7 +260,7 @@ def _pack(token_lists: Sequence[Sequence[int]], rows: int, width: int, groups: i
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _cut(state: SlotState, cut_b) -> SlotState:
+def _cut(state: DecodeState, cut_b) -> DecodeState:
     """:func:`decode_core.cut`, and the cut rows' cache goes back to the stream before the
     last kept token (drawn, never fed), as if they had stopped there. Every step of a
     running row fed one token and drew one, so ``index - num_generated`` is the same at any
@@ -289,7 +274,11 @@ def _cut(state: SlotState, cut_b) -> SlotState:
     return decode_core.cut(state, cut_b)
 
 
-_PER_ROW = tuple(f.name for f in dataclasses.fields(SlotState) if f.name not in ("cache", "stop_m"))
+# The per-row fields (the engine leaves the sampler's own fields None): every row's
+# request state; the cache goes by its own methods, the stop ids are shared ([1, M]).
+_PER_ROW = tuple(f.name for f in dataclasses.fields(DecodeState)
+                 if f.name not in ("cache", "stop_bm", "position_b", "row_id_b", "step",
+                                   "router_bnle", "answer_state"))
 _MIN_WINDOW = 64  # smallest cache window a call works on (fewer shapes to compile)
 
 
@@ -309,7 +298,7 @@ def row_bucket(rows: int, shards: int = 1) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("window",))
-def _gather(state: SlotState, rows_k, *, window: int) -> SlotState:
+def _gather(state: DecodeState, rows_k, *, window: int) -> DecodeState:
     """Slots ``rows_k`` of the state, with only the first ``window`` slots of their caches."""
     per_row = {f: None if getattr(state, f) is None else jnp.take(getattr(state, f), rows_k, axis=0)
                for f in _PER_ROW}
@@ -317,7 +306,7 @@ def _gather(state: SlotState, rows_k, *, window: int) -> SlotState:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _scatter(state: SlotState, rows_k, part: SlotState) -> SlotState:
+def _scatter(state: DecodeState, rows_k, part: DecodeState) -> DecodeState:
     """``state`` with ``part`` (from :func:`_gather`) written back at slots ``rows_k``."""
     per_row = {f: None if getattr(state, f) is None
                else getattr(state, f).at[rows_k].set(getattr(part, f)) for f in _PER_ROW}
@@ -325,26 +314,27 @@ def _scatter(state: SlotState, rows_k, part: SlotState) -> SlotState:
 
 
 @functools.partial(jax.jit, static_argnames=("max_len",))  # new shapes: nothing to donate to
-def _grow(state: SlotState, *, max_len: int) -> SlotState:
+def _grow(state: DecodeState, *, max_len: int) -> DecodeState:
     return state.replace(cache=state.cache.pad_to(max_len))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "config", "stacked", "slots", "cache_len", "cache_dtype", "new_buffer", "experts", "mesh"))
-def _empty_state(stop_m, *, config, stacked: bool, slots: int, cache_len: int, cache_dtype,
-                 new_buffer: int, experts: tuple | None, mesh) -> SlotState:
+def _empty_state(stop_bm, *, config, stacked: bool, slots: int, cache_len: int, cache_dtype,
+                 new_buffer: int, experts: tuple | None, mesh) -> DecodeState:
     """Every slot empty. Module-level (static shapes and mesh), so a new engine with the
     same settings, e.g. one per ``run_episodes`` call, reuses the compiled program."""
     del mesh  # a static key only: the cache's sharding follows the active mesh
     b, n = slots, new_buffer
     cache = KVCache.init(config, b, cache_len, cache_dtype, stacked=stacked,
                          per_row=True).constrain()
-    return SlotState(
+    return DecodeState(
         cache=cache, last_token_b=jnp.zeros((b,), jnp.int32),
         tokens_bn=jnp.zeros((b, n), jnp.int32), logprobs_bn=jnp.zeros((b, n), jnp.float32),
         num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.ones((b,), bool),
         reason_b=jnp.full((b,), MAX_TOKENS, jnp.int32), limit_b=jnp.ones((b,), jnp.int32),
-        seed_b=jnp.zeros((b,), jnp.int32), stop_m=stop_m,
+        seed_b=jnp.zeros((b,), jnp.int32), stream_b=jnp.zeros((b,), jnp.int32),
+        stop_bm=stop_bm,
         experts_bnlx=(None if experts is None
                       else jnp.zeros((b, n, experts[0], experts[1]), experts[2])))
 
@@ -390,10 +380,10 @@ class SlotEngine:
         self.new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
         cache_dtype = (CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
                        else model.options.compute_dtype)
-        stop_m = np.full((max(1, len(stop_tokens)),), -1, np.int32)
-        stop_m[:len(stop_tokens)] = list(stop_tokens)
+        stop_bm = np.full((1, max(1, len(stop_tokens))), -1, np.int32)  # shared by all rows
+        stop_bm[0, :len(stop_tokens)] = list(stop_tokens)
         with self._mesh():
-            self.state = self._init_state(model, cache_dtype, next_pow2(cache_len), stop_m)
+            self.state = self._init_state(model, cache_dtype, next_pow2(cache_len), stop_bm)
         self.busy = np.zeros((self.num_slots,), bool)  # generating a request now
         # Host copies of the cache index: a slot's stream length when it is not generating
         # (its index after the prefill while it is), and the most it can reach.
@@ -410,11 +400,11 @@ class SlotEngine:
 
         return sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def _init_state(self, model, cache_dtype, cache_len, stop_m) -> SlotState:
+    def _init_state(self, model, cache_dtype, cache_len, stop_bm) -> DecodeState:
         static = self.static
         experts = ((len(static.moe_layers), model.config.num_experts_per_tok, static.routing_dtype)
                    if static.moe_layers else None)
-        return _empty_state(jnp.asarray(stop_m), config=model.config,
+        return _empty_state(jnp.asarray(stop_bm), config=model.config,
                             stacked=model.options.scan_layers, slots=self.num_slots,
                             cache_len=cache_len, cache_dtype=cache_dtype,
                             new_buffer=self.new_buffer, experts=experts, mesh=self.mesh)

@@ -44,6 +44,7 @@ from spade_jax.rollout.decode_core import (  # noqa: F401 - DONE_REASONS .. re-e
     MAX_TOKENS,
     RUNNING,
     STOP_STRING,
+    DecodeState,
     StopStrings,
 )
 from spade_jax.rollout.routing import routing_dtype
@@ -206,26 +207,6 @@ class _Scalars(struct.PyTreeNode):
     row_offset: jax.Array  # prompt index of this batch's row 0 (batches of max_rows)
 
 
-class DecodeState(struct.PyTreeNode):
-    """The decode loop's carry. Row b has generated ``num_generated_b[b]`` tokens."""
-
-    cache: KVCache
-    last_token_b: jax.Array  # [B] int32, the token to feed next
-    position_b: jax.Array  # [B] int32, its RoPE position
-    tokens_bn: jax.Array  # [B, N] int32
-    logprobs_bn: jax.Array  # [B, N] fp32
-    num_generated_b: jax.Array  # [B] int32
-    done_b: jax.Array  # [B] bool
-    reason_b: jax.Array  # [B] int32 index into DONE_REASONS
-    limit_b: jax.Array  # [B] int32 max new tokens of the row
-    row_id_b: jax.Array  # [B] int32 prompt index (PRNG stream); -1 for padding rows
-    stop_bm: jax.Array  # [B, M] int32 stop ids, -1 = unused
-    step: jax.Array  # [] int32 columns of tokens_bn written so far
-    router_bnle: jax.Array | None  # [B, N, L, E] fp32 router logits of fed generated tokens
-    experts_bnlx: jax.Array | None  # [B, N, L, X] int32 (compact dtype: experts-only mode)
-    answer_state: Any = None  # the answer detector's per-row state (``fired_b`` flags)
-
-
 def _hook_for(static: _Static, answer_state) -> Callable | None:
     """The router hook as the model calls it; with a detector it also sees ``active=[B]``."""
     if static.router_hook is None or static.answer_detector is None:
@@ -255,13 +236,10 @@ def moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None:
 
 def _draw_and_record(state: DecodeState, logits_bv, scalars: _Scalars,
                      static: _Static) -> DecodeState:
-    """Every running row draws its next token (prompt index ``row_id_b`` + the call's
-    offset is its stream) and records it (``decode_core``); the step advances."""
-    running_b = ~state.done_b
-    token_b, logprob_b = decode_core.draw(
-        logits_bv, jnp.full_like(state.row_id_b, scalars.seed),
-        state.row_id_b + scalars.row_offset, state.num_generated_b, scalars, static)
-    state = decode_core.record(state, token_b, logprob_b, running_b, state.stop_bm)
+    """Every running row draws its next token and records it (``decode_core``); the step
+    advances."""
+    state, token_b = decode_core.draw_and_record(state, logits_bv, ~state.done_b, scalars,
+                                                 static)
     return _detect(state.replace(step=state.step + 1), token_b, static)
 
 
@@ -273,9 +251,12 @@ def _routing_shape(cfg, static: _Static) -> tuple[tuple[int, ...], bool, bool, A
     return moe_layers, router, logits, _experts_dtype(static, cfg) if router else None
 
 
-def _initial_state(cache: KVCache, position_b, limit_b, row_id_b, stop_bm, *, cfg,
+def _initial_state(cache: KVCache, position_b, limit_b, row_id_b, stop_bm, scalars, *, cfg,
                    static: _Static, new_buffer: int) -> DecodeState:
-    """The decode state of rows about to draw their first token (nothing generated yet)."""
+    """The decode state of rows about to draw their first token (nothing generated yet).
+    Row b draws with the call's seed on stream ``row_id_b[b]`` + the call's row offset
+    (its prompt's index in the whole request); ``scalars`` None: seeds and streams 0 (rows
+    a row-group prefill overwrites)."""
     b = row_id_b.shape[0]
     moe_layers, router, logits, experts_dtype = _routing_shape(cfg, static)
     n_moe, e, x = len(moe_layers), cfg.num_experts, cfg.num_experts_per_tok
@@ -290,6 +271,10 @@ def _initial_state(cache: KVCache, position_b, limit_b, row_id_b, stop_bm, *, cf
         done_b=is_pad_row_b,
         reason_b=jnp.where(is_pad_row_b, MAX_TOKENS, RUNNING).astype(jnp.int32),
         limit_b=limit_b, row_id_b=row_id_b, stop_bm=stop_bm,
+        seed_b=(jnp.zeros_like(row_id_b) if scalars is None
+                else jnp.full_like(row_id_b, scalars.seed)),
+        stream_b=(jnp.zeros_like(row_id_b) if scalars is None
+                  else row_id_b + scalars.row_offset),
         step=jnp.zeros((), jnp.int32),
         router_bnle=jnp.zeros((b, new_buffer, n_moe, e), jnp.float32) if logits else None,
         experts_bnlx=jnp.zeros((b, new_buffer, n_moe, x), experts_dtype) if router else None,
@@ -304,8 +289,8 @@ def _prefill_state(model, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: 
     cfg = model.config
     cache = model.init_cache(ids_bp.shape[0], static.cache_len, static.cache_dtype).constrain()
     positions_bp = positions_from_mask(mask_bp)
-    state = _initial_state(cache, positions_bp[:, -1] + 1, limit_b, row_id_b, stop_bm, cfg=cfg,
-                           static=static, new_buffer=new_buffer)
+    state = _initial_state(cache, positions_bp[:, -1] + 1, limit_b, row_id_b, stop_bm, scalars,
+                           cfg=cfg, static=static, new_buffer=new_buffer)
     # Only the last position's logits are sampled from: the LM head over every prompt
     # position would be a [B, P, V] fp32 array (119 GiB per chip for 24 rows of 8k tokens
     # with Qwen3's 152k vocabulary).
@@ -355,8 +340,8 @@ def _empty_state(limit_b, row_id_b, stop_bm, *, config, stacked: bool, static: _
     cache = KVCache.init(config, row_id_b.shape[0], static.cache_len, static.cache_dtype,
                          stacked=stacked)
     return _constrain_rows(_initial_state(
-        cache, jnp.zeros_like(row_id_b), limit_b, row_id_b, stop_bm, cfg=config, static=static,
-        new_buffer=new_buffer))
+        cache, jnp.zeros_like(row_id_b), limit_b, row_id_b, stop_bm, None, cfg=config,
+        static=static, new_buffer=new_buffer))
 
 
 def _put_rows(full, part, lo, shards: int, axis: int = 0):
