@@ -10,7 +10,10 @@ Rows (every ceiling measured in the same run, on the same device):
                    config and a Qwen3-30B-A3B-shaped MoE with fewer layers (random bf16
                    weights, greedy, no early stop), and the fraction of the HBM roofline:
                    (bytes one decode step must read: the weights it uses and the KV cache
-                   over the mean context) / bandwidth, against the measured step time.
+                   over the mean context) / bandwidth, against the measured step time;
+                   and the same against a floor that counts each weight matmul at the
+                   larger of its read and its FLOP time (``decode_step_floor``: at large B
+                   the weight matmuls are compute-bound).
                    Decode time = a call of P + N tokens minus a call of P + 1 (its prefill).
   prefill          prompt tokens/s of that prefill (B x P tokens).
   generate (HF)    ``transformers`` ``generate`` on the same weights, prompts and device
@@ -141,6 +144,29 @@ def decode_step_bytes(cfg: ModelConfig, batch: int, context: float) -> float:
     return weights + cache
 
 
+def decode_step_floor(cfg: ModelConfig, batch: int, context: float, bandwidth: float,
+                      peak: float) -> float:
+    """Seconds a decode step takes at least, counting each weight matmul at the larger of
+    its read time and its FLOP time (at B rows a bf16 weight byte does B FLOPs: past the
+    device's ridge, e.g. ~220 on an H200, the matmuls are compute-bound and the bytes-only
+    roofline of :func:`decode_step_bytes` understates the floor), plus the KV cache over
+    ``context`` slots a row at the read bandwidth. Attention FLOPs are left out (a few per
+    cache byte)."""
+    layer_bytes = decode_step_bytes(cfg, batch, 0) - 2 * cfg.hidden_size * cfg.vocab_size
+    layer_params = layer_bytes / 2  # the layers' weights a step uses (experts: those picked)
+    if cfg.num_experts:  # each token multiplies its k experts, not every expert the batch uses
+        d, f = cfg.hidden_size, cfg.moe_intermediate_size
+        used = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)
+        per_token = layer_params - cfg.num_layers * (used - cfg.num_experts_per_tok) * 3 * d * f
+    else:
+        per_token = layer_params
+    head = cfg.hidden_size * cfg.vocab_size
+    layers = max(layer_bytes / bandwidth, 2 * batch * per_token / peak)
+    lm_head = max(2 * head / bandwidth, 2 * batch * head / peak)
+    cache = decode_step_bytes(cfg, batch, context) - decode_step_bytes(cfg, batch, 0)
+    return layers + lm_head + cache / bandwidth
+
+
 def train_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
     """Useful FLOPs of one GRPO step: 3 x (2 x active matmul parameters per token + causal
     attention)."""
@@ -157,7 +183,7 @@ def train_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
 
 
 def decode_row(name: str, cfg: ModelConfig, model: Qwen3, shapes: Shapes, bandwidth: float,
-               batch: int, **sampler: Any) -> dict[str, Any]:
+               peak: float, batch: int, **sampler: Any) -> dict[str, Any]:
     """Prefill and decode rates at one batch size (``sampler``: SamplerConfig overrides)."""
     prompts = np.random.RandomState(batch).randint(1, cfg.vocab_size,
                                                    (batch, shapes.prompt_len)).tolist()
@@ -175,8 +201,9 @@ def decode_row(name: str, cfg: ModelConfig, model: Qwen3, shapes: Shapes, bandwi
         step = (full - first) / (shapes.new_tokens - 1)
         context = shapes.prompt_len + shapes.new_tokens / 2
         bound = decode_step_bytes(cfg, batch, context) / bandwidth
+        floor = decode_step_floor(cfg, batch, context, bandwidth, peak)
         row.update({"decode tokens/s": batch / step, "decode step ms": 1e3 * step,
-                    "HBM roofline": bound / step})
+                    "HBM roofline": bound / step, "bytes+FLOPs floor": floor / step})
     else:  # tiny shapes: the decode steps are below the timer's resolution
         row["note"] = "decode below timer resolution"
     if sampler:
@@ -287,7 +314,7 @@ def render(rows: list[dict[str, Any]]) -> str:
 def _fmt(key: str, value: Any) -> str:
     if value is None:
         return ""
-    if key in ("HBM roofline", "MFU") and isinstance(value, float):
+    if key in ("HBM roofline", "bytes+FLOPs floor", "MFU") and isinstance(value, float):
         return f"{100 * value:.1f}%"
     if isinstance(value, float):
         return f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
@@ -335,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{versions}"})
     def decode(name: str, cfg: ModelConfig, model: Qwen3, batch: int, **sampler: Any) -> None:
         row = guarded(f"{name} B={batch}", functools.partial(
-            decode_row, name, cfg, model, shapes, bandwidth, batch, **sampler))
+            decode_row, name, cfg, model, shapes, bandwidth, peak, batch, **sampler))
         if row is not None:
             log(row)
 

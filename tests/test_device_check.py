@@ -50,3 +50,29 @@ def test_the_decode_profile_runs_at_tiny_shapes(tmp_path, capsys):
     table = printed.split("kernels of one call")[1]
     assert " busy " in table and " ms " in table.split("busy", 1)[1]
     assert list(tmp_path.rglob("perfetto_trace.json.gz"))
+
+
+def test_the_decode_floor_counts_each_weight_matmul_at_its_bytes_or_flops():
+    """``decode_step_floor`` against the sum written out by hand for Qwen3-1.7B (the H200
+    profile in docs/rollout.md): at B = 256 the weight matmuls are compute-bound; at B = 1
+    the floor is the bytes-only roofline."""
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    cfg, bandwidth, peak = module.QWEN3_1_7B, 3.26e12, 718e12
+    layer_params = 28 * (2048 * 16 * 128 * 2 + 2048 * 8 * 128 * 2 + 3 * 2048 * 6144)
+    head_params = 2048 * 151936
+
+    def by_hand(batch, context):
+        layers = max(2 * layer_params / bandwidth, 2 * batch * layer_params / peak)
+        head = max(2 * head_params / bandwidth, 2 * batch * head_params / peak)
+        cache = 2 * batch * context * 28 * 2 * 8 * 128  # bf16 K and V, 28 layers, 8 kv heads
+        return layers + head + cache / bandwidth
+
+    floor = module.decode_step_floor(cfg, 256, 192, bandwidth, peak)
+    assert floor == pytest.approx(by_hand(256, 192), rel=1e-12)
+    assert floor == pytest.approx(2.956e-3, rel=1e-3)  # the figure docs/rollout.md quotes
+    assert floor > module.decode_step_bytes(cfg, 256, 192) / bandwidth  # compute-bound
+    assert module.decode_step_floor(cfg, 1, 192, bandwidth, peak) == pytest.approx(
+        module.decode_step_bytes(cfg, 1, 192) / bandwidth, rel=1e-12)
