@@ -24,7 +24,7 @@ from spade_jax.models.config import ModelConfig
 from spade_jax.models.qwen3 import ModelOptions
 from spade_jax.overrides import apply_overrides
 from spade_jax.rl.registry import load_rule_modules
-from spade_jax.rl.train_step import TrainConfig, needs_reference
+from spade_jax.rl.train_step import TrainConfig
 from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
@@ -319,12 +319,9 @@ def train_config_for_run(config: ExperimentConfig) -> TrainConfig:
     """``config.train`` as the run builds it: ``optimizer.total_steps`` left None becomes
     the run's number of updates (one per SPADE round, ``spade.rounds``).
 
-    Refuses a KL term (``kl_coef > 0``) together with a warm start: the KL reference is the
-    policy the run loads (checkpoint or initialisation), which a warm start would leave
-    behind and a resumed run could not rebuild."""
-    if config.warm_start.steps and needs_reference(config.train):
-        raise ValueError("a KL term (train.<role>.loss.kl_coef > 0) needs warm_start.steps=0: the "
-                         "reference is the loaded policy, before any warm start")
+    A KL term with a warm start is allowed: its reference is the warm-started policy (the
+    policy RL starts from), which the run's checkpoints then carry
+    (``Trainer.anchor_reference``)."""
     optimizer = config.train.optimizer.for_run(config.spade.rounds)
     return dataclasses.replace(config.train, optimizer=optimizer)
 

@@ -331,6 +331,8 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
                          best_mode=config.best_checkpoint_mode),
         guard=guard, config_hash=config_hash(config))
     start_step = 0
+    if config.warm_start.steps:  # its KL reference is the warm-started policy (below)
+        trainer.expect_saved_reference()
     restored = ckpt.restore_latest(_abstract(trainer.named_arrays()))
     if restored is not None:
         trainer.restore(restored.state)
@@ -341,6 +343,8 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         log.info("resumed from step %d", done)  # -1: the warm start
     elif config.warm_start.steps:
         trainer.state = _warm_start(config, tokenizer, trainer.graphdef, trainer.state, loop)
+        # KL runs: the reference is the policy RL starts from, not the random init.
+        trainer.anchor_reference()
 
     try:
         # Nothing to save before the first step of a fresh run without a warm start.

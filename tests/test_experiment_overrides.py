@@ -249,10 +249,9 @@ def test_total_steps_follows_the_run_length():
         learning_rate_schedule(OptimizerConfig(schedule="cosine"))
 
 
-def test_a_kl_reference_is_refused_with_a_warm_start():
+def test_a_kl_reference_is_allowed_with_or_without_a_warm_start():
     kl = ["train.agent.loss.kl_coef=0.01"]
-    with pytest.raises(ValueError, match="KL term .* needs warm_start.steps=0"):
-        train_config_for_run(load_experiment("tiny", kl))
+    assert train_config_for_run(load_experiment("tiny", kl)).agent.loss.kl_coef == 0.01
     train = train_config_for_run(load_experiment("tiny", [*kl, "warm_start.steps=0"]))
     assert train.agent.loss.kl_coef == 0.01
     train_config_for_run(load_experiment("qwen3_8b"))  # no warm start: the checkpoint is it

@@ -89,6 +89,9 @@ class DecodeCopy:
         return nnx.merge(self.graphdef, self._params)
 
 
+_REFERENCE = "reference/"  # checkpoint names of an anchored KL reference's arrays
+
+
 class Trainer:
     """The train state, the reference policy (KL runs), the replay telemetry (runs that
     record routing), the packing and the jitted step of one run."""
@@ -101,8 +104,10 @@ class Trainer:
         self.graphdef, self.state = init_train_state(model, config, seed=seed, mesh=mesh)
         self._step = make_train_step(self.graphdef, config, mesh)
         # KL to the initial policy (8B recipe): its log-probs from a frozen copy of it.
+        self._mesh = mesh
         self._reference = (ReferencePolicy(self.graphdef, config, self.state.params, mesh)
                            if needs_reference(config) else None)
+        self._reference_saved = False  # the checkpoint carries it (anchor_reference)
         self._telemetry = (ReplayTelemetry(self.graphdef, config, mesh)
                            if routing_telemetry and model.config.is_moe else None)
         self.decode = DecodeCopy(mesh_config or sharding.MeshConfig(), mesh, self.graphdef,
@@ -137,10 +142,35 @@ class Trainer:
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
         return {**scalars, **extra}
 
+    def anchor_reference(self) -> None:
+        """The KL reference becomes the current policy, and checkpoints carry it from now on.
+        For a run whose starting policy is made in the run (the warm start), not loaded:
+        the reference is the policy RL starts from, which the model built at step 0 is not,
+        and which a resume can only get back from the checkpoint. No-op without KL."""
+        if self._reference is None:
+            return
+        self._reference = ReferencePolicy(self.graphdef, self.config, self.state.params,
+                                          self._mesh)
+        self._reference_saved = True
+
+    def expect_saved_reference(self) -> None:
+        """A resume of a run that anchored its reference: the checkpoint holds it."""
+        self._reference_saved = self._reference is not None
+
     def named_arrays(self) -> dict[str, jax.Array]:
-        """The train state's arrays by name (what a checkpoint stores)."""
-        return named_arrays(self.state)
+        """The train state's arrays by name (what a checkpoint stores), and the anchored KL
+        reference's under ``reference/``."""
+        named = named_arrays(self.state)
+        if self._reference_saved:
+            named.update({f"{_REFERENCE}{name}": x
+                          for name, x in named_arrays(self._reference.params).items()})
+        return named
 
     def restore(self, named: Any) -> None:
-        """Replaces the state with a checkpoint's arrays (by name)."""
+        """Replaces the state (and an anchored reference) with a checkpoint's arrays."""
+        if self._reference_saved:
+            self._reference.params = state_from_named(
+                {k[len(_REFERENCE):]: v for k, v in named.items() if k.startswith(_REFERENCE)},
+                self._reference.params)
+            named = {k: v for k, v in named.items() if not k.startswith(_REFERENCE)}
         self.state = state_from_named(named, self.state)
