@@ -12,11 +12,13 @@ script says why. For each batch it prints:
   one step    the model's decode step alone (one token, the cache donated), jitted once,
               against the step time inside the sampler's loop (loop and sampling overhead);
   attention   28 layers' KV-cache attention of one step ([B, 1] queries against S slots)
-              in three forms, with the bytes they must read (the caches) over the time, as
-              a share of the read bandwidth measured in the same run:
+              in three forms (four on a GPU), with the bytes they must read (the caches)
+              over the time, as a share of the read bandwidth measured in the same run:
                 ours          ``qwen3._attention`` on the [B, S, K, H] cache
                 heads-major   the same contraction on a [B, K, S, H] cache (no transpose)
                 jax.nn        ``jax.nn.dot_product_attention`` (XLA) on [B, S, K, H]
+                pallas gqa    on a GPU only: Pallas's decode-attention kernel, which
+                              reads each row's filled slots only
 Nothing is asserted; the tiny shapes only show the script runs.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import sys
@@ -149,12 +152,11 @@ def one_step_ms(model: Qwen3, batch: int, slots: int, context: int, reps: int) -
                           index=jnp.full((batch,), context, jnp.int32))
     graphdef, params = nnx.split(model)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=1)
     def step(params, cache, token_b1, position_b1):
         out = nnx.merge(graphdef, params)(token_b1, position_b1, cache=cache)
         return jnp.argmax(out.logits[:, -1], -1), out.cache
 
-    step = jax.jit(step, donate_argnums=1)
     token = jnp.ones((batch, 1), jnp.int32)
     position = jnp.full((batch, 1), context, jnp.int32)
     holder = {"cache": cache}

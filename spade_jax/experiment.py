@@ -89,8 +89,8 @@ class TokenizerSpec:
     vocab_size: int = 2000
     # What a trained sentencepiece model learns from: "project" (the spade_jax package's own
     # .py/.md/.txt files and seed programs: the same in a checkout and an installed wheel,
-    # whatever docs/ or tests/ hold) or "toy" (the toy world's programs and observations only: small, and the same
-    # whatever else the checkout holds).
+    # whatever docs/ or tests/ hold) or "toy" (the toy world's programs and observations
+    # only: small, and the same whatever else the checkout holds).
     text: str = "project"
 
     def __post_init__(self) -> None:
