@@ -7,12 +7,13 @@
 Non-finite floats are written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``
 (strict JSON has no literal for them) and read back as floats by :func:`read_metrics`.
 A resumed run appends to the same file, so a step can appear twice; readers keep the
-last value. TensorBoard events go to ``<run_dir>/tensorboard/``. On a multi-host run only
+last value. TensorBoard events go to ``<run_dir>/tensorboard/``; every designer attempt (its
+reply, verdict and stated level) to ``<run_dir>/designs.jsonl``. On a multi-host run only
 process 0 writes or prints.
 
 ``run_dir`` may be remote (``gs://...``): both files are then written in a local mirror
 (:class:`spade_jax.storage.MirroredDir`) and uploaded after every record, since an object
-store cannot append; a resumed run downloads ``metrics.jsonl`` first and continues it.
+store cannot append; a resumed run downloads ``metrics.jsonl`` and ``designs.jsonl`` first and continues them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import jax
@@ -34,6 +35,8 @@ from spade_jax import storage
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+# Every designer attempt of a run, one JSON object each (``MetricsWriter.write_designs``).
+DESIGNS_FILE = "designs.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 RESERVED_KEYS = ("step", "wall_time")
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -90,13 +93,15 @@ class MetricsWriter:
         self.cfg = cfg
         self.active = jax.process_index() == 0
         self._jsonl: TextIO | None = None
+        self._designs: TextIO | None = None
         self._tensorboard: Any = None
         self._mirror: storage.MirroredDir | None = None
         if not self.active:
             return
-        self._mirror = storage.MirroredDir(self.run_dir, resume=(METRICS_FILE,))
+        self._mirror = storage.MirroredDir(self.run_dir, resume=(METRICS_FILE, DESIGNS_FILE))
         local = self._mirror.local
         self._jsonl = (local / METRICS_FILE).open("a", buffering=1)  # line-buffered
+        self._designs = (local / DESIGNS_FILE).open("a", buffering=1)
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -128,19 +133,34 @@ class MetricsWriter:
         if self._mirror is not None and self._mirror.remote:
             self.flush()  # one upload per record: a killed run loses no logged step
 
+    def write_designs(self, step: int, attempts: Sequence[Mapping[str, Any]]) -> None:
+        """Appends ``step``'s designer attempts (JSON objects: what the designer wrote and
+        what became of it) to ``designs.jsonl``: the text behind the validity and
+        difficulty curves. A resumed run re-logs the steps after its checkpoint."""
+        if not self.active or not attempts:
+            return
+        assert self._designs is not None
+        for attempt in attempts:
+            self._designs.write(json.dumps({"step": int(step), **attempt}) + "\n")
+        if self._mirror is not None and self._mirror.remote:
+            self.flush()
+
     def flush(self) -> None:
         """Writes buffered records out (and uploads them when ``run_dir`` is remote)."""
         if self._jsonl is not None:
             self._jsonl.flush()
+        if self._designs is not None:
+            self._designs.flush()
         if self._tensorboard is not None:
             self._tensorboard.flush()
         if self._mirror is not None:
             self._mirror.sync()
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        for handle in (self._jsonl, self._designs):
+            if handle is not None:
+                handle.close()
+        self._jsonl = self._designs = None
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None

@@ -252,6 +252,9 @@ def test_tiny_run_in_a_bucket_is_killed_resumes_and_exports(tmp_path, gcs):
     # Round 0 was logged by the killed run, round 1 by the resumed one: one file, appended.
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1]
+    # designs.jsonl too: the killed run's step-0 attempts survive the resume's upload.
+    designs = [json.loads(line) for line in (run / "designs.jsonl").read_text().splitlines()]
+    assert designs and designs[0]["step"] == 0 and all("verdict" in d for d in designs)
     assert "validity_rate" in (run / "report.md").read_text()
 
     # The last checkpoint, exported bucket -> bucket, loads from the bucket bit for bit.

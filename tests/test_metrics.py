@@ -63,6 +63,19 @@ def test_writer_logs_jsonl_and_tensorboard(tmp_path):
     assert math.isnan(back["loss/pg_loss"][1][1])
 
 
+def test_writer_appends_design_records_across_writers(tmp_path):
+    with metrics_lib.MetricsWriter(tmp_path) as writer:
+        writer.write_designs(0, [{"verdict": "valid", "level": 3, "reply": "LEVEL = 3"}])
+        writer.write_designs(1, [])
+    with metrics_lib.MetricsWriter(tmp_path) as writer:  # a resumed run continues the file
+        writer.write_designs(2, [{"verdict": "invalid/syntax_error", "level": None, "reply": ""},
+                                 {"verdict": "valid", "level": 1, "reply": "x"}])
+    records = [json.loads(line) for line in
+               (tmp_path / metrics_lib.DESIGNS_FILE).read_text().splitlines()]
+    assert [(r["step"], r["verdict"], r["level"]) for r in records] == [
+        (0, "valid", 3), (2, "invalid/syntax_error", None), (2, "valid", 1)]
+
+
 def test_writer_rejects_non_scalars_and_reserved_names(tmp_path):
     with metrics_lib.MetricsWriter(tmp_path, metrics_lib.MetricsConfig(tensorboard=False)) as w:
         with pytest.raises(ValueError, match=r"metric 'hist' has shape \(3,\)"):

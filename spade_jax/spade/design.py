@@ -33,7 +33,7 @@ from spade_jax.spade.config import (
     SpadeConfig,
 )
 from spade_jax.spade.corpus import CorpusSampler, Document
-from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels
+from spade_jax.spade.env_stats import ProbeConfig, probe_program_levels, stated_level
 from spade_jax.spade.extraction import recipe_program
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord
 from spade_jax.spade.prompts import (
@@ -58,6 +58,9 @@ from spade_jax.spade.window import (
     Outcome,
     Verdict,
 )
+
+# How much of a validator's reason an attempt keeps (a traceback can be long).
+_MAX_DETAIL_CHARS = 500
 
 
 class PromptSampler(Protocol):
@@ -93,6 +96,7 @@ class Attempt:
     parsed: DesignerOutput | None = None
     routing: np.ndarray | None = None  # recorded routing of prompt + output (router replay)
     doc_ids: tuple[str, ...] = ()  # the corpus documents its prompt held
+    detail: str = ""  # the validator's whole reason when it rejected the program
 
 
 def slot_skills(config: SpadeConfig, step: int) -> list[str]:
@@ -245,7 +249,20 @@ class Designer:
             if not report.ok:
                 code = report.reason.split(":", 1)[0].strip() or "invalid"
                 verdicts[i] = Verdict(Outcome.INVALID, code)
+                batch[i].detail = report.reason[:_MAX_DETAIL_CHARS]
         return verdicts
+
+    def attempt_record(self, att: Attempt) -> dict[str, Any]:
+        """What one attempt wrote and what became of it, as a JSON object for the run's
+        ``designs.jsonl``: the reply as decoded text, the verdict (and the validator's
+        reason), the level the program states (``LEVEL = n``; None if none) and the
+        prompt's and reply's token counts."""
+        text = self.tokenizer.decode(att.output_ids, skip_special_tokens=True)
+        program = att.parsed.program if att.parsed is not None else text
+        return {"slot": att.slot, "member": att.member, "skill": att.skill,
+                "verdict": att.verdict.label, "detail": att.detail,
+                "level": stated_level(program), "prompt_tokens": len(att.prompt_ids),
+                "reply_tokens": len(att.output_ids), "reply": text}
 
     def _parse(self, att: Attempt) -> Verdict:
         if att.parsed is not None:

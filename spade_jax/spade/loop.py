@@ -123,6 +123,7 @@ class SpadeLoop:
                              "samples are not plays of an environment, so the loop cannot "
                              "refill the designer's dropped groups")
         self.rule_metrics: dict[str, float] = {}
+        self.step_attempts: list[Any] = []  # the designer attempts of the last step
         self.run_episodes, self.update = run_episodes, update
         self.corpus_sampler, self.memory, self.reward_rule = corpus_sampler, memory, reward_rule
         # Where the games come from (SelfDesign, FixedPool, FixedEnv): chosen by the run.
@@ -206,6 +207,7 @@ class SpadeLoop:
             memory_regimes=self.memory.regime_counts(), num_agent=len(agent),
             num_designer=len(designer), update_metrics=update_metrics, times=timer.times)
         metrics.update(self.pop_rule_metrics())
+        self.step_attempts = attempts
         metrics.update(_play_metrics(records))
         metrics["batch/trimmed"] = float(trimmed)
         metrics["designer/missing_designed"] = float(missing_designed)
@@ -491,6 +493,12 @@ class SpadeLoop:
         dropped = set(out.dropped_groups)
         kept = [g for g in range(len(groups) + len(out.refill_groups)) if g not in dropped]
         return _agree_advantages(out.sequences), kept
+
+    def pop_design_records(self) -> list[dict[str, Any]]:
+        """The last step's designer attempts as JSON objects (``Designer.attempt_record``:
+        reply text, verdict, stated level), for the run's ``designs.jsonl``."""
+        attempts, self.step_attempts = self.step_attempts, []
+        return [self.designer.attempt_record(a) for a in attempts]
 
     def pop_rule_metrics(self) -> dict[str, float]:
         """The update rules' metrics since the last call (``rule/<role>/<part>/<name>``)."""

@@ -259,6 +259,17 @@ def test_rejection_sampling_trains_only_valid_attempts(pool):
     texts_trained = {ByteTokenizer().decode(s.token_ids[-len(s.token_ids) // 2:])
                      for s in designer}
     assert not any("no program here" in t for t in texts_trained)
+    # designs.jsonl's records: every attempt, in order, with its verdict and reply text.
+    records = loop.pop_design_records()
+    assert len(records) == sum(len(prompts) for prompts, *_ in policy.design_calls)
+    assert sum(r["verdict"] == "valid" for r in records) == 4
+    broken = [r for r in records if r["verdict"].startswith("invalid/")]
+    assert broken and all(r["detail"] and BROKEN_PROGRAM.strip()[:20] in r["reply"]
+                          for r in broken)
+    assert any(r["verdict"] == "parse_error/no_program_block"
+               and r["reply"].startswith("no program here") for r in records)
+    assert all(r["prompt_tokens"] > 0 and r["reply_tokens"] > 0 for r in records)
+    assert loop.pop_design_records() == []  # popped: one step's attempts are logged once
 
 
 def test_paper_text_variant_trains_invalid_samples_with_the_penalty(pool):
