@@ -112,6 +112,14 @@ class WarmStartConfig:
     # Tool contract: demonstrated episodes per tool seed program (its scripted solution,
     # played in the sandbox; `spade.tool_demos`) taught to the agent role (0 = none).
     agent_demos: int = 0
+    # "token": the loss is the mean over a batch's target tokens (long programs dominate);
+    # "sequence": the mean over its examples (a 6-token answer weighs as a 220-token program).
+    loss_mean: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.loss_mean not in ("token", "sequence"):
+            raise ValueError(f"warm_start.loss_mean must be 'token' or 'sequence', got "
+                             f"{self.loss_mean!r}")
 
 
 @dataclasses.dataclass(frozen=True)

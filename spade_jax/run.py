@@ -587,7 +587,8 @@ def _supervised_pass(config, tokenizer, graphdef, state: TrainState, seqs) -> Tr
     ws = config.warm_start
     params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
                                 batch_size=ws.batch_size, learning_rate=ws.learning_rate,
-                                seed=config.seed, pad_id=tokenizer.pad_id)
+                                seed=config.seed, pad_id=tokenizer.pad_id,
+                                loss_mean=ws.loss_mean)
     log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
     return dataclasses.replace(state, params=params)
 

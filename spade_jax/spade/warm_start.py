@@ -25,6 +25,8 @@ from spade_jax.rollout.sampler import round_up
 
 log = logging.getLogger(__name__)
 
+LOSS_MEANS = ("token", "sequence")
+
 
 def turn_end_id(tokenizer) -> int:
     """The token that closes an assistant turn in the chat template (``<|im_end|>`` when it
@@ -66,7 +68,9 @@ def _loss_positions(loss_mask_bt: np.ndarray, width: int) -> tuple[np.ndarray, n
 def _nll(params, graphdef, ids_bt, attn_bt, positions_bk, weights_bk):
     """Masked next-token NLL with the LM head and log-softmax only at ``positions_bk``. Over
     every position of the packed batch (over half of it prompt and padding, which the loss
-    ignores) the vocabulary projection took ~40% of a CPU step for the tiny experiment."""
+    ignores) the vocabulary projection took ~40% of a CPU step for the tiny experiment.
+    The mean is over the batch's target tokens, or over its sequences when ``weights_bk``
+    rows are pre-divided by their token counts (``per_sequence_weights``)."""
     model = nnx.merge(graphdef, params)
     hidden_btd = model(ids_bt, attention_mask_bt=attn_bt, return_logits=False).hidden
     hidden_bkd = jnp.take_along_axis(hidden_btd, positions_bk[..., None], axis=1)
@@ -74,6 +78,13 @@ def _nll(params, graphdef, ids_bt, attn_bt, positions_bk, weights_bk):
     logp_bk, _ = numerics.token_logprobs(model.lm_head(hidden_bkd), targets_bk,
                                          invariant=model.options.batch_invariant)
     return -jnp.sum(logp_bk * weights_bk) / jnp.maximum(jnp.sum(weights_bk), 1.0)
+
+
+def per_sequence_weights(weights_bk: np.ndarray) -> np.ndarray:
+    """Loss weights that make the token mean of ``_nll`` a mean over sequences: each row's
+    weights sum to 1 (a 6-token answer then counts as much as a 220-token program)."""
+    totals = weights_bk.sum(axis=1, keepdims=True)
+    return np.where(totals > 0, weights_bk / np.maximum(totals, 1e-9), 0.0).astype(np.float32)
 
 
 def _optimizer(steps: int, learning_rate: float) -> optax.GradientTransformation:
@@ -93,8 +104,13 @@ def warm_start(
     learning_rate: float,
     seed: int = 0,
     pad_id: int = 0,
+    loss_mean: str = "token",
 ) -> tuple[nnx.State, list[float]]:
-    """Runs ``steps`` AdamW steps of masked NLL; returns new params and the loss curve."""
+    """Runs ``steps`` AdamW steps of masked NLL; returns new params and the loss curve.
+    ``loss_mean``: "token" (every target token of a batch weighs the same) or "sequence"
+    (every example does: short targets are not drowned by long ones)."""
+    if loss_mean not in LOSS_MEANS:
+        raise ValueError(f"warm start loss_mean must be one of {LOSS_MEANS}, got {loss_mean!r}")
     if not sequences:
         raise ValueError("warm start needs at least one supervised sequence")
     optimizer = _optimizer(steps, learning_rate)
@@ -117,6 +133,8 @@ def warm_start(
     for i in range(steps):
         batch = pack_sequences([sequences[j] for j in rng.choice(len(sequences), batch_size)], pack)
         positions, weights = _loss_positions(np.asarray(batch.loss_mask), width)
+        if loss_mean == "sequence":
+            weights = per_sequence_weights(weights)
         params, opt_state, loss = step(params, opt_state, batch.input_ids, batch.attention_mask,
                                        positions, weights)
         losses.append(float(loss))

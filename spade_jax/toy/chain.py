@@ -25,9 +25,11 @@ So:
   level L (the whole sequence) with chance ``BASE ** -(L - 1)``, and its expected score
   is ``sum_k BASE**-k / L`` for k = 0..L-1 (partial credit: ``expected_random_score``;
   the same under both length rules, since it writes L digits);
-- the hint (``hint_for``) states the table as a count (``Count up: 0 1 2 3 4 0.``): a
+- the hint (``hint_for``) states the table as its cycle (``Cycle: 0 1 2 3 4 0.``): a
   strategy that holds for every start, not an episode's answer (the start is drawn per
-  episode); whether this policy can use it is untested (docs/toy_world.md).
+  episode). The warm start can teach following such a hint on *other* tables
+  (``ToyConfig.chain_hint_following``), so the hint helps an agent that does not know
+  this table yet, and RL on no-hint plays is what learns it.
 
 This module imports nothing of the package but ``env_stats`` (as ``family`` does), so
 ``family.render_program`` can render a chain program for the held-out eval.
@@ -36,6 +38,7 @@ This module imports nothing of the package but ``env_stats`` (as ``family`` does
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from spade_jax.spade.env_stats import stated_level
 
@@ -193,6 +196,25 @@ def expected_random_score(level: int, base: int = DEFAULT_BASE) -> float:
 
 
 def hint_for(base: int = DEFAULT_BASE) -> str:
-    """The strategy hint of a chain program: the successor table, as a count that wraps."""
+    """The strategy hint of a chain program: the successor table, as its cycle from 0
+    back to 0 (``Cycle: 0 1 2 3 4 0.``); it holds for every start, so it is a rule, not
+    an episode's answer."""
     _check(1, base)
-    return "Count up: " + " ".join(str(d) for d in list(range(base)) + [0]) + "."
+    return cycle_hint(range(base))
+
+
+def cycle_hint(cycle: Sequence[int]) -> str:
+    """A successor table written as a hint: its cycle from 0 back to 0. The chain games'
+    table is ``0 1 .. base-1``; the warm start's hint-following examples use others."""
+    cycle = list(cycle)
+    if not cycle or cycle[0] != 0 or sorted(cycle) != list(range(len(cycle))):
+        raise ValueError(f"a cycle hint lists 0..{len(cycle) - 1} once each from 0, got {cycle}")
+    return "Cycle: " + " ".join(str(d) for d in cycle + [0]) + "."
+
+
+def follow(cycle: Sequence[int], start: int, level: int) -> list[int]:
+    """``level`` digits from ``start`` on, each the next one of ``cycle`` (wrapping): the
+    answer a hint naming ``cycle`` leads to (``target`` for the count-up cycle)."""
+    cycle = list(cycle)
+    position = cycle.index(start)
+    return [cycle[(position + i) % len(cycle)] for i in range(level)]

@@ -9,7 +9,8 @@ What the warm start teaches, and what it leaves to RL:
   without a memory example, whose level the target does not follow), at the run's base
   and length rule;
 - the hint writer: a program -> its hint (the successor table as a count);
-- the agent role: the answer format and level-1 copying only. A third of the examples are
+- the agent role: the answer format and level-1 copying, and (``chain_hint_following``)
+  following a cycle hint on tables other than the games' own. A third of the examples are
   level 1 (the target is the start); the rest are at random levels, and their target is
   the start followed by LEVEL-1 digits drawn uniformly from ``range(base)``: the length
   and the alphabet of an answer, no successor information
@@ -64,7 +65,8 @@ def hint_pairs(config: Any, seed: int) -> list[tuple[Messages, str]]:
 
 
 def agent_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
-    """(observation,) -> answer text (module docstring: format and copying only)."""
+    """(observation,) -> answer text (module docstring: format and copying only), then
+    ``chain_hint_following`` hinted examples (``hint_following_examples``)."""
     draw = rng(seed, 0, Phase.WARM_START, 2)
     base = config.chain_base
     examples = []
@@ -74,6 +76,31 @@ def agent_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
         digits = [start] + [int(d) for d in draw.integers(base, size=level - 1)]
         examples.append(((chain.observation(start, level),),
                          chain.answer_text(digits, config.chain_separator)))
+    return examples + hint_following_examples(config, seed)
+
+
+def hint_following_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
+    """(hinted observation,) -> the answer the hint's table leads to, on random tables
+    other than the games' count-up one: the first observation as the loop shows a hint
+    arm's (``agent_first_observation``) with a ``Cycle: ...`` hint, at levels 2 ..
+    base + 1 (one wrap at most). What it teaches is reading a table off the hint; the
+    games' table is never shown with an answer, and the no-hint examples stay uniform."""
+    from spade_jax.rollout.hints import agent_first_observation
+
+    draw = rng(seed, 0, Phase.WARM_START, 3)
+    base = config.chain_base
+    count_up = list(range(base))
+    levels = range(2, min(base + 1, chain.LEVELS[-1]) + 1)
+    examples = []
+    while len(examples) < config.chain_hint_following:
+        cycle = [0] + [int(d) + 1 for d in draw.permutation(base - 1)]
+        if cycle == count_up:
+            continue
+        level, start = int(draw.choice(levels)), int(draw.integers(base))
+        observation = agent_first_observation(chain.observation(start, level),
+                                              chain.cycle_hint(cycle))
+        examples.append(((observation,), chain.answer_text(chain.follow(cycle, start, level),
+                                                           config.chain_separator)))
     return examples
 
 

@@ -62,6 +62,11 @@ class ToyConfig:
         a short answer keeps partial credit) or "exact_length" (0 unless the answer has
         LEVEL digits, else the share of right leading digits). The programs (pool,
         designer warm start, held-out grid) are rendered with it.
+      chain_hint_following: extra agent warm-start examples (chain family) that teach
+        following a cycle hint (``Cycle: 0 3 1 4 2 0.``) on random tables other than the
+        games' own (which no example shows), levels 2 .. base + 1; 0 = none. With them the
+        games' hint helps an agent that does not know their table yet (regret); without
+        them the hint is text the agent was never shown.
     """
 
     enabled: bool = False
@@ -77,6 +82,7 @@ class ToyConfig:
     pool_levels: tuple[int, ...] = ()
     chain_separator: str = " "
     chain_length_rule: str = "partial"
+    chain_hint_following: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in ("key_digit", "chain"):
@@ -108,6 +114,9 @@ class ToyConfig:
             if bad or not getattr(self, name):
                 raise ValueError(f"toy.{name} must be non-empty levels from {LEVELS}, got "
                                  f"{getattr(self, name)}")
+        if self.chain_hint_following < 0:
+            raise ValueError(f"toy.chain_hint_following must be >= 0, got "
+                             f"{self.chain_hint_following}")
         for name in ("designer_examples", "hint_examples", "agent_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"toy.{name} must be >= 1, got {getattr(self, name)}")

@@ -17,7 +17,13 @@ from flax import nnx
 
 from spade_jax.models import ModelConfig, Qwen3
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
-from spade_jax.spade.warm_start import _loss_positions, _optimizer, warm_start
+from spade_jax.spade.warm_start import (
+    _loss_positions,
+    _nll,
+    _optimizer,
+    per_sequence_weights,
+    warm_start,
+)
 
 
 def _tiny_moe(seed: int = 0) -> Qwen3:
@@ -89,3 +95,26 @@ def test_warm_start_matches_the_full_logits_reference_losses_and_params():
     # change, so parameters get an absolute slack of 1e-5, 0.3% of one step (lr 3e-3).
     for new, ref in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(new), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_mean_loss_weighs_every_example_the_same():
+    """loss_mean="sequence": the mean over examples of each one's token-mean NLL, against
+    the full-logits formulation computed row by row."""
+    graphdef, params = nnx.split(_tiny_moe())
+    batch = pack_sequences(_sequences()[:3], PackConfig(pad_id=0))
+    mask = np.asarray(batch.loss_mask)
+    positions, weights = _loss_positions(mask, 64)
+    got = float(_nll(params, graphdef, batch.input_ids, batch.attention_mask, positions,
+                     per_sequence_weights(weights)))  # weights sum to the row count
+    per_row = [float(_reference_nll(params, graphdef, batch.input_ids[i:i + 1],
+                                    batch.loss_mask[i:i + 1], batch.attention_mask[i:i + 1]))
+               for i in range(len(mask))]
+    np.testing.assert_allclose(got, np.mean(per_row), rtol=1e-5)
+    # (at random init every token's NLL is ~log V, so the two means agree closely here;
+    # the weights are what differ: a 2-token target's tokens weigh 1/2, a 4-token one's 1/4)
+    np.testing.assert_allclose(per_sequence_weights(np.array([[1, 1, 0, 0], [1, 1, 1, 1],
+                                                              [0, 0, 0, 0]], np.float32)),
+                               [[.5, .5, 0, 0], [.25, .25, .25, .25], [0, 0, 0, 0]])
+    with pytest.raises(ValueError, match="loss_mean"):
+        warm_start(graphdef, params, _sequences(), steps=1, batch_size=1, learning_rate=1e-3,
+                   loss_mean="example")

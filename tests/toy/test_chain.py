@@ -126,7 +126,35 @@ def test_designer_and_hint_targets_are_chain_programs_at_every_level():
         assert program.strip() == chain.render_program(level, 5).strip()
         levels.append(level)
     assert set(levels) == set(chain.LEVELS)
-    assert {hint for _, hint in hint_pairs(CONFIG, seed=0)} == {"Count up: 0 1 2 3 4 0."}
+    assert {hint for _, hint in hint_pairs(CONFIG, seed=0)} == {"Cycle: 0 1 2 3 4 0."}
+
+
+def test_hint_following_examples_follow_other_tables_and_never_the_games_own():
+    config = ToyConfig(enabled=True, family="chain", agent_examples=30, chain_hint_following=600)
+    examples = _agent_examples(config, 0)
+    assert len(examples) == 630
+    assert _agent_examples(ToyConfig(enabled=True, family="chain", agent_examples=30), 0) == \
+        examples[:30]  # the no-hint examples do not change
+    pattern = (r"Start: (\d)\. Length: (\d)\.\n\nHINT: Cycle: ((?:\d )+)0\.")
+    tables, levels = set(), set()
+    for (observation,), target in examples[30:]:
+        start, level, cycle = re.fullmatch(pattern, observation).groups()
+        start, level = int(start), int(level)
+        cycle = [int(d) for d in cycle.split()]
+        digits = [int(d) for d in re.fullmatch(r"\\boxed\{([0-9 ]*)\}", target).group(1).split()]
+        # the answer walks the hint's cycle from the start (by hand, not chain.follow)
+        expected = [start]
+        while len(expected) < level:
+            expected.append(cycle[(cycle.index(expected[-1]) + 1) % len(cycle)])
+        assert digits == expected
+        assert sorted(cycle) == list(range(5)) and cycle[0] == 0
+        tables.add(tuple(cycle))
+        levels.add(level)
+    assert (0, 1, 2, 3, 4) not in tables  # the games' own table is never shown answered
+    assert len(tables) == 23 and levels == {2, 3, 4, 5, 6}  # every other 5-cycle; one wrap
+    assert chain.follow([0, 1, 2, 3, 4], 3, 4) == chain.target(3, 4)
+    with pytest.raises(ValueError, match="once each from 0"):
+        chain.cycle_hint([1, 0, 2])
 
 
 def test_pool_grid_and_metrics_of_the_chain_world():
