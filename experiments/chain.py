@@ -25,6 +25,7 @@ the successor table by RL on this CPU?
 import dataclasses
 
 from spade_jax.experiment import ExperimentConfig, load_experiment
+from spade_jax.rl.train_step import TrainConfig
 
 
 def get_config(variant: str = "") -> ExperimentConfig:
@@ -53,19 +54,22 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # turn-end token after the closing fence lost its probability); with it they held
         # through 96 rounds in 2 of 3 seeds (the third fell below 0.5 in 10 of 48
         # regenerations; 2.0 holds them but freezes the designer's levels: same section).
-        train=dataclasses.replace(config.train, designer=dataclasses.replace(
-            config.train.designer,
-            loss=dataclasses.replace(config.train.designer.loss, kl_coef=0.5))))
+        train=_with_designer_kl(config.train, 0.5))
     if variant == "check":
         config = dataclasses.replace(
             config,  # the name stays "chain": a variant is named by its experiment
             # no designer samples, so no KL term (it would only cost a reference pass)
-            train=dataclasses.replace(config.train, designer=dataclasses.replace(
-                config.train.designer,
-                loss=dataclasses.replace(config.train.designer.loss, kl_coef=0.0))),
+            train=_with_designer_kl(config.train, 0.0),
             toy=dataclasses.replace(config.toy, pool_levels=(2, 3),
                                     heldout_levels=(2, 3, 4, 6), heldout_episodes=20),
             spade=dataclasses.replace(
                 config.spade, rounds=96, designer_mode="fixed_pool", hint_mode="none",
                 regeneration_interval=1, designer_delay=0, use_memory=False, eval_every=4))
     return config
+
+
+def _with_designer_kl(train: TrainConfig, kl_coef: float) -> TrainConfig:
+    """``train`` with the designer's policy loss at ``kl_coef``."""
+    designer = train.designer
+    return dataclasses.replace(train, designer=dataclasses.replace(
+        designer, loss=dataclasses.replace(designer.loss, kl_coef=kl_coef)))

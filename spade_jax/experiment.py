@@ -29,6 +29,7 @@ from spade_jax.rollout.agent_loop import AgentLoopConfig
 from spade_jax.rollout.sampler import SamplerConfig
 from spade_jax.sharding import MeshConfig
 from spade_jax.spade.config import GameSourceKind, SpadeConfig
+from spade_jax.spade.warm_start import LOSS_MEANS
 from spade_jax.toy.world import ToyConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -117,8 +118,8 @@ class WarmStartConfig:
     loss_mean: str = "token"
 
     def __post_init__(self) -> None:
-        if self.loss_mean not in ("token", "sequence"):
-            raise ValueError(f"warm_start.loss_mean must be 'token' or 'sequence', got "
+        if self.loss_mean not in LOSS_MEANS:
+            raise ValueError(f"warm_start.loss_mean must be one of {LOSS_MEANS}, got "
                              f"{self.loss_mean!r}")
 
 

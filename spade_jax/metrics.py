@@ -136,14 +136,14 @@ class MetricsWriter:
     def write_designs(self, step: int, attempts: Sequence[Mapping[str, Any]]) -> None:
         """Appends ``step``'s designer attempts (JSON objects: what the designer wrote and
         what became of it) to ``designs.jsonl``: the text behind the validity and
-        difficulty curves. A resumed run re-logs the steps after its checkpoint."""
+        difficulty curves. A resumed run re-logs the steps after its checkpoint. A remote
+        ``run_dir`` gets them with the step's ``write`` (one upload per step: call this
+        first) or at ``flush`` / ``close``."""
         if not self.active or not attempts:
             return
         assert self._designs is not None
         for attempt in attempts:
             self._designs.write(json.dumps({"step": int(step), **attempt}) + "\n")
-        if self._mirror is not None and self._mirror.remote:
-            self.flush()
 
     def flush(self) -> None:
         """Writes buffered records out (and uploads them when ``run_dir`` is remote)."""

@@ -408,8 +408,8 @@ def _train_steps(config: ExperimentConfig, loop: SpadeLoop, ckpt: CheckpointMana
                 except Preempted:  # the step is complete: saved below, without its eval
                     log.warning("preempted: held-out evaluation of step %d skipped", step)
             metrics["time/step"] = time.perf_counter() - t0
+            writer.write_designs(step, loop.pop_design_records())  # uploaded with the metrics
             writer.write(step, metrics)
-            writer.write_designs(step, loop.pop_design_records())
             line = progress.update(step + 1, {k: metrics[k] for k in
                                                      ("validity_rate", "regret_raw_mean") if k in metrics})
             if line:
