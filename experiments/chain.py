@@ -2,6 +2,7 @@
 
     python -m spade_jax.train --experiment=chain:check --workdir=runs/chain_check  # ~5 min
     python -m spade_jax.train --experiment=chain --workdir=runs/chain              # with designer
+    python -m spade_jax.train --experiment=chain:hint --workdir=runs/chain_hint    # + a usable hint
 
 The agent sees ``Start: 3. Length: 4.`` and answers ``\\boxed{3 4 0 1}`` (count up from the
 start modulo ``toy.chain_base``; the score is the share of right leading digits, 0 for an
@@ -14,6 +15,9 @@ The designer run (no variant) is the ``toy`` loop on this family with two change
 keep the designer's programs valid (docs/toy_world.md, "Keeping the designer's programs
 valid"): no memory examples in its prompts, and a KL term (0.5) to the warm-started
 policy on the designer's tokens.
+
+``hint``: the designer run with a hint the warm-started policy can follow (pairs form,
+unspaced answers, hint-following warm start; the comment below).
 
 ``check``: the agent-path question for this family: a fixed pool of the chain games at
 levels 2 and 3 (``toy.pool_levels``), no designer, no hints, 96 rounds (one update each;
@@ -29,8 +33,8 @@ from spade_jax.rl.train_step import TrainConfig
 
 
 def get_config(variant: str = "") -> ExperimentConfig:
-    if variant not in ("", "check"):
-        raise ValueError(f"chain variants: '' or 'check', got {variant!r}")
+    if variant not in ("", "check", "hint"):
+        raise ValueError(f"chain variants: '', 'check' or 'hint', got {variant!r}")
     config = load_experiment("toy")
     # One try; a level-9 answer is 22 tokens (\, boxed, {, 9 digits, 8 spaces, }, turn end).
     agent = dataclasses.replace(
@@ -55,6 +59,22 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # through 96 rounds in 2 of 3 seeds (the third fell below 0.5 in 10 of 48
         # regenerations; 2.0 holds them but freezes the designer's levels: same section).
         train=_with_designer_kl(config.train, 0.5))
+    if variant == "hint":
+        # A hint the warm-started policy follows: the successor table as one `d>e` token
+        # per digit (`Next: 0>1 1>2 2>3 3>4 4>0.`), answers without spaces (the digit just
+        # written is the token that looks up the next one), and 2,000 warm-start examples
+        # that follow such a hint on other tables (never the games' own), over 1,000
+        # steps. The warm-started policy then solves levels 1-6 with the games' hint and
+        # only level 1 without it; the cycle hint (`Cycle: 0 1 2 3 4 0.`) was never
+        # followed. In the loop the hint arm's returns still fall to about 0 within 20-40
+        # rounds (docs/toy_world.md, "A hint the agent can follow"). 200 hint-writer
+        # examples (24 by default): with 24 the policy's hints repeated or dropped a piece.
+        config = dataclasses.replace(
+            config,
+            toy=dataclasses.replace(config.toy, chain_hint_form="pairs", chain_separator="",
+                                    chain_hint_following=2000, hint_examples=200),
+            warm_start=dataclasses.replace(config.warm_start, steps=1000,
+                                           loss_mean="sequence"))
     if variant == "check":
         config = dataclasses.replace(
             config,  # the name stays "chain": a variant is named by its experiment

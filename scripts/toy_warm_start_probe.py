@@ -10,7 +10,7 @@ there), then:
 
 - agent: plays the chain games at levels 1-6 and 8 (``--episodes`` each, the agent's
   sampler and temperature) without and with the games' hint, and prints the exact-answer
-  rate per level;
+  rate and the first three answers per level;
 - designer: samples one program for each of ``--prompts`` designer prompts, a third with
   no memory example, a third with one to build on, a third with one to avoid (random
   levels and scores), and prints how many validate per kind.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import types
 
 import numpy as np
 
@@ -39,7 +40,9 @@ from spade_jax.toy import chain
 LEVELS = (1, 2, 3, 4, 5, 6, 8)
 
 
-def agent_rates(config, loop, pool, episodes: int) -> dict[str, dict[str, float]]:
+def agent_rates(config, loop, pool, episodes: int, shown: dict) -> dict[str, dict[str, float]]:
+    """Exact-answer rate per level, without and with the games' hint; ``shown`` gets the
+    first three actions per arm and level (what the policy writes)."""
     base, rule = config.toy.chain_base, config.toy.chain_length_rule
     out = {}
     for hinted in (False, True):
@@ -48,7 +51,8 @@ def agent_rates(config, loop, pool, episodes: int) -> dict[str, dict[str, float]
             for i in range(episodes):
                 env = make_env(chain.render_program(level, base, rule), pool,
                                contract="reference", max_turns=config.agent.max_turns)
-                env = HintedEnv(env, chain.hint_for(base)) if hinted else env
+                hint = chain.hint_for(base, config.toy.chain_hint_form)
+                env = HintedEnv(env, hint) if hinted else env
                 specs.append(EpisodeSpec(env=env, env_id=f"L{level}",
                                          seed=derive_seed(config.seed, level, Phase.EVAL, i)))
         try:
@@ -58,11 +62,50 @@ def agent_rates(config, loop, pool, episodes: int) -> dict[str, dict[str, float]
             for spec in specs:
                 spec.env.close()
         solved = collections.defaultdict(list)
+        arm = shown.setdefault("hint" if hinted else "no_hint", {})
         for spec, record in zip(specs, records, strict=True):
             solved[spec.env_id].append(float(record.return_) == 1.0)
+            samples = arm.setdefault(spec.env_id, [])
+            if len(samples) < 3:
+                samples.append(record.actions[0] if record.actions else "")
         out["hint" if hinted else "no_hint"] = {k: round(float(np.mean(v)), 2)
                                                 for k, v in solved.items()}
     return out
+
+
+def mixed_batch_rates(config, loop, pool, episodes: int) -> dict[str, dict[str, float]]:
+    """The two arms played in one batch, as the loop plays a regeneration round's no-hint
+    and hint plays together (prompts of different lengths in one sampler call)."""
+    base, rule = config.toy.chain_base, config.toy.chain_length_rule
+    hint = chain.hint_for(base, config.toy.chain_hint_form)
+    specs = []
+    for level in LEVELS:
+        for i in range(episodes):
+            for hinted in (False, True):
+                env = make_env(chain.render_program(level, base, rule), pool,
+                               contract="reference", max_turns=config.agent.max_turns)
+                specs.append(EpisodeSpec(env=HintedEnv(env, hint) if hinted else env,
+                                         env_id=f"{'hint' if hinted else 'no_hint'}/L{level}",
+                                         seed=derive_seed(config.seed, level, Phase.EVAL, i)))
+    try:
+        records = loop.run_episodes(specs, seed=derive_seed(config.seed, 2, Phase.EVAL))
+    finally:
+        for spec in specs:
+            spec.env.close()
+    solved = collections.defaultdict(list)
+    for spec, record in zip(specs, records, strict=True):
+        solved[spec.env_id].append(float(record.return_) == 1.0)
+    return {k: round(float(np.mean(v)), 2) for k, v in sorted(solved.items())}
+
+
+def written_hints(config, loop, programs: int) -> list[str]:
+    """The hints the policy writes (as the loop's hint writer does, ``write_hints``) for
+    programs at levels 1 .. ``programs``."""
+    base, rule = config.toy.chain_base, config.toy.chain_length_rule
+    games = [types.SimpleNamespace(program=chain.render_program(level, base, rule), hint=None)
+             for level in range(1, programs + 1)]
+    loop.designer.write_hints(games, step=0)
+    return [game.hint for game in games]
 
 
 def designer_validity(config, loop, tokenizer, prompts: int) -> dict[str, str]:
@@ -114,8 +157,13 @@ def main() -> None:
                               policy=trainer.sampling_policy, update=trainer.update,
                               mesh=trainer.sample_mesh)
         trainer.state = run._warm_start(config, tokenizer, trainer.graphdef, trainer.state, loop)
+        shown: dict = {}
         print(json.dumps({"overrides": args.overrides,
-                          "agent_exact_rate": agent_rates(config, loop, pool, args.episodes),
+                          "agent_exact_rate": agent_rates(config, loop, pool, args.episodes,
+                                                          shown),
+                          "agent_actions": shown,
+                          "written_hints": written_hints(config, loop, 8),
+                          "mixed_batch": mixed_batch_rates(config, loop, pool, args.episodes),
                           "designer_valid": designer_validity(config, loop, tokenizer,
                                                               args.prompts)}, indent=1))
     finally:

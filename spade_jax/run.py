@@ -105,12 +105,14 @@ def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike, toy
         return load_tokenizer(directory / "spm.model")
     # sentencepiece writes local files: train in a local mirror, then upload (gs:// workdir)
     mirror = storage.MirroredDir(directory)
+    symbols: tuple[str, ...] = ()
     if spec.text == "toy":
-        from spade_jax.toy.world import tokenizer_text
+        from spade_jax.toy.world import tokenizer_symbols, tokenizer_text
 
         toy_text = mirror.local / "toy_world.txt"
         toy_text.write_text(tokenizer_text(toy) + "\n" + _loop_prompt_text(toy))
         files = [toy_text]
+        symbols = tokenizer_symbols(toy)
     else:
         # The package's own text only, not the checkout's docs/ and tests/: the same command
         # then trains the same tokenizer (and so makes the same run) from a source checkout
@@ -119,7 +121,8 @@ def _train_or_load_tokenizer(spec: TokenizerSpec, workdir: storage.PathLike, toy
         files = project_text_files(package) + [_seed_program_text(mirror.local)]
     log.info("training a %d-piece sentencepiece tokenizer on %d %s text files", spec.vocab_size,
              len(files), spec.text)
-    tokenizer = train_sentencepiece(files, str(mirror.local / "spm"), vocab_size=spec.vocab_size)
+    tokenizer = train_sentencepiece(files, str(mirror.local / "spm"), vocab_size=spec.vocab_size,
+                                    extra_symbols=symbols)
     mirror.sync()
     return tokenizer
 

@@ -124,6 +124,7 @@ class SpadeLoop:
                              "refill the designer's dropped groups")
         self.rule_metrics: dict[str, float] = {}
         self.step_attempts: list[Any] = []  # the designer attempts of the last step
+        self.step_games: list[Game] = []  # the games written in the last step
         self.run_episodes, self.update = run_episodes, update
         self.corpus_sampler, self.memory, self.reward_rule = corpus_sampler, memory, reward_rule
         # Where the games come from (SelfDesign, FixedPool, FixedEnv): chosen by the run.
@@ -208,6 +209,7 @@ class SpadeLoop:
             num_designer=len(designer), update_metrics=update_metrics, times=timer.times)
         metrics.update(self.pop_rule_metrics())
         self.step_attempts = attempts
+        self.step_games = [g for g in window.games if g.written_round(window.start) == step]
         metrics.update(_play_metrics(records))
         metrics["batch/trimmed"] = float(trimmed)
         metrics["designer/missing_designed"] = float(missing_designed)
@@ -496,9 +498,19 @@ class SpadeLoop:
 
     def pop_design_records(self) -> list[dict[str, Any]]:
         """The last step's designer attempts as JSON objects (``Designer.attempt_record``:
-        reply text, verdict, stated level), for the run's ``designs.jsonl``."""
+        reply text, verdict, stated level; and the hint its game was played with), for the
+        run's ``designs.jsonl``."""
         attempts, self.step_attempts = self.step_attempts, []
-        return [self.designer.attempt_record(a) for a in attempts]
+        games, self.step_games = self.step_games, []
+        hints = {(g.slot, g.program): g.hint for g in games}
+        records = []
+        for attempt in attempts:
+            record = self.designer.attempt_record(attempt)
+            program = attempt.parsed.program if attempt.parsed is not None else None
+            # the hint the game made of this attempt was shown with (None: no game, or no hint)
+            record["hint"] = hints.get((attempt.slot, program))
+            records.append(record)
+        return records
 
     def pop_rule_metrics(self) -> dict[str, float]:
         """The update rules' metrics since the last call (``rule/<role>/<part>/<name>``)."""

@@ -167,6 +167,7 @@ def train_sentencepiece(
     model_type: Literal["bpe", "unigram"] = "bpe",
     character_coverage: float = 0.9995,
     num_threads: int = 2,
+    extra_symbols: Sequence[str] = (),
 ) -> SentencePieceTokenizer:
     """Trains a small sentencepiece model and writes ``{model_prefix}.model``.
 
@@ -176,13 +177,17 @@ def train_sentencepiece(
       model_prefix: output path without the ``.model`` suffix; parent directories are made.
       vocab_size: target pieces; a small corpus may yield fewer (no hard limit).
       model_type, character_coverage, num_threads: see :class:`SentencePieceTrainConfig`.
+      extra_symbols: strings kept as one id each, beside the chat markers (appended to
+        ``SentencePieceTrainConfig.user_defined_symbols``).
 
     Returns:
       The trained model as a :class:`SentencePieceTokenizer` with the Qwen3 chat template.
     """
     config = SentencePieceTrainConfig(vocab_size=vocab_size, model_type=model_type,
                                       character_coverage=character_coverage,
-                                      num_threads=num_threads)
+                                      num_threads=num_threads,
+                                      user_defined_symbols=SentencePieceTrainConfig
+                                      .user_defined_symbols + tuple(extra_symbols))
     lines = list(_corpus_lines(texts_or_files))
     if not lines:
         raise ValueError("training corpus is empty")

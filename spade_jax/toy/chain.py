@@ -25,7 +25,8 @@ So:
   level L (the whole sequence) with chance ``BASE ** -(L - 1)``, and its expected score
   is ``sum_k BASE**-k / L`` for k = 0..L-1 (partial credit: ``expected_random_score``;
   the same under both length rules, since it writes L digits);
-- the hint (``hint_for``) states the table as its cycle (``Cycle: 0 1 2 3 4 0.``): a
+- the hint (``hint_for``) states the table as its cycle (``Cycle: 0 1 2 3 4 0.``) or as
+  successor pairs (``Next: 0>1 1>2 2>3 3>4 4>0.``, ``ToyConfig.chain_hint_form``): a
   strategy that holds for every start, not an episode's answer (the start is drawn per
   episode). The warm start can teach following such a hint on *other* tables
   (``ToyConfig.chain_hint_following``), so the hint helps an agent that does not know
@@ -54,6 +55,8 @@ GRID_RULE_PREFIX = "chain_base"
 SKILL = "chain"
 # How an answer's length enters its score (``ToyConfig.chain_length_rule``; module docstring).
 LENGTH_RULES: tuple[str, ...] = ("partial", "exact_length")
+# How the hint writes the successor table (``ToyConfig.chain_hint_form``; ``table_hint``).
+HINT_FORMS: tuple[str, ...] = ("cycle", "pairs")
 DEFAULT_LENGTH_RULE = "partial"
 # The score line of each rule's program (``right`` leading digits of ``answer`` are right).
 _SCORE_LINES = {
@@ -195,21 +198,59 @@ def expected_random_score(level: int, base: int = DEFAULT_BASE) -> float:
     return sum(base ** -k for k in range(level)) / level
 
 
-def hint_for(base: int = DEFAULT_BASE) -> str:
+def hint_for(base: int = DEFAULT_BASE, form: str = "cycle") -> str:
     """The strategy hint of a chain program: the successor table, as its cycle from 0
-    back to 0 (``Cycle: 0 1 2 3 4 0.``); it holds for every start, so it is a rule, not
+    back to 0 (``Cycle: 0 1 2 3 4 0.``) or, ``form="pairs"``, as one ``d>next`` piece per
+    digit (``Next: 0>1 1>2 2>3 3>4 4>0.``). It holds for every start, so it is a rule, not
     an episode's answer."""
     _check(1, base)
-    return cycle_hint(range(base))
+    return table_hint(range(base), form)
+
+
+def table_hint(cycle: Sequence[int], form: str = "cycle") -> str:
+    """The successor table of ``cycle`` written as a hint in ``form`` (``HINT_FORMS``)."""
+    if form == "cycle":
+        return cycle_hint(cycle)
+    if form == "pairs":
+        cycle = _checked_cycle(cycle)
+        successors = [0] * len(cycle)
+        for i, d in enumerate(cycle):
+            successors[d] = cycle[(i + 1) % len(cycle)]
+        return pairs_hint(successors)
+    raise ValueError(f"a chain hint form is one of {HINT_FORMS}, got {form!r}")
 
 
 def cycle_hint(cycle: Sequence[int]) -> str:
     """A successor table written as a hint: its cycle from 0 back to 0. The chain games'
     table is ``0 1 .. base-1``; the warm start's hint-following examples use others."""
+    return "Cycle: " + " ".join(str(d) for d in _checked_cycle(cycle) + [0]) + "."
+
+
+def pairs_hint(successors: Sequence[int]) -> str:
+    """A successor table (``successors[d]`` follows digit d) written as one ``d>next``
+    piece per digit, in digit order (``Next: 0>1 1>2 2>3 3>4 4>0.`` for the count-up
+    table). A chain run's tokenizer keeps each piece one token (``pair_symbols``), so
+    following the hint is a lookup of one token by its first digit rather than finding a
+    digit in a list and copying the one after it (the cycle form, which the toy's 2-layer
+    policy did not learn to follow)."""
+    successors = [int(e) for e in successors]
+    if any(not 0 <= e < len(successors) or e == d for d, e in enumerate(successors)):
+        raise ValueError(f"a pairs hint maps each digit to another digit below "
+                         f"{len(successors)}, got {successors}")
+    return "Next: " + " ".join(f"{d}>{e}" for d, e in enumerate(successors)) + "."
+
+
+def pair_symbols(base: int = DEFAULT_BASE) -> tuple[str, ...]:
+    """Every ``d>e`` piece a pairs hint of this base can hold (d != e): one token each in
+    a chain run's tokenizer."""
+    return tuple(f"{d}>{e}" for d in range(base) for e in range(base) if d != e)
+
+
+def _checked_cycle(cycle: Sequence[int]) -> list[int]:
     cycle = list(cycle)
     if not cycle or cycle[0] != 0 or sorted(cycle) != list(range(len(cycle))):
         raise ValueError(f"a cycle hint lists 0..{len(cycle) - 1} once each from 0, got {cycle}")
-    return "Cycle: " + " ".join(str(d) for d in cycle + [0]) + "."
+    return cycle
 
 
 def follow(cycle: Sequence[int], start: int, level: int) -> list[int]:
@@ -218,3 +259,14 @@ def follow(cycle: Sequence[int], start: int, level: int) -> list[int]:
     cycle = list(cycle)
     position = cycle.index(start)
     return [cycle[(position + i) % len(cycle)] for i in range(level)]
+
+
+def follow_table(successors: Sequence[int], start: int, level: int) -> list[int]:
+    """``level`` digits from ``start`` on, each ``successors`` of the one before: the
+    answer a pairs hint of ``successors`` leads to."""
+    digits = [start]
+    while len(digits) < level:
+        digits.append(int(successors[digits[-1]]))
+    return digits
+
+

@@ -8,9 +8,9 @@ What the warm start teaches, and what it leaves to RL:
   for the loop's own designer prompts on the chain skill (``chain.SKILL``; with and
   without a memory example, whose level the target does not follow), at the run's base
   and length rule;
-- the hint writer: a program -> its hint (the successor table as a count);
+- the hint writer: a program -> its hint (the successor table, in ``chain_hint_form``);
 - the agent role: the answer format and level-1 copying, and (``chain_hint_following``)
-  following a cycle hint on tables other than the games' own. A third of the examples are
+  following a hint on tables other than the games' own. A third of the examples are
   level 1 (the target is the start); the rest are at random levels, and their target is
   the start followed by LEVEL-1 digits drawn uniformly from ``range(base)``: the length
   and the alphabet of an answer, no successor information
@@ -61,7 +61,8 @@ def hint_pairs(config: Any, seed: int) -> list[tuple[Messages, str]]:
     return [(hint_writer_messages(chain.render_program(int(draw.choice(chain.LEVELS)),
                                                        config.chain_base,
                                                        config.chain_length_rule)),
-             chain.hint_for(config.chain_base)) for _ in range(config.hint_examples)]
+             chain.hint_for(config.chain_base, config.chain_hint_form))
+            for _ in range(config.hint_examples)]
 
 
 def agent_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
@@ -82,25 +83,37 @@ def agent_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
 def hint_following_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
     """(hinted observation,) -> the answer the hint's table leads to, on random tables
     other than the games' count-up one: the first observation as the loop shows a hint
-    arm's (``agent_first_observation``) with a ``Cycle: ...`` hint, at levels 2 ..
-    base + 1 (one wrap at most). What it teaches is reading a table off the hint; the
-    games' table is never shown with an answer, and the no-hint examples stay uniform."""
+    arm's (``agent_first_observation``). What it teaches is reading a table off the hint;
+    the games' table is never shown with an answer, and the no-hint examples stay uniform.
+
+    - ``chain_hint_form="cycle"``: the other cycles through every digit, levels 2 ..
+      base + 1 (one wrap at most);
+    - ``"pairs"``: any table sending each digit to another one (base 5: 1,023 besides the
+      games'), levels 1 .. base + 1, too many tables to learn the answers by heart, so
+      what fits the examples is looking the next digit up in the hint."""
     from spade_jax.rollout.hints import agent_first_observation
 
     draw = rng(seed, 0, Phase.WARM_START, 3)
-    base = config.chain_base
-    count_up = list(range(base))
-    levels = range(2, min(base + 1, chain.LEVELS[-1]) + 1)
+    base, form = config.chain_base, config.chain_hint_form
+    count_up = [(d + 1) % base for d in range(base)]
+    first_level = 1 if form == "pairs" else 2
+    levels = range(first_level, min(base + 1, chain.LEVELS[-1]) + 1)
     examples = []
     while len(examples) < config.chain_hint_following:
-        cycle = [0] + [int(d) + 1 for d in draw.permutation(base - 1)]
-        if cycle == count_up:
+        if form == "pairs":
+            # each digit's successor: one of the other base - 1 digits
+            successors = [(d + 1 + int(draw.integers(base - 1))) % base for d in range(base)]
+            hint = chain.pairs_hint(successors)
+        else:
+            cycle = [0] + [int(d) + 1 for d in draw.permutation(base - 1)]
+            successors = [cycle[(cycle.index(d) + 1) % base] for d in range(base)]
+            hint = chain.cycle_hint(cycle)
+        if successors == count_up:
             continue
         level, start = int(draw.choice(levels)), int(draw.integers(base))
-        observation = agent_first_observation(chain.observation(start, level),
-                                              chain.cycle_hint(cycle))
-        examples.append(((observation,), chain.answer_text(chain.follow(cycle, start, level),
-                                                           config.chain_separator)))
+        observation = agent_first_observation(chain.observation(start, level), hint)
+        examples.append(((observation,), chain.answer_text(
+            chain.follow_table(successors, start, level), config.chain_separator)))
     return examples
 
 
@@ -117,11 +130,12 @@ def agent_sequences(config: Any, seed: int, tokenizer: Any, agent: Any) -> list[
             for prompt, answer in agent_examples(config, seed)]
 
 
-def tokenizer_text(base: int = chain.DEFAULT_BASE) -> str:  # both answer formats
-    """Every chain program (under both length rules), hint, observation and answer shape."""
+def tokenizer_text(base: int = chain.DEFAULT_BASE, hint_form: str = "cycle") -> str:
+    """Every chain program (under both length rules), hint (in ``hint_form``), observation
+    and answer shape (both separators)."""
     parts = [chain.render_program(level, base, rule) for rule in chain.LENGTH_RULES
              for level in chain.LEVELS]
-    parts += [chain.hint_for(base), "Correct.", "Wrong."]
+    parts += [chain.hint_for(base, hint_form), "Correct.", "Wrong."]
     parts += [chain.observation(s, level) for s in range(base) for level in chain.LEVELS]
     parts += [chain.answer_text(chain.target(s, level, base), separator)
               for s in range(base) for level in chain.LEVELS for separator in (" ", "")]

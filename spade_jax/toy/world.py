@@ -63,10 +63,14 @@ class ToyConfig:
         LEVEL digits, else the share of right leading digits). The programs (pool,
         designer warm start, held-out grid) are rendered with it.
       chain_hint_following: extra agent warm-start examples (chain family) that teach
-        following a cycle hint (``Cycle: 0 3 1 4 2 0.``) on random tables other than the
-        games' own (which no example shows), levels 2 .. base + 1; 0 = none. With them the
-        games' hint helps an agent that does not know their table yet (regret); without
-        them the hint is text the agent was never shown.
+        following a hint in ``chain_hint_form`` on random tables other than the games' own
+        (which no example shows; ``chain_world.hint_following_examples``); 0 = none. With
+        them the games' hint can help an agent that does not know their table yet
+        (regret); without them the hint is text the agent was never shown.
+      chain_hint_form: how the chain hint (the policy's hint writer's warm-start target,
+        the hint-following examples, the probe's) writes the successor table: "cycle"
+        (``Cycle: 0 1 2 3 4 0.``) or "pairs" (``Next: 0>1 1>2 2>3 3>4 4>0.``, each ``d>e``
+        one token of the run's tokenizer: ``tokenizer_symbols``).
     """
 
     enabled: bool = False
@@ -83,6 +87,7 @@ class ToyConfig:
     chain_separator: str = " "
     chain_length_rule: str = "partial"
     chain_hint_following: int = 0
+    chain_hint_form: str = "cycle"
 
     def __post_init__(self) -> None:
         if self.family not in ("key_digit", "chain"):
@@ -114,6 +119,9 @@ class ToyConfig:
             if bad or not getattr(self, name):
                 raise ValueError(f"toy.{name} must be non-empty levels from {LEVELS}, got "
                                  f"{getattr(self, name)}")
+        if self.chain_hint_form not in ("cycle", "pairs"):
+            raise ValueError(f"toy.chain_hint_form must be 'cycle' or 'pairs', got "
+                             f"{self.chain_hint_form!r}")
         if self.chain_hint_following < 0:
             raise ValueError(f"toy.chain_hint_following must be >= 0, got "
                              f"{self.chain_hint_following}")
@@ -226,13 +234,23 @@ def tokenizer_text(config: ToyConfig | None = None) -> str:
     if config is not None and config.family == "chain":
         from spade_jax.toy import chain_world
 
-        return chain_world.tokenizer_text(config.chain_base)
+        return chain_world.tokenizer_text(config.chain_base, config.chain_hint_form)
     parts = [render_program(level, rule) for level in LEVELS for rule in RULES]
     parts += [hint_for(rule) for rule in RULES]
     parts += [observation(list(range(n))) for n in LEVELS]
     parts += [f"Wrong.\n\nHINT: {hint_for(rule)}" for rule in RULES] + ["Correct."]
     parts += [f"\\boxed{{{d}}}" for d in range(10)]
     return "\n".join(parts)
+
+
+def tokenizer_symbols(config: ToyConfig | None = None) -> tuple[str, ...]:
+    """Strings the toy tokenizer keeps as one token each, beyond the chat markers: a chain
+    run's ``d>e`` hint pieces under ``chain_hint_form="pairs"``, else none."""
+    if config is not None and config.family == "chain" and config.chain_hint_form == "pairs":
+        from spade_jax.toy import chain
+
+        return chain.pair_symbols(config.chain_base)
+    return ()
 
 
 CONSTANT_KEY = 7

@@ -269,6 +269,11 @@ def test_rejection_sampling_trains_only_valid_attempts(pool):
     assert any(r["verdict"] == "parse_error/no_program_block"
                and r["reply"].startswith("no program here") for r in records)
     assert all(r["prompt_tokens"] > 0 and r["reply_tokens"] > 0 for r in records)
+    # a valid attempt's record carries the hint its game was played with; others none
+    games = {g.slot: g for g in loop.windows[0].games}
+    assert all(r["hint"] == (games[r["slot"]].hint if r["verdict"] == "valid" else None)
+               for r in records)
+    assert any(r["hint"] for r in records)
     assert loop.pop_design_records() == []  # popped: one step's attempts are logged once
 
 

@@ -327,3 +327,50 @@ def test_a_chain_runs_tokenizer_is_trained_on_the_chain_worlds_text(tmp_path):
     assert [p.strip() for p in pieces if p.strip().isdigit()] == ["3", "4", "0", "1"]
     # The key-digit world's tokenizer text is unchanged (no config, or a key-digit one).
     assert tokenizer_text(ToyConfig()) == tokenizer_text() and "Digits: " in tokenizer_text()
+
+
+def test_the_pairs_hint_writes_each_digits_successor_as_one_piece(tmp_path):
+    """``chain_hint_form="pairs"``: the hint lists ``d>next`` for every digit in digit
+    order (checked by hand against the cycle), the hint writer's targets, the
+    hint-following examples and the tokenizer text use it, and the run's tokenizer keeps
+    every piece one token (the default cycle form's tokenizer text is unchanged)."""
+    from spade_jax.experiment import TokenizerSpec
+    from spade_jax.run import build_tokenizer
+
+    assert chain.hint_for(5, "pairs") == "Next: 0>1 1>2 2>3 3>4 4>0."
+    assert chain.table_hint([0, 3, 1, 4, 2], "pairs") == "Next: 0>3 1>4 2>0 3>1 4>2."
+    assert chain.pairs_hint([2, 0, 0]) == "Next: 0>2 1>0 2>0."  # any table, not only cycles
+    with pytest.raises(ValueError, match="another digit"):
+        chain.pairs_hint([0, 2, 1])
+    assert chain.hint_for(3, "cycle") == chain.hint_for(3) == "Cycle: 0 1 2 0."
+    assert len(chain.pair_symbols(5)) == 20 and "2>2" not in chain.pair_symbols(5)
+    with pytest.raises(ValueError, match="hint form"):
+        chain.table_hint([0, 1, 2], "table")
+    with pytest.raises(ValueError, match="toy.chain_hint_form"):
+        ToyConfig(chain_hint_form="table")
+
+    config = ToyConfig(enabled=True, family="chain", agent_examples=6, chain_hint_following=300,
+                       chain_hint_form="pairs")
+    assert {hint for _, hint in hint_pairs(config, 0)} == {"Next: 0>1 1>2 2>3 3>4 4>0."}
+    pattern = r"Start: (\d)\. Length: (\d)\.\n\nHINT: Next: ((?:\d>\d ?)+)\."
+    tables, levels = set(), set()
+    for (observation,), target in _agent_examples(config, 0)[6:]:
+        start, level, table = re.fullmatch(pattern, observation).groups()
+        successor = dict(pair.split(">") for pair in table.split())
+        assert sorted(successor) == list("01234") and successor != {
+            "0": "1", "1": "2", "2": "3", "3": "4", "4": "0"}  # never the games' own table
+        expected = [start]
+        while len(expected) < int(level):
+            expected.append(successor[expected[-1]])
+        assert target == "\\boxed{" + " ".join(expected) + "}"
+        tables.add(table)
+        levels.add(int(level))
+    # far more tables than examples could teach by heart; hinted copying at level 1 too
+    assert len(tables) > 250 and levels == {1, 2, 3, 4, 5, 6}
+    assert "Next: 0>1" in tokenizer_text(config) and "Next:" not in tokenizer_text(CONFIG)
+
+    tokenizer = build_tokenizer(TokenizerSpec(vocab_size=400, text="toy"), tmp_path, config)
+    hint = chain.pairs_hint([2, 3, 4, 0, 1])
+    pieces = [tokenizer.decode([t]) for t in tokenizer.encode(hint)]
+    assert [p for p in pieces if ">" in p] == ["0>2", "1>3", "2>4", "3>0", "4>1"]
+    assert tokenizer.decode(tokenizer.encode(hint)) == hint
