@@ -66,9 +66,10 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # that follow such a hint on other tables (never the games' own), over 1,000
         # steps. The warm-started policy then solves levels 1-6 with the games' hint and
         # only level 1 without it; the cycle hint (`Cycle: 0 1 2 3 4 0.`) was never
-        # followed. In the loop the hint arm's returns still fall to about 0 within 20-40
-        # rounds (docs/toy_world.md, "A hint the agent can follow"). 200 hint-writer
-        # examples (24 by default): with 24 the policy's hints repeated or dropped a piece.
+        # followed. In the loop the policy's own hints were malformed tables, with 24
+        # hint-writer examples (repeated pieces) and with the 200 set here (program text
+        # run in), so the hint arm did not help (docs/toy_world.md, "A hint the agent can
+        # follow").
         config = dataclasses.replace(
             config,
             toy=dataclasses.replace(config.toy, chain_hint_form="pairs", chain_separator="",
