@@ -69,13 +69,18 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # followed. In the loop the policy's own hints were malformed tables, with 24
         # hint-writer examples (repeated pieces) and with the 200 set here (program text
         # run in), so the hint arm did not help (docs/toy_world.md, "A hint the agent can
-        # follow").
+        # follow"); hence the form check below.
         config = dataclasses.replace(
             config,
             toy=dataclasses.replace(config.toy, chain_hint_form="pairs", chain_separator="",
                                     chain_hint_following=2000, hint_examples=200),
             warm_start=dataclasses.replace(config.warm_start, steps=1000,
-                                           loss_mean="sequence"))
+                                           loss_mean="sequence"),
+            # A written hint is used only in the table's form (every digit once, in order:
+            # `Next: 0>d 1>d 2>d 3>d 4>d.`); others are tried again (hint_attempts). What
+            # each digit is sent to is still the policy's.
+            spade=dataclasses.replace(config.spade, hint_pattern="Next: " + " ".join(
+                rf"{d}>\d" for d in range(config.toy.chain_base)) + r"\."))
     if variant == "check":
         config = dataclasses.replace(
             config,  # the name stays "chain": a variant is named by its experiment

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from typing import Any
 
 
@@ -129,6 +130,10 @@ class SpadeConfig:
         the designer wrote next to the program; "none": no hint arm.
       hint_temperature / hint_max_tokens / hint_attempts: the hint writer's sampling
         (recipe 0.3, 4096, 3 tries for a non-empty hint).
+      hint_pattern: a regular expression a written hint must match in full to be used
+        (tried again like an empty one); "" (recipe): any non-empty hint. A form check
+        only, for worlds whose hints have a known shape (``chain:hint``'s tables); what
+        the hint says is still the policy's.
       skills: a set of ``spade.skills.SKILL_SETS``: "main" (the recipe's six), "two_skill"
         (the recipe's curriculum ablation), "project" (the seed library's six).
       skills_per_window: skills active per regeneration, consecutive disjoint blocks of the
@@ -220,6 +225,7 @@ class SpadeConfig:
     hint_temperature: float = 0.3
     hint_max_tokens: int = 4096
     hint_attempts: int = 3
+    hint_pattern: str = ""
     skills: str = "main"
     skills_per_window: int = 3
     use_memory: bool = True
@@ -288,6 +294,11 @@ class SpadeConfig:
 
         if self.skills not in SKILL_SETS:
             raise ValueError(f"spade.skills must be one of {sorted(SKILL_SETS)}, got {self.skills!r}")
+        try:
+            re.compile(self.hint_pattern)
+        except re.error as error:
+            raise ValueError(f"spade.hint_pattern is not a regular expression "
+                             f"({error}): {self.hint_pattern!r}") from None
         if not self.hint_temperature >= 0:
             raise ValueError(f"spade.hint_temperature must be >= 0, got {self.hint_temperature}")
         if self.hint_mode != HintMode.NONE and self.hint_plays < 1:

@@ -17,6 +17,7 @@ exactly what an uninterrupted one draws.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -303,8 +304,8 @@ class Designer:
     # ---- hints ---------------------------------------------------------------------------
     def write_hints(self, games: list[Game], step: int) -> None:
         """hint_mode "self": the policy reads each game's program and writes a hint (an
-        untrained call); up to ``hint_attempts`` tries for a usable one. Games left
-        without one have no hint arm."""
+        untrained call); up to ``hint_attempts`` tries for a usable one (non-empty, and
+        matching ``hint_pattern`` when set). Games left without one have no hint arm."""
         todo = [g for g in games if g.hint is None]
         for attempt_index in range(self.config.hint_attempts):
             if not todo:
@@ -315,8 +316,11 @@ class Designer:
             tokens, *_ = self.generate(
                 prompts, seed=derive_seed(self.seed, step, Phase.HINT_WRITE, attempt_index),
                 purpose="hint")
+            pattern = self.config.hint_pattern
             for game, ids in zip(todo, tokens, strict=True):
-                game.hint = parse_hint(self.tokenizer.decode(ids, skip_special_tokens=True))
+                hint = parse_hint(self.tokenizer.decode(ids, skip_special_tokens=True))
+                game.hint = hint if hint is None or not pattern or re.fullmatch(
+                    pattern, hint) else None
             todo = [g for g in todo if g.hint is None]
 
     def hint_messages(self, program: str) -> list[dict[str, str]]:

@@ -97,3 +97,26 @@ def test_the_hint_writer_gets_three_tries(usable_from, hinted):
         _loop(pool, policy, config).run_step(0)
     assert len(policy.hint_calls) == min(usable_from + 1, 3)
     assert any(e["hinted"] for e in policy.episode_log[0]) == hinted
+
+
+def test_a_hint_pattern_makes_a_hint_of_the_wrong_form_unusable():
+    """``spade.hint_pattern``: a written hint must match it in full, else it is tried
+    again like an empty one; a bad pattern is refused by name."""
+    from spade_jax.envs import EnvPool, SandboxConfig
+    from tests.spade.test_loop import ALL_VALID, WINDOW, ScriptedPolicy, _loop
+
+    class FormedLate(ScriptedPolicy):
+        def generate(self, prompts, *, seed, purpose):
+            self.hint = "Nextright += 0>1" if len(self.hint_calls) < 1 else "Next: 0>1 1>0."
+            return super().generate(prompts, seed=seed, purpose=purpose)
+
+    for pattern, hinted, calls in ((r"Next: (\d>\d ?)+\.", True, 2), (r"Never\.", False, 3)):
+        policy = FormedLate(ALL_VALID)
+        config = dataclasses.replace(WINDOW, rounds=1, designer_delay=0, hint_attempts=3,
+                                     hint_pattern=pattern)
+        with EnvPool(SandboxConfig(call_deadline_s=2.0)) as pool:
+            _loop(pool, policy, config).run_step(0)
+        assert len(policy.hint_calls) == calls
+        assert any(e["hinted"] for e in policy.episode_log[0]) == hinted
+    with pytest.raises(ValueError, match="spade.hint_pattern"):
+        dataclasses.replace(WINDOW, hint_pattern="Next: (")
