@@ -40,21 +40,25 @@ from spade_jax.toy import chain
 LEVELS = (1, 2, 3, 4, 5, 6, 8)
 
 
+def episode_spec(config, pool, level: int, index: int, hinted: bool, env_id: str) -> EpisodeSpec:
+    """Episode ``index`` of the chain game at ``level`` (seeded from Phase.EVAL), shown the
+    games' hint when ``hinted``."""
+    base, rule = config.toy.chain_base, config.toy.chain_length_rule
+    env = make_env(chain.render_program(level, base, rule), pool, contract="reference",
+                   max_turns=config.agent.max_turns)
+    if hinted:
+        env = HintedEnv(env, chain.hint_for(base, config.toy.chain_hint_form))
+    return EpisodeSpec(env=env, env_id=env_id,
+                       seed=derive_seed(config.seed, level, Phase.EVAL, index))
+
+
 def agent_rates(config, loop, pool, episodes: int, shown: dict) -> dict[str, dict[str, float]]:
     """Exact-answer rate per level, without and with the games' hint; ``shown`` gets the
     first three actions per arm and level (what the policy writes)."""
-    base, rule = config.toy.chain_base, config.toy.chain_length_rule
     out = {}
     for hinted in (False, True):
-        specs = []
-        for level in LEVELS:
-            for i in range(episodes):
-                env = make_env(chain.render_program(level, base, rule), pool,
-                               contract="reference", max_turns=config.agent.max_turns)
-                hint = chain.hint_for(base, config.toy.chain_hint_form)
-                env = HintedEnv(env, hint) if hinted else env
-                specs.append(EpisodeSpec(env=env, env_id=f"L{level}",
-                                         seed=derive_seed(config.seed, level, Phase.EVAL, i)))
+        specs = [episode_spec(config, pool, level, i, hinted, f"L{level}")
+                 for level in LEVELS for i in range(episodes)]
         try:
             records = loop.run_episodes(specs, seed=derive_seed(config.seed, int(hinted),
                                                                 Phase.EVAL))
@@ -76,17 +80,9 @@ def agent_rates(config, loop, pool, episodes: int, shown: dict) -> dict[str, dic
 def mixed_batch_rates(config, loop, pool, episodes: int) -> dict[str, dict[str, float]]:
     """The two arms played in one batch, as the loop plays a regeneration round's no-hint
     and hint plays together (prompts of different lengths in one sampler call)."""
-    base, rule = config.toy.chain_base, config.toy.chain_length_rule
-    hint = chain.hint_for(base, config.toy.chain_hint_form)
-    specs = []
-    for level in LEVELS:
-        for i in range(episodes):
-            for hinted in (False, True):
-                env = make_env(chain.render_program(level, base, rule), pool,
-                               contract="reference", max_turns=config.agent.max_turns)
-                specs.append(EpisodeSpec(env=HintedEnv(env, hint) if hinted else env,
-                                         env_id=f"{'hint' if hinted else 'no_hint'}/L{level}",
-                                         seed=derive_seed(config.seed, level, Phase.EVAL, i)))
+    specs = [episode_spec(config, pool, level, i, hinted,
+                          f"{'hint' if hinted else 'no_hint'}/L{level}")
+             for level in LEVELS for i in range(episodes) for hinted in (False, True)]
     try:
         records = loop.run_episodes(specs, seed=derive_seed(config.seed, 2, Phase.EVAL))
     finally:

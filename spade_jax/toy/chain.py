@@ -212,11 +212,7 @@ def table_hint(cycle: Sequence[int], form: str = "cycle") -> str:
     if form == "cycle":
         return cycle_hint(cycle)
     if form == "pairs":
-        cycle = _checked_cycle(cycle)
-        successors = [0] * len(cycle)
-        for i, d in enumerate(cycle):
-            successors[d] = cycle[(i + 1) % len(cycle)]
-        return pairs_hint(successors)
+        return pairs_hint(cycle_successors(cycle))
     raise ValueError(f"a chain hint form is one of {HINT_FORMS}, got {form!r}")
 
 
@@ -238,6 +234,15 @@ def pairs_hint(successors: Sequence[int]) -> str:
         raise ValueError(f"a pairs hint maps each digit to another digit below "
                          f"{len(successors)}, got {successors}")
     return "Next: " + " ".join(f"{d}>{e}" for d, e in enumerate(successors)) + "."
+
+
+def cycle_successors(cycle: Sequence[int]) -> list[int]:
+    """The successor table of a cycle hint's ``cycle``: entry d is the digit after d."""
+    cycle = _checked_cycle(cycle)
+    successors = [0] * len(cycle)
+    for i, d in enumerate(cycle):
+        successors[d] = cycle[(i + 1) % len(cycle)]
+    return successors
 
 
 def pair_symbols(base: int = DEFAULT_BASE) -> tuple[str, ...]:
@@ -268,5 +273,3 @@ def follow_table(successors: Sequence[int], start: int, level: int) -> list[int]
     while len(digits) < level:
         digits.append(int(successors[digits[-1]]))
     return digits
-
-

@@ -106,7 +106,7 @@ def hint_following_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...
             hint = chain.pairs_hint(successors)
         else:
             cycle = [0] + [int(d) + 1 for d in draw.permutation(base - 1)]
-            successors = [cycle[(cycle.index(d) + 1) % base] for d in range(base)]
+            successors = chain.cycle_successors(cycle)
             hint = chain.cycle_hint(cycle)
         if successors == count_up:
             continue

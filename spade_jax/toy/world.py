@@ -119,8 +119,10 @@ class ToyConfig:
             if bad or not getattr(self, name):
                 raise ValueError(f"toy.{name} must be non-empty levels from {LEVELS}, got "
                                  f"{getattr(self, name)}")
-        if self.chain_hint_form not in ("cycle", "pairs"):
-            raise ValueError(f"toy.chain_hint_form must be 'cycle' or 'pairs', got "
+        from spade_jax.toy.chain import HINT_FORMS
+
+        if self.chain_hint_form not in HINT_FORMS:
+            raise ValueError(f"toy.chain_hint_form must be one of {HINT_FORMS}, got "
                              f"{self.chain_hint_form!r}")
         if self.chain_hint_following < 0:
             raise ValueError(f"toy.chain_hint_following must be >= 0, got "
