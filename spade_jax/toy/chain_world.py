@@ -28,6 +28,7 @@ import numpy as np
 from spade_jax.seeding import Phase, derive_seed, rng
 from spade_jax.spade.prompts import hint_writer_messages
 from spade_jax.toy import chain
+from spade_jax.toy.world import as_loop_program, designer_reply
 
 Messages = list[dict[str, str]]
 
@@ -46,21 +47,21 @@ def designer_pairs(config: Any, designer_messages: Any, seed: int) -> list[tuple
         if i % 2:
             example_level = int(draw.choice(chain.LEVELS))
             build_on = bool(draw.integers(2))
-            examples = [{"program": chain.render_program(example_level, base, rule),
+            examples = [{"program": as_loop_program(chain.render_program(example_level,
+                                                                         base, rule)),
                          "hint": "", "regime": "frontier" if build_on else "mastered",
                          "win_rate": float(draw.uniform()), "regret": float(draw.uniform(-.2, .6)),
                          "build_on": build_on}]
         pairs.append((designer_messages(chain.SKILL, [], examples),
-                      f"```python\n{chain.render_program(level, base, rule)}```"))
+                      designer_reply(chain.render_program(level, base, rule))))
     return pairs
 
 
 def hint_pairs(config: Any, seed: int) -> list[tuple[Messages, str]]:
     """(hint-writer chat on a chain program -> its hint) pairs over every level."""
     draw = rng(seed, 0, Phase.WARM_START, 1)
-    return [(hint_writer_messages(chain.render_program(int(draw.choice(chain.LEVELS)),
-                                                       config.chain_base,
-                                                       config.chain_length_rule)),
+    return [(hint_writer_messages(as_loop_program(chain.render_program(
+                int(draw.choice(chain.LEVELS)), config.chain_base, config.chain_length_rule))),
              chain.hint_for(config.chain_base, config.chain_hint_form))
             for _ in range(config.hint_examples)]
 
@@ -146,7 +147,8 @@ def fixed_pool(config: Any) -> list[tuple[str, str | None, str]]:
     """A fixed-pool run's programs: the chain game at every level of ``pool_levels``
     (every level when empty); hints are written by the policy (hint_mode "self")."""
     levels = config.pool_levels or chain.LEVELS
-    return [(chain.render_program(level, config.chain_base, config.chain_length_rule), None,
+    return [(as_loop_program(chain.render_program(level, config.chain_base,
+                                                  config.chain_length_rule)), None,
              chain.SKILL) for level in levels]
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from spade_jax.seeding import Phase, derive_seed, rng
-from spade_jax.spade.prompts import hint_writer_messages
+from spade_jax.spade.prompts import DesignerOutput, hint_writer_messages, parse_designer_output
 from spade_jax.toy.family import LEVELS, RULES, SKILL, hint_for, observation, render_program
 
 
@@ -138,6 +138,24 @@ class ToyConfig:
 Messages = list[dict[str, str]]
 
 
+def designer_reply(program: str) -> str:
+    """The designer's warm-start reply for ``program``: the program alone, in a python block."""
+    return f"```python\n{program}```"
+
+
+def as_loop_program(program: str) -> str:
+    """``program`` as the loop holds it once the designer's reply is parsed: the text its
+    hint writer reads and its memory examples show (the block without the newline before
+    the closing fence). The warm start's prompts quote programs in this form: taught on the
+    rendered text, one token longer, the warm-started chain policy wrote the successor
+    table exactly for rendered programs and a malformed one for every program its own
+    designer wrote (docs/toy_world.md, "A hint the agent can follow")."""
+    parsed = parse_designer_output(designer_reply(program), require_hint=False)
+    if not isinstance(parsed, DesignerOutput):
+        raise ValueError(f"a toy program must parse as a designer reply: {parsed}")
+    return parsed.program
+
+
 def designer_pairs(config: ToyConfig, designer_messages: Any, seed: int) -> list[tuple[Messages, str]]:
     """(designer chat -> program reply) pairs. ``designer_messages(skill, documents,
     examples)`` is the loop's own prompt builder (``Designer._messages``); half the
@@ -158,12 +176,13 @@ def designer_pairs(config: ToyConfig, designer_messages: Any, seed: int) -> list
         if i % 2:
             example_level = int(draw.choice(LEVELS))
             build_on = bool(draw.integers(2))
-            examples = [{"program": render_program(example_level, RULES[int(draw.integers(2))]),
+            examples = [{"program": as_loop_program(render_program(
+                             example_level, RULES[int(draw.integers(2))])),
                          "hint": "", "regime": "frontier" if build_on else "mastered",
                          "win_rate": float(draw.uniform()), "regret": float(draw.uniform(-.2, .6)),
                          "build_on": build_on}]
         pairs.append((designer_messages(SKILL, [], examples),
-                      f"```python\n{render_program(level, rule)}```"))
+                      designer_reply(render_program(level, rule))))
     return pairs
 
 
@@ -177,7 +196,8 @@ def hint_pairs(config: ToyConfig, seed: int) -> list[tuple[Messages, str]]:
     pairs = []
     for _ in range(config.hint_examples):
         level, rule = int(draw.choice(LEVELS)), RULES[int(draw.integers(len(RULES)))]
-        pairs.append((hint_writer_messages(render_program(level, rule)), hint_for(rule)))
+        pairs.append((hint_writer_messages(as_loop_program(render_program(level, rule))),
+                      hint_for(rule)))
     return pairs
 
 
@@ -267,7 +287,7 @@ def fixed_pool(config: ToyConfig) -> list[tuple[str, str | None, str]]:
 
         return chain_world.fixed_pool(config)
     key = CONSTANT_KEY if config.pool == "constant_key" else None
-    return [(render_program(level, rule, key), None, SKILL) for level in LEVELS
+    return [(as_loop_program(render_program(level, rule, key)), None, SKILL) for level in LEVELS
             for rule in RULES]
 
 

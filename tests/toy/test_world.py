@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from spade_jax.spade.extraction import recipe_program
+from spade_jax.spade.prompts import hint_writer_messages, parse_designer_output
 from spade_jax.toy.family import LEVELS, key_digit, program_level, program_rule, render_program
 from spade_jax.toy.world import (
     ToyConfig,
     _agent_examples,
     designer_pairs,
+    fixed_pool,
     heldout_grid,
     heldout_metrics,
     hint_pairs,
@@ -119,3 +121,31 @@ def test_fixed_pools_hold_every_level_and_rule():
     assert all(f"key = {CONSTANT_KEY}" in p for p, _, _ in constant)
     with pytest.raises(ValueError, match="toy.pool"):
         ToyConfig(pool="easy")
+
+
+@pytest.mark.parametrize("family", ["key_digit", "chain"])
+@pytest.mark.parametrize("extraction", [parse_designer_output, recipe_program])
+def test_warm_start_prompts_quote_programs_as_the_loop_holds_them(family, extraction):
+    # The hint writer's prompts, the memory examples and a fixed pool's programs must be
+    # the text the loop gets by parsing a designer reply: taught on the rendered program
+    # (one newline longer), the warm-started chain policy wrote its hint exactly for
+    # rendered programs and a malformed one for every program its designer wrote.
+    config = ToyConfig(enabled=True, family=family, hint_examples=40)
+    shown = []
+
+    def prompt(skill, documents, examples):
+        shown.extend(example["program"] for example in examples)
+        return [{"role": "user", "content": skill}]
+
+    def read(reply):
+        if extraction is recipe_program:
+            return extraction(reply)
+        return extraction(reply, require_hint=False).program
+
+    held = {read(target) for _, target in designer_pairs(config, prompt, seed=0)}
+    assert held and shown and set(shown) <= held
+    hinted = {messages[-1]["content"] for messages, _ in hint_pairs(config, seed=0)}
+    assert hinted <= {hint_writer_messages(program)[-1]["content"] for program in held}
+    assert {program for program, _, _ in fixed_pool(config)} <= held
+    # the form differs from the rendered text, so this test would see a regression
+    assert not any(program.endswith("\n") for program in held)
