@@ -35,7 +35,7 @@ from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade.design import Attempt
 from spade_jax.spade.loop import HintedEnv
-from spade_jax.toy import chain, world
+from spade_jax.toy import chain, family
 
 LEVELS = (1, 2, 3, 4, 5, 6, 8)
 
@@ -98,7 +98,7 @@ def written_hints(config, loop, programs: int) -> list[str]:
     """The hints the policy writes (as the loop's hint writer does, ``write_hints``) for
     programs at levels 1 .. ``programs``."""
     base, rule = config.toy.chain_base, config.toy.chain_length_rule
-    games = [types.SimpleNamespace(program=world.as_loop_program(
+    games = [types.SimpleNamespace(program=family.as_loop_program(
         chain.render_program(level, base, rule)), hint=None)
              for level in range(1, programs + 1)]
     loop.designer.write_hints(games, step=0)
@@ -112,7 +112,7 @@ def designer_validity(config, loop, tokenizer, prompts: int) -> dict[str, str]:
     for i in range(prompts):
         kind = ("none", "build_on", "avoid")[i % 3]
         examples = [] if kind == "none" else [{
-            "program": world.as_loop_program(chain.render_program(int(draw.integers(1, 10)),
+            "program": family.as_loop_program(chain.render_program(int(draw.integers(1, 10)),
                                                                 base, rule)),
             "hint": "",
             "regime": "frontier" if kind == "build_on" else "mastered",

@@ -28,7 +28,7 @@ import numpy as np
 from spade_jax.seeding import Phase, derive_seed, rng
 from spade_jax.spade.prompts import hint_writer_messages
 from spade_jax.toy import chain
-from spade_jax.toy.world import as_loop_program, designer_reply
+from spade_jax.toy.family import as_loop_program, designer_reply
 
 Messages = list[dict[str, str]]
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 
 from spade_jax.spade.env_stats import stated_level
+from spade_jax.spade.prompts import DesignerOutput, parse_designer_output
 
 LEVELS: tuple[int, ...] = tuple(range(1, 10))
 RULES: tuple[str, ...] = ("first", "last")
@@ -118,3 +119,21 @@ def key_digit(digits: list[int] | tuple[int, ...], rule: str) -> int:
     if rule not in RULES:
         raise ValueError(f"toy rule must be one of {RULES}, got {rule!r}")
     return digits[0] if rule == "first" else digits[-1]
+
+
+def designer_reply(program: str) -> str:
+    """The designer's warm-start reply for ``program``: the program alone, in a python block."""
+    return f"```python\n{program}```"
+
+
+def as_loop_program(program: str) -> str:
+    """``program`` as the loop holds it once the designer's reply is parsed: the text its
+    hint writer reads and its memory examples show (the block without the newline before
+    the closing fence). The warm start's prompts quote programs in this form: taught on the
+    rendered text, one token longer, the warm-started chain policy wrote the successor
+    table exactly for rendered programs and a malformed one for every program its own
+    designer wrote (docs/toy_world.md, "A hint the agent can follow")."""
+    parsed = parse_designer_output(designer_reply(program), require_hint=False)
+    if not isinstance(parsed, DesignerOutput):
+        raise ValueError(f"a toy program must parse as a designer reply: {parsed}")
+    return parsed.program

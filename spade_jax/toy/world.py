@@ -27,8 +27,17 @@ from typing import Any
 import numpy as np
 
 from spade_jax.seeding import Phase, derive_seed, rng
-from spade_jax.spade.prompts import DesignerOutput, hint_writer_messages, parse_designer_output
-from spade_jax.toy.family import LEVELS, RULES, SKILL, hint_for, observation, render_program
+from spade_jax.spade.prompts import hint_writer_messages
+from spade_jax.toy.family import (
+    LEVELS,
+    RULES,
+    SKILL,
+    as_loop_program,
+    designer_reply,
+    hint_for,
+    observation,
+    render_program,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,24 +145,6 @@ class ToyConfig:
 
 
 Messages = list[dict[str, str]]
-
-
-def designer_reply(program: str) -> str:
-    """The designer's warm-start reply for ``program``: the program alone, in a python block."""
-    return f"```python\n{program}```"
-
-
-def as_loop_program(program: str) -> str:
-    """``program`` as the loop holds it once the designer's reply is parsed: the text its
-    hint writer reads and its memory examples show (the block without the newline before
-    the closing fence). The warm start's prompts quote programs in this form: taught on the
-    rendered text, one token longer, the warm-started chain policy wrote the successor
-    table exactly for rendered programs and a malformed one for every program its own
-    designer wrote (docs/toy_world.md, "A hint the agent can follow")."""
-    parsed = parse_designer_output(designer_reply(program), require_hint=False)
-    if not isinstance(parsed, DesignerOutput):
-        raise ValueError(f"a toy program must parse as a designer reply: {parsed}")
-    return parsed.program
 
 
 def designer_pairs(config: ToyConfig, designer_messages: Any, seed: int) -> list[tuple[Messages, str]]:
