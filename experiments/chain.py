@@ -8,10 +8,10 @@ The agent sees ``Start: 3. Length: 4.`` and answers ``\\boxed{3 4 0 1}`` (count 
 start modulo ``toy.chain_base``; the score is the share of right leading digits, 0 for an
 answer of the wrong length: ``toy.chain_length_rule="exact_length"``, set here; the
 family's default is ``"partial"``, which keeps credit for a short answer). The same
-policy, model and warm-start recipe as ``toy``; the warm start teaches the answer format
+policy, model and warm-start recipe as ``key_digit``; the warm start teaches the answer format
 and level-1 copying, no successor information.
 
-The designer run (no variant) is the ``toy`` loop on this family with two changes that
+The designer run (no variant) is the ``key_digit`` loop on this family with two changes that
 keep the designer's programs valid (docs/toy_world.md, "Keeping the designer's programs
 valid"): no memory examples in its prompts, and a KL term (0.5) to the warm-started
 policy on the designer's tokens.
@@ -35,7 +35,7 @@ from spade_jax.rl.train_step import TrainConfig
 def get_config(variant: str = "") -> ExperimentConfig:
     if variant not in ("", "check", "hint"):
         raise ValueError(f"chain variants: '', 'check' or 'hint', got {variant!r}")
-    config = load_experiment("toy")
+    config = load_experiment("key_digit")
     # One try; a level-9 answer is 22 tokens (\, boxed, {, 9 digits, 8 spaces, }, turn end).
     agent = dataclasses.replace(
         config.agent, max_turns=1, max_turn_tokens=24,

@@ -5,7 +5,7 @@ which claims each run passes (issue 29: the check must fail under every fault).
     python scripts/planted_faults.py --workdir runs/faults --faults none,advantage_sign --seed 1
     python scripts/planted_faults.py --workdir runs/faults --experiment toy --check full
 
-By default the runs are ``toy:check`` (the CI learning check's run: the agent's signal
+By default the runs are ``key_digit:check`` (the CI learning check's run: the agent's signal
 path), one per fault, in this process (the faults patch the loop and the trainer in
 memory: ``spade_jax.planted_faults``). The designer faults cannot show there (it has no
 designer): they need ``--experiment toy --check full``.
@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--faults", default=",".join(("none",) + FAULTS),
                         help="comma-separated: 'none' (the clean run) and fault names")
-    parser.add_argument("--experiment", default="toy:check")
+    parser.add_argument("--experiment", default="key_digit:check")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", choices=("agent_path", "full"), default="agent_path",
-                        help="agent_path: toy:check's claim (check_agent_path); full: the "
+                        help="agent_path: key_digit:check's claim (check_agent_path); full: the "
                         "toy world's five claims (check_run), for --experiment=toy")
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]

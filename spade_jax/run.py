@@ -41,7 +41,7 @@ from spade_jax.experiment import (
     train_config_for_run,
     warm_start_programs,
 )
-from spade_jax.metrics import MetricsWriter, Progress
+from spade_jax.metrics import MetricsWriter, Progress, read_metrics
 from spade_jax.models import Qwen3, abstract_model, load_hf, preset
 from spade_jax.models.orbax_io import load_orbax
 from spade_jax.preemption import Preempted, PreemptionGuard
@@ -361,7 +361,12 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     if distributed.is_primary():  # metrics.jsonl exists on process 0 only
         from spade_jax.spade.report import write_report
 
-        write_report(workdir, title=f"SPADE run: {config.name}")
+        lead = ()
+        if config.toy.enabled:  # the toy world's report leads with its claims' curves
+            from spade_jax.toy.check import report_lead
+
+            lead = report_lead(read_metrics(workdir), storage.as_path(workdir) / "plots")
+        write_report(workdir, title=f"SPADE run: {config.name}", lead=lead)
 
 
 def _pack_config(config: ExperimentConfig, tokenizer: Any, model: Qwen3, mesh: Any

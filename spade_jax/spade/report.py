@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import math
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 from etils import epath
@@ -49,16 +50,19 @@ def _fmt(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
 
 
-def write_report(run_dir: storage.PathLike, title: str = "SPADE run") -> epath.Path:
+def write_report(run_dir: storage.PathLike, title: str = "SPADE run",
+                 lead: Sequence[str] = ()) -> epath.Path:
     """Writes ``run_dir/report.md`` (and PNGs under ``run_dir/plots``); returns its path.
-    ``run_dir`` may be remote (``gs://...``)."""
+    ``run_dir`` may be remote (``gs://...``). ``lead``: markdown lines placed first, under
+    the title (the toy world's claims: ``spade_jax.toy.check.report_lead``)."""
     run_dir = storage.as_path(run_dir)
     metrics = read_metrics(run_dir)
     if not metrics:
         raise ValueError(f"{run_dir} has no metrics.jsonl to report on")
     pngs = plot_run(run_dir)
     rounds = max(int(steps.max()) for steps, _ in metrics.values()) + 1
-    lines = [f"# {title}", "", f"{rounds} rounds, metrics from `{run_dir / 'metrics.jsonl'}`.", ""]
+    lines = [f"# {title}", "", f"{rounds} rounds, metrics from `{run_dir / 'metrics.jsonl'}`.", "",
+             *lead]
     lines += ["## Evidence metrics", "", "| metric | first | last | mean | what |", "|---|---|---|---|---|"]
     for name, what in HEADLINE:
         if name in metrics:

@@ -74,7 +74,7 @@ def render_program(level: int, rule: str, constant_key: int | None = None) -> st
     """The family's program at ``level`` (1..9) with ``rule`` ("first"/"last").
 
     ``constant_key``: the agent-path check's variant, whose key is this digit whatever is
-    shown (a preference RL finds in a dozen updates; ``toy:check``)."""
+    shown (a preference RL finds in a dozen updates; ``key_digit:check``)."""
     if level not in LEVELS:
         raise ValueError(f"toy level must be one of {LEVELS}, got {level!r}")
     if isinstance(rule, str) and rule.startswith("chain_base") and constant_key is None:

@@ -57,7 +57,7 @@ class ToyConfig:
       heldout_episodes: held-out episodes per level (half per rule).
       pool: the fixed pool of a ``designer_mode="fixed_pool"`` run: "curriculum" (every
         level and rule: the fixed-curriculum baseline) or "constant_key" (the agent-path
-        check's games, whose key is always 7: ``toy:check``).
+        check's games, whose key is always 7: ``key_digit:check``).
       family: "key_digit" (``toy/family.py``) or "chain" (``toy/chain.py``: count up
         from a start modulo ``chain_base``; every function below then builds from it,
         ``toy/chain_world.py``).

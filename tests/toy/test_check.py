@@ -15,6 +15,10 @@ def _curves(**overrides):
         "return_no_hint_mean": (steps, np.linspace(0.2, 0.5, 12)),
         "validity_rate": (steps, 0.9 * regen),
         "regret_raw_mean": (steps, np.full(12, 0.1)),
+        "regime/frontier": (steps, np.full(12, 3.0)),
+        "regime/mastered": (steps, np.where(steps < 6, 0.0, 2.0)),
+        "regime/intractable": (steps, np.where(steps < 6, 1.0, 0.0)),
+        "learnable_share": (steps, np.where(steps < 4, 0.0, 0.5)),
         "designer/difficulty_mean": (steps, np.linspace(2.0, 4.0, 12) * regen),
         "eval/toy/pass@1": (steps, np.where(steps % 4 == 3, np.linspace(0.2, 0.6, 12), NAN)),
         "eval/toy/level_2/pass@1": (steps, np.where(steps % 4 == 3, 0.9, NAN)),
@@ -43,13 +47,17 @@ def test_each_claim_fails_alone():
     low = np.where(np.arange(12) % 2 == 0, 0.4, NAN)
     assert _failed(_curves(validity_rate=low)) == {"validity_floor"}
     assert _failed(_curves(regret_raw_mean=np.full(12, -0.1))) == {"regret_positive"}
+    assert _failed(_curves(**{"regime/mastered": np.zeros(12)})) == {"all_regimes_seen"}
+    assert _failed(_curves(learnable_share=np.where(np.arange(12) < 7, 0.0, 0.5))
+                   ) == {"learnable_in_most"}
     far = np.where(np.arange(12) % 2 == 0, 8.0, NAN)
     assert _failed(_curves(**{"designer/difficulty_mean": far})) == {"designer_follows_agent"}
 
 
 def test_missing_curves_fail_rather_than_pass():
     assert _failed({}) == {"agent_return_rises", "heldout_rises", "validity_floor",
-                           "regret_positive", "designer_follows_agent"}
+                           "regret_positive", "all_regimes_seen", "learnable_in_most",
+                           "designer_follows_agent"}
 
 
 def test_thirds_match_numpy():
@@ -57,3 +65,22 @@ def test_thirds_match_numpy():
     first, last = thirds(values)
     assert first == np.mean(values[:4]) and last == np.mean(values[7:])
     assert np.isnan(thirds(np.arange(2.0))[0])
+
+
+def test_the_report_leads_with_the_claims_curves_and_verdicts(tmp_path):
+    from etils import epath
+
+    from spade_jax.metrics import MetricsWriter
+    from spade_jax.spade.report import write_report
+    from spade_jax.toy.check import report_lead
+
+    curves = _curves(validity_rate=np.where(np.arange(12) % 2 == 0, 0.4, NAN))
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(12):
+            writer.write(step, {k: float(v[step]) for k, (_, v) in curves.items()})
+    lead = report_lead(curves, epath.Path(tmp_path) / "plots")
+    text = write_report(tmp_path, lead=lead).read_text()
+    assert (tmp_path / "plots" / "toy_claims.png").stat().st_size > 0
+    assert text.index("## The toy world's claims") < text.index("## Evidence metrics")
+    assert "| `validity_floor` | **fail** | 0.400 |" in text
+    assert "| `agent_return_rises` | pass |" in text

@@ -1,4 +1,4 @@
-"""The CI learning check: ``toy:check`` (~2 min on 2 cores), the toy world's policy, warm
+"""The CI learning check: ``key_digit:check`` (~2 min on 2 cores), the toy world's policy, warm
 start and agent loop on constant-key games, whose return must rise
 (``spade_jax.toy.check.check_agent_path``). scripts/planted_faults.py runs it under the
 planted faults of the agent's signal path; each it can see makes it fail
@@ -19,7 +19,7 @@ def test_the_agent_learns_a_constant_key_in_sixteen_updates(tmp_path):
     # As the README's command runs it: one CPU device (the suite's 8 simulated devices
     # would shard a 755k-parameter policy 8 ways on 2 cores, ~3x slower).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=toy:check",
+    proc = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=key_digit:check",
                            f"--workdir={tmp_path}"], capture_output=True, text=True, env=env,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
