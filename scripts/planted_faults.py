@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", choices=("agent_path", "full"), default="agent_path",
                         help="agent_path: key_digit:check's claim (check_agent_path); full: the "
-                        "toy world's five claims (check_run), for --experiment=toy")
+                        "toy world's claims (check_run), for --experiment=toy")
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f != "none" and f not in FAULTS]

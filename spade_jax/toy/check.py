@@ -28,11 +28,14 @@ under each planted fault.
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
+from etils import epath
+
+from spade_jax import storage
 
 Curves = Mapping[str, tuple[np.ndarray, np.ndarray]]
 
@@ -159,7 +162,7 @@ REPORT_PARAGRAPH = (
 )
 
 
-def report_lead(curves: Curves, plots_dir: Path) -> list[str]:
+def report_lead(curves: Curves, plots_dir: epath.Path) -> list[str]:
     """The toy report's first section: the claims' curves (``plots_dir/toy_claims.png``),
     what they can and cannot show, and :func:`check_run`'s findings."""
     import matplotlib
@@ -182,9 +185,11 @@ def report_lead(curves: Curves, plots_dir: Path) -> list[str]:
         if len(keys) > 1:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(plots_dir / "toy_claims.png"), dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
+    plots_dir.mkdir(parents=True, exist_ok=True)  # may be a bucket (gs://...)
+    storage.write_bytes_atomic(plots_dir / "toy_claims.png", png.getvalue())
     lines = ["## The toy world's claims", "", "![toy_claims](plots/toy_claims.png)", "",
              REPORT_PARAGRAPH, "", "| claim | verdict | value | bar |", "|---|---|---|---|"]
     lines += [f"| `{f.name}` | {'pass' if f.ok else '**fail**'} | {f.value:.3f} | "
