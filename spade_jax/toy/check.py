@@ -19,6 +19,15 @@ designer_follows_agent the designer's mean level (``designer/difficulty_mean``) 
                        last third within ``max_frontier_gap`` levels of the agent's frontier
                        at the end (the highest held-out level it solves at least
                        ``frontier_pass`` of the time)
+agent_tokens_sampled   the trainer's log-prob of every agent token it trains equals the
+                       sampler's (``train/agent/logp_gap_max`` at most ``max_logp_gap`` in
+                       every step). Not an outcome: an outcome check cannot see a loss mask
+                       shifted by one token (the moved-in token is the same in every episode
+                       of a group, so its gradients cancel), but a shifted mask trains a
+                       position the sampler did not write, whose gap is the whole log-prob
+                       (~12 against ~1e-5 clean on ``key_digit:check``; docs/toy_world.md).
+                       The agent trains on-policy here; the designer's rows are a round old
+                       (its reward comes a round later), so its gap is not checked.
 
 ``check_agent_path`` is the CI learning check's claim (``key_digit:check``: the agent's return
 on constant-key games rises); ``scripts/planted_faults.py`` runs either check clean and
@@ -51,6 +60,7 @@ class CheckConfig:
     min_learnable_share: float = 0.5
     frontier_pass: float = 0.5
     max_frontier_gap: float = 1.5
+    max_logp_gap: float = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +104,22 @@ def agent_frontier(curves: Curves, frontier_pass: float) -> float:
     return float(max([1] + [lv for lv, p in levels.items() if p >= frontier_pass]))
 
 
-def check_agent_path(curves: Curves, min_rise: float = 0.2) -> list[Finding]:
-    """``key_digit:check``'s claim: the agent's return on the constant-key games rises by
-    ``min_rise`` (last third over first third of ``return_no_hint_mean``)."""
+def _agent_tokens_sampled(curves: Curves, max_logp_gap: float) -> Finding:
+    _, gaps = _finite(curves, "train/agent/logp_gap_max")
+    worst = float(gaps.max()) if len(gaps) else float("nan")
+    return Finding("agent_tokens_sampled", bool(worst <= max_logp_gap), worst,
+                   f"max |trainer - sampler| log-prob of trained agent tokens <= {max_logp_gap}")
+
+
+def check_agent_path(curves: Curves, min_rise: float = 0.2,
+                     max_logp_gap: float = 0.01) -> list[Finding]:
+    """``key_digit:check``'s claims: the agent's return on the constant-key games rises by
+    ``min_rise`` (last third over first third of ``return_no_hint_mean``), and the tokens
+    it trains are the ones its sampler wrote (``agent_tokens_sampled``)."""
     first, last = thirds(_finite(curves, "return_no_hint_mean")[1])
     return [Finding("agent_return_rises", bool(last - first > min_rise), last - first,
-                    f"last third - first third > {min_rise}")]
+                    f"last third - first third > {min_rise}"),
+            _agent_tokens_sampled(curves, max_logp_gap)]
 
 
 def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Finding]:
@@ -137,6 +157,7 @@ def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Findi
     findings.append(Finding("designer_follows_agent", bool(gap <= config.max_frontier_gap), gap,
                             f"|last-third level - agent frontier {frontier:g}| <= "
                             f"{config.max_frontier_gap}"))
+    findings.append(_agent_tokens_sampled(curves, config.max_logp_gap))
     return findings
 
 

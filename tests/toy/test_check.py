@@ -3,7 +3,13 @@ fails, alone, when it does not."""
 
 import numpy as np
 
-from spade_jax.toy.check import CheckConfig, agent_frontier, check_run, thirds
+from spade_jax.toy.check import (
+    CheckConfig,
+    agent_frontier,
+    check_agent_path,
+    check_run,
+    thirds,
+)
 
 NAN = float("nan")
 
@@ -24,6 +30,7 @@ def _curves(**overrides):
         "eval/toy/level_2/pass@1": (steps, np.where(steps % 4 == 3, 0.9, NAN)),
         "eval/toy/level_4/pass@1": (steps, np.where(steps % 4 == 3, 0.6, NAN)),
         "eval/toy/level_6/pass@1": (steps, np.where(steps % 4 == 3, 0.2, NAN)),
+        "train/agent/logp_gap_max": (steps, np.full(12, 2e-5)),
     }
     curves.update({k: (steps, np.asarray(v, float)) for k, v in overrides.items()})
     return curves
@@ -52,12 +59,26 @@ def test_each_claim_fails_alone():
                    ) == {"learnable_in_most"}
     far = np.where(np.arange(12) % 2 == 0, 8.0, NAN)
     assert _failed(_curves(**{"designer/difficulty_mean": far})) == {"designer_follows_agent"}
+    one_shifted_step = np.where(np.arange(12) == 5, 12.0, 2e-5)
+    assert _failed(_curves(**{"train/agent/logp_gap_max": one_shifted_step})
+                   ) == {"agent_tokens_sampled"}
 
 
 def test_missing_curves_fail_rather_than_pass():
     assert _failed({}) == {"agent_return_rises", "heldout_rises", "validity_floor",
                            "regret_positive", "all_regimes_seen", "learnable_in_most",
-                           "designer_follows_agent"}
+                           "designer_follows_agent", "agent_tokens_sampled"}
+
+
+def test_the_agent_path_check_fails_on_a_flat_return_or_a_shifted_mask():
+    good = _curves(return_no_hint_mean=np.linspace(0.2, 0.8, 12))
+    assert all(f.ok for f in check_agent_path(good))
+    flat = _curves(return_no_hint_mean=np.full(12, 0.5))
+    assert [f.name for f in check_agent_path(flat) if not f.ok] == ["agent_return_rises"]
+    shifted = _curves(return_no_hint_mean=np.linspace(0.2, 0.8, 12),
+                      **{"train/agent/logp_gap_max": np.full(12, 12.0)})
+    assert [f.name for f in check_agent_path(shifted) if not f.ok] == ["agent_tokens_sampled"]
+    assert not all(f.ok for f in check_agent_path({}))
 
 
 def test_thirds_match_numpy():
