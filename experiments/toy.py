@@ -40,4 +40,10 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # agent's updates eroded the shared weights' program writing (syntax errors,
         # blocks run past the budget); the tail that the filter cuts is where those tokens
         # came from (docs/toy_world.md, "The toy experiment").
-        designer_sampler=dataclasses.replace(config.designer_sampler, top_p=0.9))
+        designer_sampler=dataclasses.replace(config.designer_sampler, top_p=0.9),
+        # 1,000 no-hint agent examples (chain:hint has 96, beside 2,000 hint-following
+        # ones): with 96 the seed-2 warm start wrote no-hint answers of the wrong length
+        # and nothing rose; with 1,000 it writes the right length at chance accuracy (the
+        # digits after the start are uniform, so the answers are not in it) and learns
+        # (docs/toy_world.md, "The toy experiment").
+        toy=dataclasses.replace(config.toy, agent_examples=1000))
