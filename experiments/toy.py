@@ -15,9 +15,10 @@ own): so the agent starts able to use a hint and unable to play above level 1 wi
 What it learns without the hint, and where the designer moves, are RL's doing.
 
 This is ``chain:hint`` (experiments/chain.py) run for 96 rounds with nucleus sampling for
-the designer and 1,000 no-hint agent warm-start examples (below). A toy world, not the paper's claims: the curves show the loop's
-parts working together on a task a ~1M-parameter model learns in minutes. 21-28 minutes on
-2 cores with other runs sharing them (docs/toy_world.md, "The toy experiment").
+the designer and 1,000 no-hint agent warm-start examples (below). A toy world, not the
+paper's claims: the curves show the loop's parts working together on a task a
+~1M-parameter model learns in minutes. 21-28 minutes on 2 cores with other runs sharing
+them (docs/toy_world.md, "The toy experiment").
 """
 
 import dataclasses
