@@ -29,9 +29,9 @@ agent_tokens_sampled   the trainer's log-prob of every agent token it trains equ
                        The agent trains on-policy here; the designer's rows are a round old
                        (its reward comes a round later), so its gap is not checked.
 
-``check_agent_path`` is the CI learning check's claim (``key_digit:check``: the agent's return
-on constant-key games rises); ``scripts/planted_faults.py`` runs either check clean and
-under each planted fault.
+``check_agent_path`` is the CI learning check's claims (``key_digit:check``: the agent's
+return on constant-key games rises, and ``agent_tokens_sampled``);
+``scripts/planted_faults.py`` runs either check clean and under each planted fault.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _agent_tokens_sampled(curves: Curves, max_logp_gap: float) -> Finding:
 
 
 def check_agent_path(curves: Curves, min_rise: float = 0.2,
-                     max_logp_gap: float = 0.01) -> list[Finding]:
+                     max_logp_gap: float = CheckConfig.max_logp_gap) -> list[Finding]:
     """``key_digit:check``'s claims: the agent's return on the constant-key games rises by
     ``min_rise`` (last third over first third of ``return_no_hint_mean``), and the tokens
     it trains are the ones its sampler wrote (``agent_tokens_sampled``)."""
