@@ -13,7 +13,8 @@ there), then:
   rate and the first three answers per level;
 - designer: samples one program for each of ``--prompts`` designer prompts, a third with
   no memory example, a third with one to build on, a third with one to avoid (random
-  levels and scores), and prints how many validate per kind.
+  levels and scores), and prints how many validate per kind and the levels the valid
+  programs written with no memory example state (the levels RL can start from).
 
 Seeded: the same command prints the same numbers. About 2-4 minutes on 2 cores.
 """
@@ -34,6 +35,7 @@ from spade_jax.overrides import apply_overrides
 from spade_jax.rollout.agent_loop import EpisodeSpec
 from spade_jax.seeding import Phase, derive_seed
 from spade_jax.spade.design import Attempt
+from spade_jax.spade.env_stats import stated_level
 from spade_jax.spade.loop import HintedEnv
 from spade_jax.toy import chain, family
 
@@ -129,9 +131,16 @@ def designer_validity(config, loop, tokenizer, prompts: int) -> dict[str, str]:
     designer.validate(batch, [f"probe{i}" for i in range(len(batch))],
                       [derive_seed(config.seed, 0, Phase.VALIDATION, i) for i in range(len(batch))])
     valid = collections.defaultdict(list)
+    levels = collections.Counter()
     for kind, attempt in zip(kinds, batch, strict=True):
         valid[kind].append(attempt.verdict.ok)
-    return {kind: f"{sum(v)}/{len(v)}" for kind, v in valid.items()}
+        if attempt.verdict.ok and kind == "none":
+            levels[stated_level(attempt.parsed.program)] += 1
+    out = {kind: f"{sum(v)}/{len(v)}" for kind, v in valid.items()}
+    # The stated levels of the valid programs written with no memory example (toy's
+    # prompts): the levels the designer can explore at the start of RL.
+    out["levels_no_example"] = {str(level): n for level, n in sorted(levels.items())}
+    return out
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ HEADLINE = (
     ("regret_raw_mean", "mean hint regret, raw (can be negative: the model cannot use hints)"),
     ("regret_clipped_mean", "mean hint regret clipped to [0, 1]"),
     ("regret_negative_share", "share of environments with negative regret"),
+    ("regret_hinted_mean", "mean hint regret over the games that had a hint arm"),
     ("return_hint_mean", "agent return with the hint"),
     ("return_no_hint_mean", "agent return without the hint"),
     ("learnable_share", "environments with no-hint win rate in [0.2, 0.8], 16-round window"),

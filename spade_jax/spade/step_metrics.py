@@ -76,8 +76,13 @@ def design_metrics(attempts: Sequence[Any], window: Window, regeneration: bool) 
 
 def window_metrics(window: Window, step: int) -> dict[str, float]:
     """The current window's games as measured so far (matched-timing regret, win rate)."""
-    stats = [game_stats(g) for g in window.games if g.verdict.ok and g.returns_by_offset[0]]
+    games = [g for g in window.games if g.verdict.ok and g.returns_by_offset[0]]
+    stats = [game_stats(g) for g in games]
     regrets = np.array([s.regret for s in stats])
+    # The recipe scores a game without a hint arm (no hint written, or none played) as a
+    # hint mean of 0, so its regret is minus its no-hint return; this mean leaves those
+    # games out and says what the hints did where there were hints.
+    hinted = [s.regret for g, s in zip(games, stats, strict=True) if len(g.hint_returns)]
     reveals = [env_stats.physics_formula_reveal(g.opening_observation, source=g.program,
                                                 skill=g.skill)
                for g in window.games if g.opening_observation]
@@ -89,6 +94,7 @@ def window_metrics(window: Window, step: int) -> dict[str, float]:
         "regret_raw_mean": _mean(regrets),
         "regret_clipped_mean": _mean(np.clip(regrets, 0.0, 1.0)),
         "regret_negative_share": _mean(regrets < 0),
+        "regret_hinted_mean": _mean(hinted),
         "return_hint_mean": _mean([s.hint_mean for s in stats if s.plays]),
         "win_rate_mean": _mean([s.mean_return for s in stats]),
         "solve_rate_mean": _mean([s.solve_rate for s in stats]),

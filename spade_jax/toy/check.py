@@ -165,7 +165,7 @@ def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Findi
 REPORT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("agent return (no hint, hint)", ("return_no_hint_mean", "return_hint_mean")),
     ("held-out pass@1 (never trained on)", ("eval/toy/pass@1",)),
-    ("hint regret (raw)", ("regret_raw_mean",)),
+    ("hint regret (raw; hinted games only)", ("regret_raw_mean", "regret_hinted_mean")),
     ("designer's mean stated level", ("designer/difficulty_mean",)),
     ("learnable share", ("learnable_share",)),
     ("validity rate (floor 0.5)", ("validity_rate",)),

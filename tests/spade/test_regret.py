@@ -76,3 +76,19 @@ def test_designer_rewards_are_a_category_of_the_rule_registry():
     assert grpo.resolve_config({"clip_eps": 0.1}) == config == grpo.resolve_config(config)
     assert grpo.resolve_config(None) == grpo.make_config()
     assert dataclasses.is_dataclass(config)
+
+
+def test_regret_hinted_mean_leaves_out_games_without_a_hint_arm():
+    """The recipe's regret scores a game with no hint arm as hint mean 0 (regret = minus its
+    no-hint return); ``regret_hinted_mean`` averages only the games that had hint plays."""
+    from spade_jax.spade.step_metrics import window_metrics
+    from spade_jax.spade.window import Window
+
+    hinted = Game("a", 0, "chain", "LEVEL = 3", "Next: ...", (), [[0.0, 1.0]],
+                  hint_returns=[1.0, 1.0])
+    hintless = Game("b", 1, "chain", "LEVEL = 2", None, (), [[1.0, 1.0]])
+    metrics = window_metrics(Window(0, [hinted, hintless]), step=0)
+    # Hinted game: 1 - 0.5; hintless: 0 - 1 (the recipe's convention).
+    assert metrics["regret_raw_mean"] == pytest.approx(np.mean([0.5, -1.0]))
+    assert metrics["regret_hinted_mean"] == pytest.approx(0.5)
+    assert np.isnan(window_metrics(Window(0, [hintless]), step=0)["regret_hinted_mean"])
