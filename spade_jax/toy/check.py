@@ -15,6 +15,10 @@ all_regimes_seen       the games scored over the run include each of memory's re
 learnable_in_most      ``learnable_share`` above 0 in at least ``min_learnable_share`` of the
                        rounds that log it (the designer's games are not all solved or all
                        failed)
+designer_level_rises   the designer's mean stated level (``designer/difficulty_mean``) over
+                       the last third above the first third's by ``min_level_rise`` (the
+                       issue's "rising as the agent improves"; the agent's rise is
+                       ``agent_return_rises``)
 designer_follows_agent the designer's mean level (``designer/difficulty_mean``) over the
                        last third within ``max_frontier_gap`` levels of the agent's frontier
                        at the end (the highest held-out level it solves at least
@@ -58,6 +62,7 @@ class CheckConfig:
     validity_floor: float = 0.5
     min_positive_regret_share: float = 0.5
     min_learnable_share: float = 0.5
+    min_level_rise: float = 0.25
     frontier_pass: float = 0.5
     max_frontier_gap: float = 1.5
     max_logp_gap: float = 0.01
@@ -152,6 +157,9 @@ def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Findi
     findings.append(Finding("learnable_in_most", bool(share >= config.min_learnable_share),
                             share, f"share of rounds > 0 >= {config.min_learnable_share}"))
     _, difficulty = _finite(curves, "designer/difficulty_mean")
+    first, last = thirds(difficulty)
+    findings.append(Finding("designer_level_rises", bool(last - first > config.min_level_rise),
+                            last - first, f"last third - first third > {config.min_level_rise}"))
     frontier = agent_frontier(curves, config.frontier_pass)
     gap = abs(thirds(difficulty)[1] - frontier)
     findings.append(Finding("designer_follows_agent", bool(gap <= config.max_frontier_gap), gap,

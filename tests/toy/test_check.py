@@ -57,8 +57,11 @@ def test_each_claim_fails_alone():
     assert _failed(_curves(**{"regime/mastered": np.zeros(12)})) == {"all_regimes_seen"}
     assert _failed(_curves(learnable_share=np.where(np.arange(12) < 7, 0.0, 0.5))
                    ) == {"learnable_in_most"}
-    far = np.where(np.arange(12) % 2 == 0, 8.0, NAN)
+    far = np.where(np.arange(12) % 2 == 0, np.linspace(7.0, 9.0, 12), NAN)
     assert _failed(_curves(**{"designer/difficulty_mean": far})) == {"designer_follows_agent"}
+    near_but_flat = np.where(np.arange(12) % 2 == 0, 3.5, NAN)
+    assert _failed(_curves(**{"designer/difficulty_mean": near_but_flat})
+                   ) == {"designer_level_rises"}
     one_shifted_step = np.where(np.arange(12) == 5, 12.0, 2e-5)
     assert _failed(_curves(**{"train/agent/logp_gap_max": one_shifted_step})
                    ) == {"agent_tokens_sampled"}
@@ -67,7 +70,8 @@ def test_each_claim_fails_alone():
 def test_missing_curves_fail_rather_than_pass():
     assert _failed({}) == {"agent_return_rises", "heldout_rises", "validity_floor",
                            "regret_positive", "all_regimes_seen", "learnable_in_most",
-                           "designer_follows_agent", "agent_tokens_sampled"}
+                           "designer_level_rises", "designer_follows_agent",
+                           "agent_tokens_sampled"}
 
 
 def test_the_agent_path_check_fails_on_a_flat_return_or_a_shifted_mask():
