@@ -18,7 +18,7 @@ This is ``chain:hint`` (experiments/chain.py) run for 96 rounds with nucleus sam
 the designer, 1,000 no-hint agent warm-start examples and a designer warm start uniform over
 the levels (below). A toy world, not the
 paper's claims: the curves show the loop's parts working together on a task a
-~1M-parameter model learns in minutes. 21-28 minutes on 2 cores with other runs sharing
+~1M-parameter model learns in minutes. 21-37 minutes on 2 cores with other runs sharing
 them (docs/toy_world.md, "The toy experiment").
 """
 
@@ -50,8 +50,8 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # (docs/toy_world.md, "The toy experiment").
         # The designer's warm start writes every level equally often (chain:hint weights
         # levels 1-2 four times levels 7-9): with chain:hint's weights the warm-started
-        # designer never wrote levels 7 and 8 (nucleus sampling cut them), so RL could not
-        # move it there when the agent mastered level 6; uniform, it writes levels 1-9 from
+        # designer, sampled as toy samples it, never wrote levels 7 and 8, so RL could not
+        # move it there when the agent mastered level 6; uniform, it writes levels 7-9 from
         # the start (scripts/toy_warm_start_probe.py; docs/toy_world.md, "The toy
         # experiment").
         toy=dataclasses.replace(config.toy, agent_examples=1000,

@@ -161,7 +161,7 @@ def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Findi
     findings.append(Finding("designer_level_rises", bool(last - first > config.min_level_rise),
                             last - first, f"last third - first third > {config.min_level_rise}"))
     frontier = agent_frontier(curves, config.frontier_pass)
-    gap = abs(thirds(difficulty)[1] - frontier)
+    gap = abs(last - frontier)
     findings.append(Finding("designer_follows_agent", bool(gap <= config.max_frontier_gap), gap,
                             f"|last-third level - agent frontier {frontier:g}| <= "
                             f"{config.max_frontier_gap}"))
