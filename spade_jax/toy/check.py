@@ -157,11 +157,12 @@ def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Findi
     findings.append(Finding("learnable_in_most", bool(share >= config.min_learnable_share),
                             share, f"share of rounds > 0 >= {config.min_learnable_share}"))
     _, difficulty = _finite(curves, "designer/difficulty_mean")
-    first, last = thirds(difficulty)
-    findings.append(Finding("designer_level_rises", bool(last - first > config.min_level_rise),
-                            last - first, f"last third - first third > {config.min_level_rise}"))
+    level_first, level_last = thirds(difficulty)
+    level_rise = level_last - level_first
+    findings.append(Finding("designer_level_rises", bool(level_rise > config.min_level_rise),
+                            level_rise, f"last third - first third > {config.min_level_rise}"))
     frontier = agent_frontier(curves, config.frontier_pass)
-    gap = abs(last - frontier)
+    gap = abs(level_last - frontier)
     findings.append(Finding("designer_follows_agent", bool(gap <= config.max_frontier_gap), gap,
                             f"|last-third level - agent frontier {frontier:g}| <= "
                             f"{config.max_frontier_gap}"))
