@@ -88,17 +88,18 @@ def hint_following_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...
     the games' table is never shown with an answer, and the no-hint examples stay uniform.
 
     - ``chain_hint_form="cycle"``: the other cycles through every digit, levels 2 ..
-      base + 1 (one wrap at most);
+      ``chain_hint_max_level`` (default base + 1: one wrap at most);
     - ``"pairs"``: any table sending each digit to another one (base 5: 1,023 besides the
-      games'), levels 1 .. base + 1, too many tables to learn the answers by heart, so
-      what fits the examples is looking the next digit up in the hint."""
+      games'), levels 1 .. ``chain_hint_max_level``, too many tables to learn the answers
+      by heart, so what fits the examples is looking the next digit up in the hint."""
     from spade_jax.rollout.hints import agent_first_observation
 
     draw = rng(seed, 0, Phase.WARM_START, 3)
     base, form = config.chain_base, config.chain_hint_form
     count_up = [(d + 1) % base for d in range(base)]
     first_level = 1 if form == "pairs" else 2
-    levels = range(first_level, min(base + 1, chain.LEVELS[-1]) + 1)
+    last_level = config.chain_hint_max_level or min(base + 1, chain.LEVELS[-1])
+    levels = range(first_level, max(first_level, last_level) + 1)
     examples = []
     while len(examples) < config.chain_hint_following:
         if form == "pairs":

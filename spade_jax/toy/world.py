@@ -80,6 +80,10 @@ class ToyConfig:
         the hint-following examples, the probe's) writes the successor table: "cycle"
         (``Cycle: 0 1 2 3 4 0.``) or "pairs" (``Next: 0>1 1>2 2>3 3>4 4>0.``, each ``d>e``
         one token of the run's tokenizer: ``tokenizer_symbols``).
+      chain_hint_max_level: the longest answer the hint-following examples show (levels
+        1 .. this; 2 .. this for "cycle"); 0 = ``chain_base + 1`` (one wrap of the table at
+        most). Above it the warm-started agent cannot follow the games' hint, so the hint
+        arm fails there and the regret term pays nothing for such games.
     """
 
     enabled: bool = False
@@ -97,6 +101,7 @@ class ToyConfig:
     chain_length_rule: str = "partial"
     chain_hint_following: int = 0
     chain_hint_form: str = "cycle"
+    chain_hint_max_level: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in ("key_digit", "chain"):
@@ -136,6 +141,9 @@ class ToyConfig:
         if self.chain_hint_following < 0:
             raise ValueError(f"toy.chain_hint_following must be >= 0, got "
                              f"{self.chain_hint_following}")
+        if self.chain_hint_max_level != 0 and self.chain_hint_max_level not in LEVELS:
+            raise ValueError(f"toy.chain_hint_max_level must be 0 (chain_base + 1) or a level "
+                             f"from {LEVELS}, got {self.chain_hint_max_level!r}")
         for name in ("designer_examples", "hint_examples", "agent_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"toy.{name} must be >= 1, got {getattr(self, name)}")

@@ -3,6 +3,7 @@ programs validate in the recipe's contract and pass gymnasium's checker, the sco
 documented, difficulty grows with the level under the warm start's policy, and the warm
 start's agent targets carry no successor information above level 1."""
 
+import dataclasses
 import random
 import re
 
@@ -367,6 +368,19 @@ def test_the_pairs_hint_writes_each_digits_successor_as_one_piece(tmp_path):
         levels.add(int(level))
     # far more tables than examples could teach by heart; hinted copying at level 1 too
     assert len(tables) > 250 and levels == {1, 2, 3, 4, 5, 6}
+    # chain_hint_max_level extends the hinted answers to every level (the table wraps)
+    longer = dataclasses.replace(config, chain_hint_max_level=9)
+    hinted = _agent_examples(longer, 0)[6:]
+    assert {int(re.fullmatch(pattern, o).group(2)) for (o,), _ in hinted} == set(range(1, 10))
+    for (observation,), target in hinted:
+        start, level, table = re.fullmatch(pattern, observation).groups()
+        successor = dict(pair.split(">") for pair in table.split())
+        expected = [start]
+        while len(expected) < int(level):
+            expected.append(successor[expected[-1]])
+        assert target == "\\boxed{" + " ".join(expected) + "}"
+    with pytest.raises(ValueError, match="toy.chain_hint_max_level"):
+        ToyConfig(chain_hint_max_level=10)
     assert "Next: 0>1" in tokenizer_text(config) and "Next:" not in tokenizer_text(CONFIG)
 
     tokenizer = build_tokenizer(TokenizerSpec(vocab_size=400, text="toy"), tmp_path, config)
