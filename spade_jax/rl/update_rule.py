@@ -64,7 +64,7 @@ class RoleConfig:
         "dr_grpo": mean-centred, the recipe's per-skill centring with skill groups, "rloo").
       step_credit, credit: per-token advantages from the episodes' steps ("none": the
         outcome advantage on every token; "first_mistake", "cliff", "fault", "crr").
-      token_weighting, weighting: "none" or "eapo".
+      token_weighting, weighting: "none", "eapo" or "high_entropy".
       importance_correction, importance: "none" (the ratio against the sampler's
         log-probs), "tis" (truncated importance sampling, the recipe with clamp 2.0),
         "gmc" (GMC-GRPO group-wise shrinkage of the ratios).
