@@ -354,8 +354,10 @@ def test_the_pairs_hint_writes_each_digits_successor_as_one_piece(tmp_path):
                        chain_hint_form="pairs")
     assert {hint for _, hint in hint_pairs(config, 0)} == {"Next: 0>1 1>2 2>3 3>4 4>0."}
     pattern = r"Start: (\d)\. Length: (\d)\.\n\nHINT: Next: ((?:\d>\d ?)+)\."
-    tables, levels = set(), set()
-    for (observation,), target in _agent_examples(config, 0)[6:]:
+
+    def checked_table_and_level(observation: str, target: str) -> tuple[str, int]:
+        """The example's hint table and level, after checking its answer walks the table
+        from the start (by hand) and the table is never the games' own."""
         start, level, table = re.fullmatch(pattern, observation).groups()
         successor = dict(pair.split(">") for pair in table.split())
         assert sorted(successor) == list("01234") and successor != {
@@ -364,21 +366,16 @@ def test_the_pairs_hint_writes_each_digits_successor_as_one_piece(tmp_path):
         while len(expected) < int(level):
             expected.append(successor[expected[-1]])
         assert target == "\\boxed{" + " ".join(expected) + "}"
-        tables.add(table)
-        levels.add(int(level))
+        return table, int(level)
+
+    tables, levels = zip(*(checked_table_and_level(observation, target)
+                           for (observation,), target in _agent_examples(config, 0)[6:]), strict=True)
     # far more tables than examples could teach by heart; hinted copying at level 1 too
-    assert len(tables) > 250 and levels == {1, 2, 3, 4, 5, 6}
+    assert len(set(tables)) > 250 and set(levels) == {1, 2, 3, 4, 5, 6}
     # chain_hint_max_level extends the hinted answers to every level (the table wraps)
     longer = dataclasses.replace(config, chain_hint_max_level=9)
-    hinted = _agent_examples(longer, 0)[6:]
-    assert {int(re.fullmatch(pattern, o).group(2)) for (o,), _ in hinted} == set(range(1, 10))
-    for (observation,), target in hinted:
-        start, level, table = re.fullmatch(pattern, observation).groups()
-        successor = dict(pair.split(">") for pair in table.split())
-        expected = [start]
-        while len(expected) < int(level):
-            expected.append(successor[expected[-1]])
-        assert target == "\\boxed{" + " ".join(expected) + "}"
+    assert {checked_table_and_level(observation, target)[1]
+            for (observation,), target in _agent_examples(longer, 0)[6:]} == set(range(1, 10))
     with pytest.raises(ValueError, match="toy.chain_hint_max_level"):
         ToyConfig(chain_hint_max_level=10)
     assert "Next: 0>1" in tokenizer_text(config) and "Next:" not in tokenizer_text(CONFIG)
