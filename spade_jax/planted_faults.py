@@ -65,10 +65,13 @@ def planted(fault: str) -> Iterator[None]:
     elif fault == "designer_reward_permutation":
         original_designer = SpadeLoop.designer_sequences
 
-        def designer_sequences(self, samples, totals, num_agent, step):
+        def designer_sequences(self, samples, totals, num_agent, step, penalized=None):
+            # each reward moves with its penalty flag (a moved -1 still joins a group)
             shift = 1 + step % max(1, len(totals) - 1)
+            if penalized is not None:
+                penalized = list(np.roll(penalized, shift))
             return original_designer(self, samples, list(np.roll(totals, shift)), num_agent,
-                                     step)
+                                     step, penalized=penalized)
 
         patch = mock.patch.object(SpadeLoop, "designer_sequences", designer_sequences)
     else:

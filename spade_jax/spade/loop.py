@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import gymnasium
@@ -424,7 +424,7 @@ class SpadeLoop:
         due = [p for p in self.pending if flush or p.produced_at + cfg.designer_delay <= step]
         self.pending = [p for p in self.pending if p not in due]
         scored: list[ScoredGame] = []
-        samples, totals = [], []
+        samples, totals, penalized = [], [], []
         for pending in due:
             window = self.windows[pending.produced_at]
             observed = min(step - window.start + 1, cfg.regeneration_interval)
@@ -443,16 +443,26 @@ class SpadeLoop:
                 if total is not None:
                     samples.append((pending.produced_at, sample))
                     totals.append(total)
-        return scored, self.designer_sequences(samples, totals, num_agent, step)
+                    penalized.append(sample.env_id not in by_id)
+        return scored, self.designer_sequences(samples, totals, num_agent, step,
+                                               penalized=penalized)
 
     def designer_sequences(self, samples: list[tuple[int, DesignerSample]],
-                           totals: list[float], num_agent: int, step: int) -> list[TrainSequence]:
+                           totals: list[float], num_agent: int, step: int,
+                           penalized: Sequence[bool] | None = None) -> list[TrainSequence]:
         """The designer's update rule on its due samples. ``designer_groups`` "skill" (the
         recipe): groups of one skill, totals < 0 dropped, advantages times the env reward
-        scale; "prompt": the samples of one designer prompt, unscaled."""
+        scale; "prompt": the samples of one designer prompt, unscaled.
+
+        ``penalized[i]``: sample i's total is ``invalid_penalty`` (its program failed
+        validation, or its game scored nothing), not a reward rule's score. The recipe's
+        drop of negative totals is about scores (a blend < 0), so a penalized sample joins
+        its skill's group whatever its sign: without that, ``invalid_penalty=-1`` would
+        silently train nothing under skill groups. None: no sample is penalized."""
         cfg = self.config
         if not samples:
             return []
+        penalized = [False] * len(samples) if penalized is None else list(penalized)
         groups: dict[Any, list[int]] = {}
         scale = 1.0
         if cfg.designer_groups == DesignerGroups.SKILL:
@@ -461,7 +471,7 @@ class SpadeLoop:
         for i, ((produced, sample), total) in enumerate(zip(samples, totals, strict=True)):
             if cfg.designer_groups == DesignerGroups.PROMPT:
                 groups.setdefault((produced, sample.slot), []).append(i)
-            elif total >= 0:
+            elif total >= 0 or penalized[i]:
                 groups.setdefault(sample.skill, []).append(i)
         members = list(groups.values())
         sequences, kept = self.role_sequences("designer", [

@@ -297,6 +297,26 @@ def test_paper_text_variant_trains_invalid_samples_with_the_penalty(pool):
     assert len(policy.design_calls) == 2
 
 
+def test_skill_groups_train_invalid_attempts_under_a_penalty(pool):
+    """The recipe drops negative *scores* from a skill group; a penalty the config asks for
+    is not a score, so the invalid attempts join their skill's group and are pushed down."""
+    policy = ScriptedPolicy([_text(VALID.source), "no program here"])
+    config = dataclasses.replace(WINDOW, rounds=1, regeneration_interval=1, designer_delay=0,
+                                 max_design_attempts=1, invalid_penalty=-1.0,
+                                 skills_per_window=1)
+    assert config.designer_groups == "skill"
+    loop = _loop(pool, policy, config)
+    metrics = loop.run_step(0)
+    designer = _designer(policy.updates[0])
+    invalid = [s for s in designer if "no program here" in ByteTokenizer().decode(s.token_ids)]
+    valid = [s for s in designer if s not in invalid]
+    assert metrics["valid_envs"] == 2 and len(invalid) == 2 and len(valid) == 2
+    # one skill group, mean-centred: the -1s sit below every valid program's (blend >= 0)
+    assert max(s.advantage for s in invalid) < 0 < min(s.advantage for s in valid)
+    np.testing.assert_allclose(sum(s.advantage for s in designer), 0.0, atol=1e-5)
+    np.testing.assert_allclose(invalid[0].advantage, invalid[1].advantage, atol=1e-6)
+
+
 def _straight_and_resumed(pool, config, cut, corpus=True):
     straight = ScriptedPolicy(ALL_VALID + [_text(BROKEN_PROGRAM)])
     loop = _loop(pool, straight, config, corpus=corpus)

@@ -38,11 +38,16 @@ def test_loss_mask_shift():
 def test_designer_reward_permutation(monkeypatch):
     seen = []
     monkeypatch.setattr(SpadeLoop, "designer_sequences",
-                        lambda self, samples, totals, num_agent, step: seen.append(totals))
+                        lambda self, samples, totals, num_agent, step, penalized=None:
+                        seen.append((totals, penalized)))
     with planted("designer_reward_permutation"):
-        SpadeLoop.designer_sequences(None, [1, 2, 3, 4], [0.1, 0.2, 0.3, 0.4], 8, 5)
-    assert sorted(seen[0]) == [0.1, 0.2, 0.3, 0.4]
-    assert all(a != b for a, b in zip(seen[0], [0.1, 0.2, 0.3, 0.4], strict=True))  # none own
+        SpadeLoop.designer_sequences(None, [1, 2, 3, 4], [0.1, 0.2, 0.3, -1.0], 8, 5,
+                                     penalized=[False, False, False, True])
+    totals, penalized = seen[0]
+    assert sorted(totals) == [-1.0, 0.1, 0.2, 0.3]
+    assert all(a != b for a, b in zip(totals, [0.1, 0.2, 0.3, -1.0], strict=True))  # none own
+    # a penalty keeps its flag wherever it lands (a moved -1 is still trained as one)
+    assert [t == -1.0 for t in totals] == list(penalized)
 
 
 def test_hint_swap(monkeypatch):
