@@ -99,7 +99,7 @@ def hint_following_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...
     count_up = [(d + 1) % base for d in range(base)]
     first_level = 1 if form == "pairs" else 2
     last_level = config.chain_hint_max_level or min(base + 1, chain.LEVELS[-1])
-    levels = range(first_level, max(first_level, last_level) + 1)
+    levels = range(first_level, last_level + 1)  # ToyConfig rejects cycle with max 1
     examples = []
     while len(examples) < config.chain_hint_following:
         if form == "pairs":

@@ -144,6 +144,9 @@ class ToyConfig:
         if self.chain_hint_max_level != 0 and self.chain_hint_max_level not in LEVELS:
             raise ValueError(f"toy.chain_hint_max_level must be 0 (chain_base + 1) or a level "
                              f"from {LEVELS}, got {self.chain_hint_max_level!r}")
+        if self.chain_hint_form == "cycle" and self.chain_hint_max_level == 1:
+            raise ValueError("toy.chain_hint_max_level=1 needs chain_hint_form='pairs': a "
+                             "cycle hint's examples start at level 2 (level 1 is a copy)")
         for name in ("designer_examples", "hint_examples", "agent_examples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"toy.{name} must be >= 1, got {getattr(self, name)}")

@@ -378,6 +378,9 @@ def test_the_pairs_hint_writes_each_digits_successor_as_one_piece(tmp_path):
             for (observation,), target in _agent_examples(longer, 0)[6:]} == set(range(1, 10))
     with pytest.raises(ValueError, match="toy.chain_hint_max_level"):
         ToyConfig(chain_hint_max_level=10)
+    with pytest.raises(ValueError, match="chain_hint_form='pairs'"):
+        ToyConfig(chain_hint_max_level=1)  # the cycle form's examples start at level 2
+    assert ToyConfig(chain_hint_max_level=1, chain_hint_form="pairs").chain_hint_max_level == 1
     assert "Next: 0>1" in tokenizer_text(config) and "Next:" not in tokenizer_text(CONFIG)
 
     tokenizer = build_tokenizer(TokenizerSpec(vocab_size=400, text="toy"), tmp_path, config)
