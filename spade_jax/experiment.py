@@ -116,11 +116,18 @@ class WarmStartConfig:
     # "token": the loss is the mean over a batch's target tokens (long programs dominate);
     # "sequence": the mean over its examples (a 6-token answer weighs as a 220-token program).
     loss_mean: str = "token"
+    # A local directory that keeps warm-started weights by a hash of everything the pass
+    # reads (spade/warm_start_cache.py): the runs of a sweep at one seed (an experiment and
+    # its ablations, planted faults) train the warm start once. "" = no cache.
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.loss_mean not in LOSS_MEANS:
             raise ValueError(f"warm_start.loss_mean must be one of {LOSS_MEANS}, got "
                              f"{self.loss_mean!r}")
+        if "://" in self.cache_dir:
+            raise ValueError(f"warm_start.cache_dir must be a local directory, got "
+                             f"{self.cache_dir!r}")
 
 
 @dataclasses.dataclass(frozen=True)

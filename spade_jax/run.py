@@ -592,12 +592,28 @@ def _toy_warm_start_sequences(config, tokenizer, loop: SpadeLoop) -> list:
 
 def _supervised_pass(config, tokenizer, graphdef, state: TrainState, seqs) -> TrainState:
     """``warm_start.steps`` of masked NLL on ``seqs``; the state with the new params."""
+    from spade_jax.spade import warm_start_cache
+
     ws = config.warm_start
-    params, losses = warm_start(graphdef, state.params, seqs, steps=ws.steps,
-                                batch_size=ws.batch_size, learning_rate=ws.learning_rate,
-                                seed=config.seed, pad_id=tokenizer.pad_id,
-                                loss_mean=ws.loss_mean)
+    settings = dict(steps=ws.steps, batch_size=ws.batch_size, learning_rate=ws.learning_rate,
+                    seed=config.seed, pad_id=tokenizer.pad_id, loss_mean=ws.loss_mean)
+    key = None
+    if ws.cache_dir and jax.process_count() == 1:
+        key = warm_start_cache.cache_key(
+            seqs, state.params, {**settings, "model": dataclasses.asdict(config.model)})
+        hit = warm_start_cache.load(ws.cache_dir, key, state.params)
+        if hit is not None:
+            log.info("warm start loaded from the cache (%s, %s.npz): loss %.3f -> %.3f when "
+                     "trained", ws.cache_dir, key[:12], hit.first_loss, hit.last_loss)
+            return dataclasses.replace(
+                state, params=warm_start_cache.restore_like(hit.arrays, state.params))
+    elif ws.cache_dir:
+        log.warning("warm_start.cache_dir is ignored by a multi-process run")
+    params, losses = warm_start(graphdef, state.params, seqs, **settings)
     log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
+    if key is not None:
+        path = warm_start_cache.save(ws.cache_dir, key, params, losses)
+        log.info("warm start cached as %s", path)
     return dataclasses.replace(state, params=params)
 
 
