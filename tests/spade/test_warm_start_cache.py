@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from spade import test_warm_start as fixtures  # tests/spade/
+
 from spade_jax import run
 from spade_jax.experiment import ExperimentConfig, WarmStartConfig
 from spade_jax.rl.batch import TrainSequence
