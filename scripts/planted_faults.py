@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: 'none' (the clean run) and fault names")
     parser.add_argument("--experiment", default="key_digit:check")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, as train's --set (e.g. "
+                        "warm_start.cache_dir=runs/warm_cache: one warm start for all)")
     parser.add_argument("--check", choices=("agent_path", "full"), default="agent_path",
                         help="agent_path: key_digit:check's claim (check_agent_path); full: the "
                         "toy world's claims (check_run), for --experiment=toy")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir / f"seed{args.seed}_{fault}"
         if not (workdir / "metrics.jsonl").exists():
             workdir.mkdir(parents=True, exist_ok=True)
-            config = load_experiment(args.experiment, [f"seed={args.seed}"])
+            config = load_experiment(args.experiment, [f"seed={args.seed}", *args.set])
             start = time.time()
             with planted(fault) if fault != "none" else contextlib.nullcontext():
                 run_experiment(config, workdir)
