@@ -124,7 +124,9 @@ class SpadeConfig:
       max_design_attempts: rejection sampling: attempts per designer sample until its
         program validates (recipe 5). Only valid attempts become games.
       invalid_penalty: None (recipe): invalid attempts are never trained. A float: every
-        invalid attempt is trained with this designer reward (the paper text's -1).
+        invalid attempt (and a valid game that scored nothing) is trained with this
+        designer reward (the paper text's -1); under skill groups it joins its skill's
+        group whatever its sign (the recipe's drop of totals < 0 is for scores).
       hint_mode: "self" (recipe): after a game validates, the policy writes a short
         strategy hint from its source in a separate untrained call; "designer": the hint
         the designer wrote next to the program; "none": no hint arm.
