@@ -70,7 +70,7 @@ def cache_key(sequences: Sequence[TrainSequence], params: Any, settings: Mapping
     for name, leaf in named_leaves(params).items():
         array = np.asarray(leaf)
         digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
-        digest.update(np.ascontiguousarray(array).tobytes())
+        digest.update(array.tobytes())
     return digest.hexdigest()
 
 
@@ -111,9 +111,9 @@ def save(cache_dir: str | os.PathLike, key: str, params: Any, losses: Sequence[f
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays, shapes = {}, {}
     for name, leaf in named_leaves(params).items():
-        array = np.ascontiguousarray(np.asarray(leaf))
+        array = np.asarray(leaf)  # (ascontiguousarray would make a 0-d leaf 1-d)
         shapes[name] = (str(array.dtype), list(array.shape))
-        arrays[name] = array.view(np.uint8).ravel()  # raw bytes: bfloat16 has no npz dtype
+        arrays[name] = np.frombuffer(array.tobytes(), np.uint8)  # bfloat16 has no npz dtype
     manifest = {"arrays": shapes, "first_loss": float(losses[0]),
                 "last_loss": float(losses[-1])}
     arrays[_MANIFEST] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
