@@ -19,9 +19,9 @@ What it learns without the hint, and where the designer moves, are RL's doing.
 
 This is ``chain:hint`` (experiments/chain.py) run for 96 rounds with nucleus sampling for
 the designer, 1,000 no-hint agent warm-start examples, a designer warm start uniform over
-the levels, hint following taught up to level 9 and invalid programs trained at -1 (below). A toy world, not the
-paper's claims: the curves show the loop's parts working together on a task a
-~1M-parameter model learns in minutes. 21-37 minutes on 2 cores with other runs sharing
+the levels, hint following taught up to level 9 and invalid programs trained at -1
+(below). A toy world, not the paper's claims: the curves show the loop's parts working
+together on a task a ~1M-parameter model learns in minutes. 21-37 minutes on 2 cores with other runs sharing
 them (docs/toy_world.md, "The toy experiment").
 """
 
@@ -42,7 +42,7 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # Invalid attempts trained with a designer reward of -1 (the paper text's penalty;
         # the recipe never trains them): without it the agent's updates and the designer's
         # negative advantages eroded the shared weights' program writing, and validity fell
-        # below 0.5 in 6-9 of 48 regenerations in 2 of 3 seeds; with it, in 1-2 of 48 in
+        # below 0.5 in 6-9 of 48 regenerations in 2 of 3 seeds; with it, in 1-3 of 48 in
         # every seed, recovering at the next (docs/toy_world.md, "fifth pass").
         spade=dataclasses.replace(config.spade, rounds=96, invalid_penalty=-1.0),
         # Nucleus sampling for the designer: under chain:hint's sampling (T = 0.8, no
