@@ -40,9 +40,9 @@ def get_config(variant: str = "") -> ExperimentConfig:
         # 96 rounds: the held-out pass@1 and the designer's levels move in the second half
         # of a run (48 rounds did not show them: docs/toy_world.md, "Chain games").
         # Invalid attempts trained with a designer reward of -1 (the paper text's penalty;
-        # the recipe never trains them): without it the agent's updates and the designer's
-        # negative advantages eroded the shared weights' program writing, and validity fell
-        # below 0.5 in 6-9 of 48 regenerations in 2 of 3 seeds; with it, in 1-3 of 48 in
+        # the recipe never trains them): without it the shared weights' program writing
+        # eroded as they trained, and validity fell below 0.5 in 6-9 of 48
+        # regenerations in 2 of 3 seeds; with it, in 1-3 of 48 in
         # every seed, recovering at the next (docs/toy_world.md, "fifth pass").
         spade=dataclasses.replace(config.spade, rounds=96, invalid_penalty=-1.0),
         # Nucleus sampling for the designer: under chain:hint's sampling (T = 0.8, no
