@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spade_jax.checkpoint import named_leaves
+from spade_jax.checkpoint import check_names, named_leaves
 from spade_jax.rl.batch import TrainSequence
 
 log = logging.getLogger(__name__)
@@ -87,16 +87,16 @@ def load(cache_dir: str | os.PathLike, key: str, like: Any) -> CachedWarmStart |
     try:
         with np.load(path, allow_pickle=False) as data:
             manifest = json.loads(bytes(data[_MANIFEST]).decode())
+            reference = named_leaves(like)
+            check_names(manifest["arrays"], reference, "the cache entry's arrays")
             arrays = {}
-            for name, ref in named_leaves(like).items():
+            for name, ref in reference.items():
                 dtype, shape = manifest["arrays"][name]
                 if dtype != str(ref.dtype) or tuple(shape) != tuple(ref.shape):
                     raise ValueError(f"{name}: cached {dtype}{shape}, the run's "
                                      f"{ref.dtype}{tuple(ref.shape)}")
                 arrays[name] = np.frombuffer(data[name].tobytes(),
                                              jnp.dtype(dtype)).reshape(shape)
-            if set(manifest["arrays"]) != set(arrays):
-                raise ValueError("the entry's arrays are not the run's")
             return CachedWarmStart(arrays, float(manifest["first_loss"]),
                                    float(manifest["last_loss"]))
     except Exception as err:  # a damaged entry costs a warm start, never the run
