@@ -1,9 +1,10 @@
-"""What every decode path shares: one state type, one draw, one record, one routing record,
-one stop-string pass. :func:`spade_jax.rollout.sampler.sample` (a batch of prompts, one
-shared cache index) and :class:`spade_jax.rollout.engine.SlotEngine` (slots with a cache
-index each) keep their own schedules; what a row carries, how it draws, what it records,
-when it is done and where a stop string cuts it are defined here once, so the two cannot
-drift.
+"""What every decode path shares: one static config, one scalars type, one state type, one
+decode step and loop, one draw, one record, one routing record, one stop-string pass.
+:func:`spade_jax.rollout.sampler.sample` (a batch of prompts, one shared cache index) and
+:class:`spade_jax.rollout.engine.SlotEngine` (slots with a cache index each) keep their own
+prefill and schedule; what a row carries, how a step feeds it, how it draws, what it
+records, when it is done and where a stop string cuts it are defined here once, so the two
+cannot drift.
 
 A row that is running at a step has drawn ``num_generated_b`` tokens, so its next draw goes
 to that column and uses that step number: a row's tokens depend on its (seed, stream) and
@@ -12,18 +13,87 @@ its own history only, never on which rows share its batch or call.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 
 from spade_jax.models import KVCache
 from spade_jax.rollout import sampling
+from spade_jax.rollout.routing import routing_dtype
 
 DONE_REASONS = ("running", "eos", "stop_string", "max_tokens")
 RUNNING, EOS, STOP_STRING, MAX_TOKENS = range(4)
+CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStatic:
+    """Everything a compiled decode program depends on besides array shapes (hashable: a
+    jit static argument), for both paths.
+
+    greedy, top_k, use_top_p, batch_invariant: how rows draw (:func:`draw`).
+    router_hook: pure ``f(logits_btE, layer_idx)`` in every MoE layer before top-k; with an
+      ``answer_detector`` called as ``f(logits, layer, active=fired_b)``.
+    mesh: handed to the model (its expert-parallel MoE dispatch).
+    return_router: record the experts every fed token was routed to; router_logits: and
+      its router logits (then the experts are recorded as int32, else in the compact
+      routing dtype).
+    answer_detector: a device-side first-answer detector (the sampler's; None in the engine).
+    cache_dtype, cache_len: the KV cache a prefill allocates (the engine grows its own
+      between calls and leaves these unset)."""
+
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    batch_invariant: bool = False
+    router_hook: Callable | None = None
+    mesh: Any = None
+    return_router: bool = False
+    router_logits: bool = False
+    answer_detector: Any = None
+    cache_dtype: Any = None
+    cache_len: int = 0
+
+
+def static_for(config: Any, model_options: Any, *, cache_len: int = 0,
+               router_hook: Callable | None = None, answer_detector: Any = None,
+               mesh: jax.sharding.Mesh | None = None,
+               router_logits: bool | None = None) -> DecodeStatic:
+    """The decode programs' static settings for a :class:`~spade_jax.rollout.sampler.
+    SamplerConfig` and the model's options. ``router_logits`` None: as ``config`` says."""
+    return DecodeStatic(
+        greedy=config.greedy, top_k=config.top_k,
+        use_top_p=config.top_p < 1 and not config.greedy,
+        batch_invariant=getattr(model_options, "batch_invariant", False),
+        router_hook=router_hook, mesh=mesh, return_router=bool(config.return_router),
+        router_logits=(config.records_router_logits if router_logits is None
+                       else router_logits),
+        answer_detector=answer_detector, cache_dtype=cache_dtype_for(config, model_options),
+        cache_len=cache_len)
+
+
+def cache_dtype_for(config: Any, model_options: Any) -> Any:
+    """The KV cache's dtype: ``config.cache_dtype`` when set, else the compute dtype."""
+    return (CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
+            else model_options.compute_dtype)
+
+
+class DecodeScalars(struct.PyTreeNode):
+    """Traced sampling settings (changing them does not recompile). ``seed`` and
+    ``row_offset`` (prompt index of a batch's row 0) are the sampler's, from which its
+    prefill derives each row's ``seed_b`` / ``stream_b``; the engine's requests carry their
+    own seeds and leave them None."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    seed: jax.Array | None = None
+    row_offset: jax.Array | None = None
 
 
 class DecodeState(struct.PyTreeNode):
@@ -64,13 +134,131 @@ class DecodeState(struct.PyTreeNode):
     answer_state: Any = None
 
 
+def recorded_layers(cfg: Any, static: DecodeStatic) -> tuple[int, ...]:
+    """The MoE layers whose routing is recorded (empty: none recorded)."""
+    if not static.return_router:
+        return ()
+    return tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+
+
+def routing_shapes(cfg: Any, static: DecodeStatic) -> tuple[tuple | None, tuple | None]:
+    """Per generated token, the recorded experts' ``(L, X, dtype)`` and router logits'
+    ``(L, E)``, each None when not recorded. The experts are int32 beside the logits (as
+    they always were), else in the compact routing dtype (the recording is all there is)."""
+    layers = recorded_layers(cfg, static)
+    if not layers:
+        return None, None
+    logits = static.router_logits
+    experts = (len(layers), cfg.num_experts_per_tok,
+               jnp.dtype(jnp.int32) if logits else jnp.dtype(routing_dtype(cfg.num_experts)))
+    return experts, ((len(layers), cfg.num_experts) if logits else None)
+
+
+def moe_stack(per_layer: list, moe_layers: Sequence[int]) -> jax.Array | None:
+    """The MoE layers' entries of a per-layer list stacked on axis 2 ([B, T, L, ...])."""
+    if not moe_layers:
+        return None
+    return jnp.stack([per_layer[i] for i in moe_layers], axis=2)
+
+
+def new_rows(cache: KVCache | None, *, new_buffer: int, limit_b: jax.Array, seed_b: jax.Array,
+             stream_b: jax.Array, stop_bm: jax.Array, done_b: jax.Array | None = None,
+             routing: tuple[tuple | None, tuple | None] = (None, None),
+             answer_detector: Any = None) -> DecodeState:
+    """B rows about to draw their first token (nothing generated): the request state every
+    path starts from. ``done_b`` rows (padding rows, empty slots) are done as
+    "max_tokens" and never draw. ``routing``: :func:`routing_shapes`, the buffers to
+    allocate. The sampler's own fields are left None (it sets them)."""
+    b = limit_b.shape[0]
+    done_b = jnp.zeros((b,), bool) if done_b is None else done_b
+    experts, logits = routing
+    return DecodeState(
+        cache=cache,
+        last_token_b=jnp.zeros((b,), jnp.int32),
+        tokens_bn=jnp.zeros((b, new_buffer), jnp.int32),
+        logprobs_bn=jnp.zeros((b, new_buffer), jnp.float32),
+        num_generated_b=jnp.zeros((b,), jnp.int32),
+        done_b=done_b,
+        reason_b=jnp.where(done_b, MAX_TOKENS, RUNNING).astype(jnp.int32),
+        limit_b=limit_b, seed_b=seed_b, stream_b=stream_b, stop_bm=stop_bm,
+        experts_bnlx=(None if experts is None
+                      else jnp.zeros((b, new_buffer, experts[0], experts[1]), experts[2])),
+        router_bnle=None if logits is None else jnp.zeros((b, new_buffer) + logits, jnp.float32),
+        answer_state=None if answer_detector is None else answer_detector.init(b),
+    )
+
+
+def router_hook_for(static: DecodeStatic, answer_state: Any) -> Callable | None:
+    """The router hook as the model calls it; with a detector it also sees ``active=[B]``."""
+    if static.router_hook is None or static.answer_detector is None:
+        return static.router_hook
+    return functools.partial(static.router_hook, active=answer_state.fired_b)
+
+
 def draw_and_record(state: DecodeState, logits_bv: jax.Array, running_b: jax.Array,
-                    scalars: Any, static: Any) -> tuple[DecodeState, jax.Array]:
+                    scalars: DecodeScalars, static: DecodeStatic) -> tuple[DecodeState, jax.Array]:
     """Every running row draws its next token from ``logits_bv`` with its own stream and
-    records it; returns the state and the drawn tokens ([B], a done row's are dropped)."""
+    records it; the sampler's step counter and answer detector advance. Returns the state
+    and the drawn tokens ([B], a done row's are dropped)."""
     token_b, logprob_b = draw(logits_bv, state.seed_b, state.stream_b, state.num_generated_b,
                               scalars, static)
-    return record(state, token_b, logprob_b, running_b, state.stop_bm), token_b
+    state = record(state, token_b, logprob_b, running_b, state.stop_bm)
+    if state.step is not None:
+        state = state.replace(step=state.step + 1)
+    if static.answer_detector is not None:
+        state = state.replace(answer_state=static.answer_detector.update(state.answer_state,
+                                                                         token_b))
+    return state, token_b
+
+
+def decode_step(model: nnx.Module, state: DecodeState, scalars: DecodeScalars,
+                static: DecodeStatic) -> DecodeState:
+    """One token for every running row: the model fed each row's last token, its routing
+    recorded, the next token drawn and recorded. The sampler's rows share one cache index
+    and carry their RoPE position (left-padded prompts); the engine's slots each have their
+    own index, and a done slot's write is masked out so its stream stays as it was."""
+    running_b = ~state.done_b
+    shared_index = state.position_b is not None
+    out = model(state.last_token_b[:, None],
+                state.position_b[:, None] if shared_index else None,
+                None if shared_index else running_b[:, None],
+                cache=state.cache, router_hook=router_hook_for(static, state.answer_state),
+                mesh=static.mesh)
+    if state.experts_bnlx is not None:  # the routing of the token just fed
+        layers = recorded_layers(model.config, static)
+        state = state.replace(experts_bnlx=record_routing(
+            state.experts_bnlx, moe_stack(out.selected_experts, layers)[:, 0], running_b,
+            state.num_generated_b))
+        if state.router_bnle is not None:
+            state = state.replace(router_bnle=record_routing(
+                state.router_bnle, moe_stack(out.router_logits, layers)[:, 0], running_b,
+                state.num_generated_b))
+    state = state.replace(cache=out.cache)
+    if shared_index:
+        state = state.replace(position_b=state.position_b + 1)
+    return draw_and_record(state, out.logits[:, -1], running_b, scalars, static)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
+def decode(graphdef: nnx.GraphDef, params: Any, state: DecodeState, max_steps: jax.Array,
+           scalars: DecodeScalars, *, static: DecodeStatic) -> tuple[DecodeState, jax.Array]:
+    """Up to ``max_steps`` :func:`decode_step` s in one ``lax.while_loop``, fewer when every
+    row is done: no Python per token. Returns the state and ``[steps, busy]`` (steps run,
+    running rows summed over them)."""
+    model = nnx.merge(graphdef, params)
+
+    def keep_going(carry):
+        steps, _, s = carry
+        return (steps < max_steps) & ~jnp.all(s.done_b)
+
+    def body(carry):
+        steps, busy, s = carry
+        busy = busy + jnp.sum(~s.done_b, dtype=jnp.int32)
+        return steps + 1, busy, decode_step(model, s, scalars, static)
+
+    zero = jnp.zeros((), jnp.int32)
+    steps, busy, state = jax.lax.while_loop(keep_going, body, (zero, zero, state))
+    return state, jnp.stack([steps, busy])
 
 
 def draw(logits_bv: jax.Array, seed_b: jax.Array, stream_b: jax.Array, step_b: jax.Array,
@@ -122,15 +310,63 @@ def record_routing(buffer_bn: jax.Array, value_b: jax.Array, running_b: jax.Arra
     return buffer_bn.at[rows_b, col_b].set(value_b.astype(buffer_bn.dtype), mode="drop")
 
 
-def cut(state: Any, cut_b: jax.Array) -> Any:
+@functools.partial(jax.jit, donate_argnums=0)
+def cut(state: DecodeState, cut_b: jax.Array) -> DecodeState:
     """Ends the rows with ``cut_b >= 0`` after their first ``cut_b`` tokens (a stop string
-    completed there): reason "stop_string". The caller rolls back whatever else the dropped
-    tokens touched (the slot engine: its cache)."""
+    completed there): reason "stop_string". With a cache index per row (the engine's
+    slots, kept for a continuation) a cut row's cache goes back to the stream before its
+    last kept token (drawn, never fed), as if it had stopped there: every step of a running
+    row fed one token and drew one, so ``index - num_generated`` is the same at any step
+    of a request. A shared index (the sampler's rows, discarded when done) stays."""
     is_cut = cut_b >= 0
+    if state.cache.index.ndim == 1:
+        index_b = jnp.where(is_cut, state.cache.index - (state.num_generated_b - cut_b),
+                            state.cache.index)
+        slots_s = jnp.arange(state.cache.valid_bs.shape[1])
+        valid_bs = state.cache.valid_bs & (~is_cut[:, None]
+                                           | (slots_s[None, :] < index_b[:, None]))
+        state = state.replace(cache=state.cache.replace(index=index_b, valid_bs=valid_bs))
     return state.replace(
         num_generated_b=jnp.where(is_cut, cut_b, state.num_generated_b),
         done_b=state.done_b | is_cut,
         reason_b=jnp.where(is_cut, STOP_STRING, state.reason_b))
+
+
+def apply_stop_strings(state: DecodeState, stop_text: StopStrings,
+                       rows: list[tuple[int, int]]) -> DecodeState:
+    """The stop-string pass of both paths: candidate ``rows`` (batch row, its key in
+    ``stop_text``) whose decoded text now contains a stop string are :func:`cut`. Run
+    under the caller's mesh."""
+    if not any(stop_text.per_row):
+        return state
+    cut_b = stop_text.cuts(rows, to_host(state.done_b), to_host(state.num_generated_b),
+                           lambda: to_host(state.tokens_bn))
+    return state if cut_b is None else cut(state, to_device(cut_b, like=state.done_b))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """``x`` as a NumPy array on this host. A row-sharded array on a mesh spanning several
+    processes holds other hosts' rows, which ``np.asarray`` cannot read: it is all-gathered
+    instead (a collective; every process reaches the same reads, as all run the same
+    decode loop on the same global batch). One process: a plain device-to-host copy."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def to_device(x: np.ndarray, mesh: jax.sharding.Mesh | None = None, *,
+              like: jax.Array | None = None) -> jax.Array:
+    """A host array back on the devices: with ``like``'s sharding, else replicated over
+    ``mesh``. On a mesh spanning several processes every process passes the same values
+    (computed from gathered arrays) and fills its own shards; otherwise an uncommitted
+    array, as a one-process run always had."""
+    target = like.sharding if like is not None else (
+        None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    if target is None or target.is_fully_addressable:
+        return jnp.asarray(x)
+    return jax.device_put(x, target)
 
 
 class StopStrings:

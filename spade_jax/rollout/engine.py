@@ -50,7 +50,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from spade_jax import sharding
 from spade_jax.models import KVCache
@@ -58,22 +58,15 @@ from spade_jax.models.qwen3 import Packing
 from spade_jax.rollout import decode_core
 from spade_jax.rollout.decode_core import (
     DONE_REASONS,
-    MAX_TOKENS,
-    RUNNING,
+    DecodeScalars,
     DecodeState,
+    DecodeStatic,
     StopStrings,
-)
-from spade_jax.rollout.routing import routing_dtype
-from spade_jax.rollout.sampler import (
-    CACHE_DTYPES,
-    SamplerConfig,
-    batch_shards,
     moe_stack,
-    next_pow2,
-    round_up,
     to_device,
     to_host,
 )
+from spade_jax.rollout.sampler import SamplerConfig, batch_shards, next_pow2, round_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,68 +106,10 @@ class Finished:
     routing: np.ndarray | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    router_hook: Callable | None
-    batch_invariant: bool
-    mesh: Any = None  # handed to the model (its expert-parallel MoE dispatch)
-    moe_layers: tuple[int, ...] = ()  # recorded for router replay (empty: not recorded)
-    routing_dtype: Any = None
-
-
-class _Scalars(struct.PyTreeNode):
-    temperature: jax.Array
-    top_p: jax.Array
-
-
-def _draw_and_record(state: DecodeState, logits_bv, running_b, scalars: _Scalars,
-                     static: _Static) -> DecodeState:
-    """Every running row draws its next token with its request's seed (stream 0) and
-    records it (``decode_core``)."""
-    return decode_core.draw_and_record(state, logits_bv, running_b, scalars, static)[0]
-
-
-def _routing(out, static: _Static):
-    """The forward's selected experts over the recorded MoE layers, [B, T, L, X] compact."""
-    return moe_stack(out.selected_experts, static.moe_layers).astype(static.routing_dtype)
-
-
-def _step(model, state: DecodeState, scalars: _Scalars, static: _Static) -> DecodeState:
-    running_b = ~state.done_b
-    out = model(state.last_token_b[:, None], attention_mask_bt=running_b[:, None],
-                cache=state.cache, router_hook=static.router_hook, mesh=static.mesh)
-    if state.experts_bnlx is not None:
-        state = state.replace(experts_bnlx=decode_core.record_routing(
-            state.experts_bnlx, _routing(out, static)[:, 0], running_b, state.num_generated_b))
-    return _draw_and_record(state.replace(cache=out.cache), out.logits[:, -1], running_b,
-                            scalars, static)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
-def _decode(graphdef, params, state: DecodeState, max_steps, scalars, *, static: _Static):
-    """Up to ``max_steps`` decode steps, fewer when every slot is done."""
-    model = nnx.merge(graphdef, params)
-
-    def keep_going(carry):
-        steps, _, s = carry
-        return (steps < max_steps) & ~jnp.all(s.done_b)
-
-    def body(carry):
-        steps, busy, s = carry
-        busy = busy + jnp.sum(~s.done_b, dtype=jnp.int32)
-        return steps + 1, busy, _step(model, s, scalars, static)
-
-    zero = jnp.zeros((), jnp.int32)
-    steps, busy, state = jax.lax.while_loop(keep_going, body, (zero, zero, state))
-    return state, jnp.stack([steps, busy])
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
 def _admit(graphdef, params, state: DecodeState, home_u, fresh_u, ids_gn, packing: Packing, mask_ut,
-           last_gu, src_k, slots_k, limit_k, seed_k, scalars, *, static: _Static):
+           last_gu, src_k, slots_k, limit_k, seed_k, scalars: DecodeScalars, *,
+           static: DecodeStatic):
     """Prefills U unique requests (row u extends the cache of slot ``home_u[u]``, emptied
     first when ``fresh_u[u]``; its added tokens are the real ones of ``mask_ut[u]``, fed
     packed as ``ids_gn`` with ``packing``, so padding costs no position-wise work; its last
@@ -193,22 +128,24 @@ def _admit(graphdef, params, state: DecodeState, home_u, fresh_u, ids_gn, packin
     logits_kv = jnp.take(model.lm_head(hidden_u1d)[:, 0], src_k, axis=0)
     cache = state.cache.put_rows(slots_k, out.cache.take_rows(src_k))
 
-    k, n = src_k.shape[0], state.tokens_bn.shape[1]
-    rows = DecodeState(  # the admitted rows' fresh request state
-        cache=None, last_token_b=jnp.zeros((k,), jnp.int32),
-        tokens_bn=jnp.zeros((k, n), jnp.int32), logprobs_bn=jnp.zeros((k, n), jnp.float32),
-        num_generated_b=jnp.zeros((k,), jnp.int32), done_b=jnp.zeros((k,), bool),
-        reason_b=jnp.full((k,), RUNNING, jnp.int32), limit_b=limit_k, seed_b=seed_k,
+    k = src_k.shape[0]
+    rows = decode_core.new_rows(  # the admitted rows' fresh request state (no routing yet)
+        None, new_buffer=state.tokens_bn.shape[1], limit_b=limit_k, seed_b=seed_k,
         stream_b=jnp.zeros((k,), jnp.int32), stop_bm=state.stop_bm)
-    rows = _draw_and_record(rows, logits_kv, jnp.ones((k,), bool), scalars, static)
+    rows = decode_core.draw_and_record(rows, logits_kv, jnp.ones((k,), bool), scalars,
+                                       static)[0]
 
     def put(dst, src):
         return dst.at[slots_k].set(src, mode="drop")
 
-    fields = [f for f in _PER_ROW if f != "experts_bnlx" and getattr(rows, f) is not None]
+    fields = [f for f in _PER_ROW if getattr(rows, f) is not None]
     state = state.replace(cache=cache, **{f: put(getattr(state, f), getattr(rows, f))
                                           for f in fields})
-    return state, (_routing(out, static) if static.moe_layers else None)
+    layers = decode_core.recorded_layers(model.config, static)
+    if not layers:
+        return state, None
+    experts_dtype = decode_core.routing_shapes(model.config, static)[0][2]
+    return state, moe_stack(out.selected_experts, layers).astype(experts_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,21 +196,6 @@ def _pack(token_lists: Sequence[Sequence[int]], rows: int, width: int, groups: i
     return _Packed(ids_gn, slot_gn, token_gr, mask_ut, last_gu, group, start)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _cut(state: DecodeState, cut_b) -> DecodeState:
-    """:func:`decode_core.cut`, and the cut rows' cache goes back to the stream before the
-    last kept token (drawn, never fed), as if they had stopped there. Every step of a
-    running row fed one token and drew one, so ``index - num_generated`` is the same at any
-    step of a request."""
-    cut = cut_b >= 0
-    index_b = jnp.where(cut, state.cache.index - (state.num_generated_b - cut_b),
-                        state.cache.index)
-    slots_s = jnp.arange(state.cache.valid_bs.shape[1])
-    valid_bs = state.cache.valid_bs & (~cut[:, None] | (slots_s[None, :] < index_b[:, None]))
-    state = state.replace(cache=state.cache.replace(index=index_b, valid_bs=valid_bs))
-    return decode_core.cut(state, cut_b)
-
-
 # The per-row fields (the engine leaves the sampler's own fields None): every row's
 # request state; the cache goes by its own methods, the stop ids are shared ([1, M]).
 _PER_ROW = tuple(f.name for f in dataclasses.fields(DecodeState)
@@ -319,24 +241,19 @@ def _grow(state: DecodeState, *, max_len: int) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "config", "stacked", "slots", "cache_len", "cache_dtype", "new_buffer", "experts", "mesh"))
+    "config", "stacked", "slots", "cache_len", "cache_dtype", "new_buffer", "routing", "mesh"))
 def _empty_state(stop_bm, *, config, stacked: bool, slots: int, cache_len: int, cache_dtype,
-                 new_buffer: int, experts: tuple | None, mesh) -> DecodeState:
-    """Every slot empty. Module-level (static shapes and mesh), so a new engine with the
-    same settings, e.g. one per ``run_episodes`` call, reuses the compiled program."""
+                 new_buffer: int, routing: tuple, mesh) -> DecodeState:
+    """Every slot empty (done, waiting for a request). Module-level (static shapes and
+    mesh), so a new engine with the same settings, e.g. one per ``run_episodes`` call,
+    reuses the compiled program."""
     del mesh  # a static key only: the cache's sharding follows the active mesh
-    b, n = slots, new_buffer
-    cache = KVCache.init(config, b, cache_len, cache_dtype, stacked=stacked,
+    cache = KVCache.init(config, slots, cache_len, cache_dtype, stacked=stacked,
                          per_row=True).constrain()
-    return DecodeState(
-        cache=cache, last_token_b=jnp.zeros((b,), jnp.int32),
-        tokens_bn=jnp.zeros((b, n), jnp.int32), logprobs_bn=jnp.zeros((b, n), jnp.float32),
-        num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.ones((b,), bool),
-        reason_b=jnp.full((b,), MAX_TOKENS, jnp.int32), limit_b=jnp.ones((b,), jnp.int32),
-        seed_b=jnp.zeros((b,), jnp.int32), stream_b=jnp.zeros((b,), jnp.int32),
-        stop_bm=stop_bm,
-        experts_bnlx=(None if experts is None
-                      else jnp.zeros((b, n, experts[0], experts[1]), experts[2])))
+    zeros = jnp.zeros((slots,), jnp.int32)
+    return decode_core.new_rows(cache, new_buffer=new_buffer, limit_b=zeros + 1, seed_b=zeros,
+                                stream_b=zeros, stop_bm=stop_bm,
+                                done_b=jnp.ones((slots,), bool), routing=routing)
 
 
 class SlotEngine:
@@ -366,24 +283,16 @@ class SlotEngine:
         self.num_slots = round_up(num_slots, batch_shards(mesh))
         self.stop_text = StopStrings([list(stop_strings)] * self.num_slots, tokenizer)
         self.graphdef, self.params = nnx.split(model)
-        cfg = model.config
-        moe_layers = (tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-                      if config.return_router else ())
-        self.static = _Static(
-            greedy=config.greedy, top_k=config.top_k,
-            use_top_p=config.top_p < 1 and not config.greedy, router_hook=router_hook,
-            batch_invariant=getattr(getattr(model, "options", None), "batch_invariant", False),
-            mesh=mesh, moe_layers=moe_layers,
-            routing_dtype=routing_dtype(cfg.num_experts) if moe_layers else None)
-        self.scalars = _Scalars(temperature=jnp.float32(config.temperature),
-                                top_p=jnp.float32(config.top_p))
+        # Experts only (never router logits), in the compact routing dtype.
+        self.static = decode_core.static_for(config, model.options, router_hook=router_hook,
+                                             mesh=mesh, router_logits=False)
+        self.scalars = DecodeScalars(temperature=jnp.float32(config.temperature),
+                                     top_p=jnp.float32(config.top_p))
         self.new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
-        cache_dtype = (CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
-                       else model.options.compute_dtype)
         stop_bm = np.full((1, max(1, len(stop_tokens))), -1, np.int32)  # shared by all rows
         stop_bm[0, :len(stop_tokens)] = list(stop_tokens)
         with self._mesh():
-            self.state = self._init_state(model, cache_dtype, next_pow2(cache_len), stop_bm)
+            self.state = self._init_state(model, next_pow2(cache_len), stop_bm)
         self.busy = np.zeros((self.num_slots,), bool)  # generating a request now
         # Host copies of the cache index: a slot's stream length when it is not generating
         # (its index after the prefill while it is), and the most it can reach.
@@ -400,14 +309,13 @@ class SlotEngine:
 
         return sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def _init_state(self, model, cache_dtype, cache_len, stop_bm) -> DecodeState:
-        static = self.static
-        experts = ((len(static.moe_layers), model.config.num_experts_per_tok, static.routing_dtype)
-                   if static.moe_layers else None)
+    def _init_state(self, model, cache_len, stop_bm) -> DecodeState:
         return _empty_state(jnp.asarray(stop_bm), config=model.config,
                             stacked=model.options.scan_layers, slots=self.num_slots,
-                            cache_len=cache_len, cache_dtype=cache_dtype,
-                            new_buffer=self.new_buffer, experts=experts, mesh=self.mesh)
+                            cache_len=cache_len, cache_dtype=self.static.cache_dtype,
+                            new_buffer=self.new_buffer,
+                            routing=decode_core.routing_shapes(model.config, self.static),
+                            mesh=self.mesh)
 
     @property
     def cache_len(self) -> int:
@@ -581,9 +489,9 @@ class SlotEngine:
         if len(slots) == 0:
             return 0
         rows, window = self._working_set(slots.tolist(), int(self.reach[slots].max()))
-        counts = self._run(lambda state: _decode(self.graphdef, self.params, state,
-                                                 jnp.int32(max_steps), self.scalars,
-                                                 static=self.static), rows, window)
+        counts = self._run(lambda state: decode_core.decode(
+            self.graphdef, self.params, state, jnp.int32(max_steps), self.scalars,
+            static=self.static), rows, window)
         steps, busy = (int(c) for c in to_host(counts))
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += steps
@@ -623,9 +531,6 @@ class SlotEngine:
         token or budget), then settled."""
         if not any(self.stop_text.per_row):
             return
-        cut_b = self.stop_text.cuts(
-            [(int(s), int(s)) for s in np.flatnonzero(self.busy)], to_host(self.state.done_b),
-            to_host(self.state.num_generated_b), lambda: to_host(self.state.tokens_bn))
-        if cut_b is not None:
-            with self._mesh():
-                self.state = _cut(self.state, to_device(cut_b, like=self.state.done_b))
+        with self._mesh():
+            self.state = decode_core.apply_stop_strings(
+                self.state, self.stop_text, [(int(s), int(s)) for s in np.flatnonzero(self.busy)])

@@ -9,9 +9,9 @@ How it runs:
      and the batch to a bucketed size, so a handful of shapes compile, not one per call.
   2. ``_prefill`` (jitted) writes the prompts into a preallocated KV cache and samples the
      first token (over ``max_prefill_tokens``: ``_prefill_rows`` calls over row groups,
-     each writing into one full-batch state). ``_decode`` (jitted, state donated) runs a
-     ``lax.while_loop`` of one-token steps until every row is done or a chunk boundary is
-     reached: no Python per token.
+     each writing into one full-batch state). ``decode_core.decode`` (jitted, state
+     donated; the slot engine's decode too) runs a ``lax.while_loop`` of one-token steps
+     until every row is done or a chunk boundary is reached: no Python per token.
   3. Between chunks the host (a) checks stop strings, which need the tokenizer, and
      (b) compacts the batch: when at most half of the rows are still running, the live rows
      are gathered into the next smaller batch bucket, so finished sequences stop costing
@@ -33,23 +33,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from spade_jax import preemption, sharding
 from spade_jax.models import KVCache, positions_from_mask
 from spade_jax.rollout import decode_core
 from spade_jax.rollout.decode_core import (  # noqa: F401 - DONE_REASONS .. re-exported
+    CACHE_DTYPES,
     DONE_REASONS,
     EOS,
     MAX_TOKENS,
     RUNNING,
     STOP_STRING,
+    DecodeScalars,
     DecodeState,
+    DecodeStatic,
     StopStrings,
+    moe_stack,
+    to_device,
+    to_host,
 )
-from spade_jax.rollout.routing import routing_dtype
 
-CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ROUTER_MODES = (False, True, "experts")
 
 
@@ -165,125 +169,30 @@ class GenerationResult:
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything a compiled shape depends on besides array shapes."""
-
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    return_router: bool  # record the selected experts
-    router_logits: bool  # ... and the router logits (``return_router=True``)
-    cache_dtype: Any
-    cache_len: int
-    router_hook: Callable | None
-    answer_detector: Any = None
-    batch_invariant: bool = False  # the model's: log-probs summed in the trainer's order
-    mesh: Any = None  # handed to the model (its expert-parallel MoE dispatch)
-
-
-def _static_for(config: SamplerConfig, model_options, cache_len: int, *,
-                router_hook: Callable | None = None, answer_detector: Any = None,
-                mesh: jax.sharding.Mesh | None = None) -> _Static:
-    """The compiled shape's static settings for ``config`` and the model's options."""
-    cache_dtype = (CACHE_DTYPES[config.cache_dtype] if config.cache_dtype
-                   else model_options.compute_dtype)
-    return _Static(
-        greedy=config.greedy, top_k=config.top_k,
-        use_top_p=config.top_p < 1 and not config.greedy,
-        return_router=bool(config.return_router), router_logits=config.records_router_logits,
-        cache_dtype=cache_dtype, cache_len=cache_len, router_hook=router_hook,
-        answer_detector=answer_detector,
-        batch_invariant=getattr(model_options, "batch_invariant", False), mesh=mesh,
-    )
-
-
-class _Scalars(struct.PyTreeNode):
-    """Traced sampling settings (changing them does not recompile)."""
-
-    temperature: jax.Array
-    top_p: jax.Array
-    seed: jax.Array
-    row_offset: jax.Array  # prompt index of this batch's row 0 (batches of max_rows)
-
-
-def _hook_for(static: _Static, answer_state) -> Callable | None:
-    """The router hook as the model calls it; with a detector it also sees ``active=[B]``."""
-    if static.router_hook is None or static.answer_detector is None:
-        return static.router_hook
-    return functools.partial(static.router_hook, active=answer_state.fired_b)
-
-
-def _detect(state: DecodeState, token_b: jax.Array, static: _Static) -> DecodeState:
-    if static.answer_detector is None:
-        return state
-    return state.replace(answer_state=static.answer_detector.update(state.answer_state, token_b))
-
-
-def _experts_dtype(static: _Static, cfg) -> Any:
-    """The recorded experts' dtype: int32 beside the logits (as it always was), the compact
-    routing dtype in experts-only mode (the recording is all that mode keeps)."""
-    if static.router_logits:
-        return jnp.int32
-    return jnp.dtype(routing_dtype(cfg.num_experts))
-
-
-def moe_stack(per_layer: list, moe_layers: tuple[int, ...]) -> jax.Array | None:
-    if not moe_layers:
-        return None
-    return jnp.stack([per_layer[i] for i in moe_layers], axis=2)  # [B, T, L, ...]
-
-
-def _draw_and_record(state: DecodeState, logits_bv, scalars: _Scalars,
-                     static: _Static) -> DecodeState:
-    """Every running row draws its next token and records it (``decode_core``); the step
-    advances."""
-    state, token_b = decode_core.draw_and_record(state, logits_bv, ~state.done_b, scalars,
-                                                 static)
-    return _detect(state.replace(step=state.step + 1), token_b, static)
-
-
-def _routing_shape(cfg, static: _Static) -> tuple[tuple[int, ...], bool, bool, Any]:
-    """The MoE layers recorded, whether experts / router logits are recorded, their dtype."""
-    moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-    router = static.return_router and bool(moe_layers)
-    logits = router and static.router_logits
-    return moe_layers, router, logits, _experts_dtype(static, cfg) if router else None
+def _draw_and_record(state: DecodeState, logits_bv, scalars: DecodeScalars,
+                     static: DecodeStatic) -> DecodeState:
+    """Every running row draws its next token and records it (``decode_core``)."""
+    return decode_core.draw_and_record(state, logits_bv, ~state.done_b, scalars, static)[0]
 
 
 def _initial_state(cache: KVCache, position_b, limit_b, row_id_b, stop_bm, scalars, *, cfg,
-                   static: _Static, new_buffer: int) -> DecodeState:
+                   static: DecodeStatic, new_buffer: int) -> DecodeState:
     """The decode state of rows about to draw their first token (nothing generated yet).
     Row b draws with the call's seed on stream ``row_id_b[b]`` + the call's row offset
     (its prompt's index in the whole request); ``scalars`` None: seeds and streams 0 (rows
     a row-group prefill overwrites)."""
-    b = row_id_b.shape[0]
-    moe_layers, router, logits, experts_dtype = _routing_shape(cfg, static)
-    n_moe, e, x = len(moe_layers), cfg.num_experts, cfg.num_experts_per_tok
-    is_pad_row_b = row_id_b < 0
-    return DecodeState(
-        cache=cache,
-        last_token_b=jnp.zeros((b,), jnp.int32),
-        position_b=position_b,
-        tokens_bn=jnp.zeros((b, new_buffer), jnp.int32),
-        logprobs_bn=jnp.zeros((b, new_buffer), jnp.float32),
-        num_generated_b=jnp.zeros((b,), jnp.int32),
-        done_b=is_pad_row_b,
-        reason_b=jnp.where(is_pad_row_b, MAX_TOKENS, RUNNING).astype(jnp.int32),
-        limit_b=limit_b, row_id_b=row_id_b, stop_bm=stop_bm,
+    state = decode_core.new_rows(
+        cache, new_buffer=new_buffer, limit_b=limit_b, stop_bm=stop_bm, done_b=row_id_b < 0,
         seed_b=(jnp.zeros_like(row_id_b) if scalars is None
                 else jnp.full_like(row_id_b, scalars.seed)),
         stream_b=(jnp.zeros_like(row_id_b) if scalars is None
                   else row_id_b + scalars.row_offset),
-        step=jnp.zeros((), jnp.int32),
-        router_bnle=jnp.zeros((b, new_buffer, n_moe, e), jnp.float32) if logits else None,
-        experts_bnlx=jnp.zeros((b, new_buffer, n_moe, x), experts_dtype) if router else None,
-        answer_state=None if static.answer_detector is None else static.answer_detector.init(b),
-    )
+        routing=decode_core.routing_shapes(cfg, static), answer_detector=static.answer_detector)
+    return state.replace(position_b=position_b, row_id_b=row_id_b, step=jnp.zeros((), jnp.int32))
 
 
-def _prefill_state(model, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: _Scalars, *,
-                   static: _Static, new_buffer: int):
+def _prefill_state(model, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: DecodeScalars, *,
+                   static: DecodeStatic, new_buffer: int):
     """The model over these prompt rows: their decode state after the first draw (a cache
     of these rows only) and their prompt routing (None, or (logits or None, experts))."""
     cfg = model.config
@@ -295,21 +204,22 @@ def _prefill_state(model, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: 
     # position would be a [B, P, V] fp32 array (119 GiB per chip for 24 rows of 8k tokens
     # with Qwen3's 152k vocabulary).
     out = model(ids_bp, positions_bp, mask_bp, cache=cache,
-                router_hook=_hook_for(static, state.answer_state), return_logits=False,
-                mesh=static.mesh)
+                router_hook=decode_core.router_hook_for(static, state.answer_state),
+                return_logits=False, mesh=static.mesh)
     last_logits_bv = model.lm_head(out.hidden[:, -1:])[:, -1]
-    moe_layers, router, logits, experts_dtype = _routing_shape(cfg, static)
+    layers = decode_core.recorded_layers(cfg, static)
     prompt_router = None
-    if router:
-        prompt_router = (moe_stack(out.router_logits, moe_layers) if logits else None,
-                         moe_stack(out.selected_experts, moe_layers).astype(experts_dtype))
+    if layers:
+        experts, logits = decode_core.routing_shapes(cfg, static)
+        prompt_router = (None if logits is None else moe_stack(out.router_logits, layers),
+                         moe_stack(out.selected_experts, layers).astype(experts[2]))
     return _draw_and_record(state.replace(cache=out.cache), last_logits_bv, scalars,
                             static), prompt_router
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer"))
-def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: _Scalars,
-             *, static: _Static, new_buffer: int):
+def _prefill(graphdef, params, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: DecodeScalars,
+             *, static: DecodeStatic, new_buffer: int):
     """Every row of the batch in one call: (decode state, prompt routing)."""
     return _prefill_state(nnx.merge(graphdef, params), ids_bp, mask_bp, limit_b, row_id_b,
                           stop_bm, scalars, static=static, new_buffer=new_buffer)
@@ -334,7 +244,7 @@ def _constrain_rows(state: DecodeState) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "stacked", "static", "new_buffer"))
-def _empty_state(limit_b, row_id_b, stop_bm, *, config, stacked: bool, static: _Static,
+def _empty_state(limit_b, row_id_b, stop_bm, *, config, stacked: bool, static: DecodeStatic,
                  new_buffer: int) -> DecodeState:
     """The full batch's decode state with an empty cache: what the row groups write into."""
     cache = KVCache.init(config, row_id_b.shape[0], static.cache_len, static.cache_dtype,
@@ -362,7 +272,7 @@ def _put_rows(full, part, lo, shards: int, axis: int = 0):
 @functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer", "shards"),
                    donate_argnames=("state",))
 def _prefill_rows(graphdef, params, state: DecodeState, ids_bp, mask_bp, limit_b, row_id_b,
-                  stop_bm, scalars: _Scalars, lo, *, static: _Static, new_buffer: int,
+                  stop_bm, scalars: DecodeScalars, lo, *, static: DecodeStatic, new_buffer: int,
                   shards: int):
     """One row group (see above) prefilled and written into the donated full-batch
     ``state`` at rows ``lo ..`` of every block: (the state, the group's prompt routing)."""
@@ -407,42 +317,12 @@ def _row_groups(batch: int, rows: int, shards: int) -> list[tuple[int, np.ndarra
     return groups
 
 
-def _decode_step(model, state: DecodeState, scalars: _Scalars, static: _Static) -> DecodeState:
-    cfg = model.config
-    out = model(state.last_token_b[:, None], state.position_b[:, None], cache=state.cache,
-                router_hook=_hook_for(static, state.answer_state), mesh=static.mesh)
-    if state.experts_bnlx is not None:  # routing of the token just fed
-        moe_layers = tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
-        running_b, num_b = ~state.done_b, state.num_generated_b
-        state = state.replace(experts_bnlx=decode_core.record_routing(
-            state.experts_bnlx, moe_stack(out.selected_experts, moe_layers)[:, 0], running_b,
-            num_b))
-        if state.router_bnle is not None:
-            state = state.replace(router_bnle=decode_core.record_routing(
-                state.router_bnle, moe_stack(out.router_logits, moe_layers)[:, 0], running_b,
-                num_b))
-    state = state.replace(cache=out.cache, position_b=state.position_b + 1)
-    return _draw_and_record(state, out.logits[:, -1], scalars, static)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("state",))
-def _decode(graphdef, params, state: DecodeState, until, scalars: _Scalars, *, static: _Static):
-    """Decode steps until every row is done or ``step == until``."""
-    model = nnx.merge(graphdef, params)
-
-    def keep_going(s: DecodeState):
-        return (s.step < until) & ~jnp.all(s.done_b)
-
-    return jax.lax.while_loop(keep_going, lambda s: _decode_step(model, s, scalars, static),
-                              state)
-
-
 # ---- public lowering (ahead-of-time compilation, e.g. ``spade_jax.aot``) ----------------
 
 
-def _abstract_scalars() -> _Scalars:
+def _abstract_scalars() -> DecodeScalars:
     f32, i32 = jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
-    return _Scalars(temperature=f32, top_p=f32, seed=i32, row_offset=i32)
+    return DecodeScalars(temperature=f32, top_p=f32, seed=i32, row_offset=i32)
 
 
 def lower_prefill(
@@ -462,7 +342,8 @@ def lower_prefill(
     writes the group into the donated full-batch state, which is an argument and
     ``out_info[0]``, as :func:`sample` runs it."""
     new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
-    static = _static_for(config, model_options, prompt_len + new_buffer, mesh=mesh)
+    static = decode_core.static_for(config, model_options, cache_len=prompt_len + new_buffer,
+                                    mesh=mesh)
 
     def rows_of(*shape: int) -> jax.ShapeDtypeStruct:
         axes = ("batch",) + (None,) * (len(shape) - 1)
@@ -531,10 +412,10 @@ def lower_decode_step(
     lowered for ``state`` (abstract, e.g. from :func:`lower_prefill`'s output with the
     compiled prefill's output shardings). The decode loop runs this body once per token."""
     cache_len = jax.tree.leaves(state.cache.valid_bs)[0].shape[1]
-    static = _static_for(config, model_options, cache_len, mesh=mesh)
+    static = decode_core.static_for(config, model_options, cache_len=cache_len, mesh=mesh)
 
     def one_step(params, state, scalars):
-        return _decode_step(nnx.merge(graphdef, params), state, scalars, static)
+        return decode_core.decode_step(nnx.merge(graphdef, params), state, scalars, static)
 
     step = jax.jit(one_step, donate_argnums=1)
     with sharding.activate(mesh, rules):
@@ -552,31 +433,6 @@ def _take_rows(state: DecodeState, rows_b: jax.Array) -> DecodeState:
     rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
             if f.name not in ("cache", "step")}
     return state.replace(cache=cache, **jax.tree.map(take, rest))
-
-
-def to_host(x: jax.Array) -> np.ndarray:
-    """``x`` as a NumPy array on this host. A row-sharded array on a mesh spanning several
-    processes holds other hosts' rows, which ``np.asarray`` cannot read: it is all-gathered
-    instead (a collective; every process reaches the same reads, as all run the same
-    decode loop on the same global batch). One process: a plain device-to-host copy."""
-    if x.is_fully_addressable or x.is_fully_replicated:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def to_device(x: np.ndarray, mesh: jax.sharding.Mesh | None = None, *,
-               like: jax.Array | None = None) -> jax.Array:
-    """A host array back on the devices: with ``like``'s sharding, else replicated over
-    ``mesh``. On a mesh spanning several processes every process passes the same values
-    (computed from gathered arrays) and fills its own shards; otherwise an uncommitted
-    array, as a one-process run always had."""
-    target = like.sharding if like is not None else (
-        None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    if target is None or target.is_fully_addressable:
-        return jnp.asarray(x)
-    return jax.device_put(x, target)
 
 
 def next_pow2(n: int) -> int:
@@ -671,8 +527,9 @@ def sample(
     batch = batch_bucket(n, shards)
     prompt_len = max(config.prompt_bucket_min, next_pow2(max(len(x) for x in prompts)))
     new_buffer = round_up(config.max_new_tokens, config.new_tokens_bucket)
-    static = _static_for(config, model.options, prompt_len + new_buffer,
-                         router_hook=router_hook, answer_detector=answer_detector, mesh=mesh)
+    static = decode_core.static_for(config, model.options, cache_len=prompt_len + new_buffer,
+                                    router_hook=router_hook, answer_detector=answer_detector,
+                                    mesh=mesh)
     cache_dtype = static.cache_dtype
     ids_bp = np.zeros((batch, prompt_len), np.int32)
     mask_bp = np.zeros((batch, prompt_len), np.int32)
@@ -689,9 +546,9 @@ def sample(
                 1 <= m <= config.max_new_tokens for m in max_new_per_seq):
             raise ValueError(f"max_new_per_seq needs {n} values in [1, {config.max_new_tokens}]")
         limit_b[:n] = max_new_per_seq
-    scalars = _Scalars(temperature=jnp.float32(config.temperature),
-                       top_p=jnp.float32(config.top_p), seed=jnp.int32(config.seed),
-                       row_offset=jnp.int32(_row_offset))
+    scalars = DecodeScalars(temperature=jnp.float32(config.temperature),
+                            top_p=jnp.float32(config.top_p), seed=jnp.int32(config.seed),
+                            row_offset=jnp.int32(_row_offset))
     chunk = config.chunk_steps
     if chunk == 0 and (any(stop_text.per_row) or config.compact_batch):
         chunk = 32
@@ -708,13 +565,15 @@ def sample(
         step = 1
         while True:
             until = config.max_new_tokens if chunk == 0 else min(step + chunk, config.max_new_tokens)
-            state = _decode(graphdef, params, state, jnp.int32(until), scalars, static=static)
+            state, _ = decode_core.decode(graphdef, params, state, jnp.int32(until - step),
+                                          scalars, static=static)
             stats["decode_calls"] += 1
             new_step = int(state.step)
             stats["row_steps"] += (new_step - step) * int(state.done_b.shape[0])
             step = new_step
             if any(stop_text.per_row):
-                state = _apply_stop_strings(state, stop_text)
+                rows = [(b, int(r)) for b, r in enumerate(to_host(state.row_id_b)) if r >= 0]
+                state = decode_core.apply_stop_strings(state, stop_text, rows)
             done_b = to_host(state.done_b)
             if done_b.all() or step >= config.max_new_tokens:
                 break
@@ -732,8 +591,8 @@ def sample(
 
 
 def _prefill_batch(model: nnx.Module, graphdef: nnx.GraphDef, params: Any,
-                   arrays: tuple[np.ndarray, ...], scalars: _Scalars, *, config: SamplerConfig,
-                   static: _Static, new_buffer: int, mesh: jax.sharding.Mesh | None,
+                   arrays: tuple[np.ndarray, ...], scalars: DecodeScalars, *, config: SamplerConfig,
+                   static: DecodeStatic, new_buffer: int, mesh: jax.sharding.Mesh | None,
                    stats: dict) -> tuple[DecodeState, Any]:
     """The batch's prompts ``(ids_bp, mask_bp, limit_b, row_id_b, stop_bm)`` (host arrays)
     prefilled: in one call, or in row groups within ``config.max_prefill_tokens``. Returns
@@ -819,17 +678,6 @@ def _sample_in_batches(model, prompts, config, stop_tokens, stop_strings, tokeni
         router_logits=[x for p in parts for x in p.router_logits] if logits else None,
         selected_experts=[x for p in parts for x in p.selected_experts] if experts else None,
         moe_layers=parts[0].moe_layers, stats=stats)
-
-
-_cut = jax.jit(decode_core.cut, donate_argnums=0)
-
-
-def _apply_stop_strings(state: DecodeState, stop_text: StopStrings) -> DecodeState:
-    """Ends rows whose decoded text now contains a stop string (cutting their tokens)."""
-    rows = [(b, int(r)) for b, r in enumerate(to_host(state.row_id_b)) if r >= 0]
-    cut_b = stop_text.cuts(rows, to_host(state.done_b), to_host(state.num_generated_b),
-                           lambda: to_host(state.tokens_bn))
-    return state if cut_b is None else _cut(state, to_device(cut_b, like=state.done_b))
 
 
 def _harvest(state: DecodeState, batch_rows: np.ndarray, finished: dict) -> None:
