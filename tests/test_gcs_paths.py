@@ -48,6 +48,7 @@ def _upload(local: Path, remote: epath.Path) -> None:
             (remote / path.relative_to(local).as_posix()).write_bytes(path.read_bytes())
 
 
+@pytest.mark.slow
 def test_model_tokenizer_metrics_and_report_through_a_bucket(tmp_path, gcs):
     """The pieces one by one: load_hf and load_tokenizer read from gs:// what they read
     locally; metrics.jsonl continues across writers (an object store cannot append);

@@ -80,6 +80,7 @@ def _non_utf8(path, first: dict) -> None:
     path.write_bytes(json.dumps(first).encode() + b"\n" + b'{"problem": "caf\xe9"}\n')
 
 
+@pytest.mark.slow
 def test_evaluate_non_utf8_file_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     _non_utf8(bad, {"problem": "x", "answer": "1"})
@@ -90,6 +91,7 @@ def test_evaluate_non_utf8_file_names_file_and_line(tmp_path):
     _clean_error(result, 2, f"{bad}:2: not UTF-8")
 
 
+@pytest.mark.slow
 def test_filter_non_utf8_file_names_file_and_line(tmp_path):
     bad = tmp_path / "tasks.jsonl"
     _non_utf8(bad, {"hint": "h", "prompt": "p", "answer": "1", "checker": "exact"})

@@ -616,6 +616,7 @@ def test_static_gate_rules_for_reference_names(top, code):
         assert (paper.error is None) == ("numpy" not in top and "math_verify" not in top)
 
 
+@pytest.mark.slow
 def test_check_cli_validates_a_recipe_game(tmp_path):
     path = tmp_path / "game.py"
     path.write_text(SHAPED)

@@ -228,6 +228,7 @@ class NapEnv:
 """
 
 
+@pytest.mark.slow
 def test_play_calls_run_under_their_own_limits():
     """Issue 30 item 13: played games get the play-time limits, validation's runs (trial
     handles) keep theirs. A 1.2 s step is over validation's 1 s deadline but within play's

@@ -110,6 +110,7 @@ def test_non_string_source_is_a_type_error():
         validate_program(b"class Environment: pass")
 
 
+@pytest.mark.slow
 def test_check_cli_prints_json_report(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(BROKEN["return_out_of_range"])

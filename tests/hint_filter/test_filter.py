@@ -243,6 +243,7 @@ def test_bad_input_names_line_and_field(tmp_path, line, message):
     assert f"{path}{message}" in str(err.value)
 
 
+@pytest.mark.slow
 def test_cli_bad_input_exit_status(tmp_path):
     path = tmp_path / "tasks.jsonl"
     path.write_text('{"prompt": "p", "hint": "h", "answer": "1", "checker": "nope"}\n')

@@ -210,6 +210,7 @@ def test_default_game_corpus_is_real_package_text_and_cached(tmp_path):
     assert len({d.doc_id for d in sampler.sample()}) == 24
 
 
+@pytest.mark.slow
 def test_docstring_extraction_is_deterministic_across_processes():
     script = (
         "import json; from spade_jax.spade.default_corpus import docstring_documents as d;"

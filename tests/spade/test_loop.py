@@ -338,7 +338,7 @@ def _batch(seqs):
     return [(s.role, list(s.token_ids), float(s.advantage).hex()) for s in seqs]
 
 
-@pytest.mark.parametrize("cut", [2, 5])
+@pytest.mark.parametrize("cut", [2, pytest.param(5, marks=pytest.mark.slow)])
 def test_resume_mid_window_equals_an_uninterrupted_run(pool, cut):
     config = dataclasses.replace(WINDOW, rounds=8, designer_delay=2, memory_train_envs=1)
     straight, resumed, metrics, metrics_b, loop, loop_b = _straight_and_resumed(pool, config, cut)

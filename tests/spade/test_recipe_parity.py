@@ -72,6 +72,7 @@ def test_update_cuts_to_the_global_batch_designer_samples_first(pool):
     assert len(policy.updates[1]) == 16
 
 
+@pytest.mark.slow
 def test_a_game_enters_memory_at_the_end_of_the_round_that_wrote_it(pool):
     """Item 5: memory_at "regeneration": after round 0 (before any scoring) the window's
     games are in memory with the win share of round 0's plays, so the design at round 4
@@ -238,6 +239,7 @@ def test_the_recipe_experiment_refuses_to_start_without_its_corpus(tmp_path):
     require_corpus(load_experiment("tiny"))  # CPU experiments keep the stand-in
 
 
+@pytest.mark.slow
 def test_the_last_windows_designer_samples_are_not_flushed_in_the_recipe(pool):
     """Item 14: the recipe never trains the last window's designer samples (its final flush
     is skipped); flush_at_end=True (ours) trains them at the last round."""

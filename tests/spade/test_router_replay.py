@@ -106,7 +106,7 @@ def test_routing_codec_extend_and_pack():
         pack_sequences([TrainSequence(**seq, routing=recording)], PackConfig(buckets=(16,)))
 
 
-@pytest.mark.parametrize("cut", [1, 5])
+@pytest.mark.parametrize("cut", [1, pytest.param(5, marks=pytest.mark.slow)])
 def test_recorded_routing_survives_designer_delay_windows_and_resume(pool, cut):  # noqa: F811
     """Designer samples wait ``designer_delay`` rounds across windows; the run is cut and
     resumed from the JSON run state (what a checkpoint stores) with samples in flight;

@@ -97,6 +97,7 @@ def test_warm_start_matches_the_full_logits_reference_losses_and_params():
         np.testing.assert_allclose(np.asarray(new), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sequence_mean_loss_weighs_every_example_the_same():
     """loss_mean="sequence": the mean over examples of each one's token-mean NLL, against
     the full-logits formulation computed row by row."""
