@@ -270,8 +270,10 @@ class Environment:
 
 
 def test_pool_memory_budget_kills_the_largest_worker_with_a_clear_error():
-    config = SandboxConfig(call_deadline_s=5.0, memory_limit_mb=512, pool_memory_mb=700,
-                           reference_imports=frozenset(), spare_workers=1)
+    # A CPU budget well above the hogs' page faulting (writing 300 MB took 1.01 s of CPU on
+    # a loaded box, a "slow_call"): the memory budget is what is under test.
+    config = SandboxConfig(call_deadline_s=5.0, call_cpu_budget_s=5.0, memory_limit_mb=512,
+                           pool_memory_mb=700, reference_imports=frozenset(), spare_workers=1)
     with EnvPool(config) as pool:
         if pool.isolation_report().missing:
             pytest.skip("sandbox layers missing here")
@@ -412,7 +414,8 @@ def _held_after(pool: EnvPool, source: str) -> tuple[str, object]:
 @pytest.mark.parametrize("how", ["shared", "private"])
 def test_a_worker_over_its_memory_budget_is_killed_shared_pages_included(how):
     config = SandboxConfig(memory_limit_mb=512, worker_memory_mb=100, spare_workers=0,
-                           reference_imports=frozenset(), static_gate=False)
+                           reference_imports=frozenset(), static_gate=False,
+                           call_cpu_budget_s=5.0)  # memory under test, not page-fault CPU
     with EnvPool(config) as pool:
         if pool.isolation_report().missing:
             pytest.skip("sandbox layers missing here")
@@ -426,7 +429,8 @@ def test_a_worker_over_its_memory_budget_is_killed_shared_pages_included(how):
 
 def test_pool_budget_counts_shared_anonymous_memory():
     config = SandboxConfig(memory_limit_mb=512, pool_memory_mb=200, worker_memory_mb=None,
-                           spare_workers=0, reference_imports=frozenset(), static_gate=False)
+                           spare_workers=0, reference_imports=frozenset(), static_gate=False,
+                           call_cpu_budget_s=5.0)  # memory under test, not page-fault CPU
     with EnvPool(config) as pool:
         if pool.isolation_report().missing:
             pytest.skip("sandbox layers missing here")
