@@ -529,8 +529,6 @@ class SlotEngine:
         """Cuts the busy rows whose decoded text now contains a stop string. A row that
         finished is checked once more (it may have passed a stop string before its stop
         token or budget), then settled."""
-        if not any(self.stop_text.per_row):
-            return
         with self._mesh():
             self.state = decode_core.apply_stop_strings(
                 self.state, self.stop_text, [(int(s), int(s)) for s in np.flatnonzero(self.busy)])

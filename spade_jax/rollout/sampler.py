@@ -169,12 +169,6 @@ class GenerationResult:
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _draw_and_record(state: DecodeState, logits_bv, scalars: DecodeScalars,
-                     static: DecodeStatic) -> DecodeState:
-    """Every running row draws its next token and records it (``decode_core``)."""
-    return decode_core.draw_and_record(state, logits_bv, ~state.done_b, scalars, static)[0]
-
-
 def _initial_state(cache: KVCache, position_b, limit_b, row_id_b, stop_bm, scalars, *, cfg,
                    static: DecodeStatic, new_buffer: int) -> DecodeState:
     """The decode state of rows about to draw their first token (nothing generated yet).
@@ -213,8 +207,9 @@ def _prefill_state(model, ids_bp, mask_bp, limit_b, row_id_b, stop_bm, scalars: 
         experts, logits = decode_core.routing_shapes(cfg, static)
         prompt_router = (None if logits is None else moe_stack(out.router_logits, layers),
                          moe_stack(out.selected_experts, layers).astype(experts[2]))
-    return _draw_and_record(state.replace(cache=out.cache), last_logits_bv, scalars,
-                            static), prompt_router
+    state, _ = decode_core.draw_and_record(state.replace(cache=out.cache), last_logits_bv,
+                                           ~state.done_b, scalars, static)
+    return state, prompt_router
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static", "new_buffer"))
