@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import pytest
 from etils import epath
+from xla_test_flags import jax_flags
 
 from spade_jax.checkpoint import CheckpointConfig, CheckpointManager
 
@@ -41,7 +42,7 @@ def _env(cache_dir: Path) -> dict[str, str]:
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = ""  # single device
+    env["XLA_FLAGS"] = jax_flags()  # single device, LLVM -O0: these runs are mostly compiling
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

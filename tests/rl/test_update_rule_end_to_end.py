@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from xla_test_flags import jax_flags
 
 from spade_jax.experiment import load_experiment
 from spade_jax.models import ModelConfig, ModelOptions, Qwen3
@@ -157,7 +158,9 @@ def test_rule_from_a_file_outside_the_package_trains(tmp_path):
     rule_file.parent.mkdir()
     rule_file.write_text(code)
     assert len(code.splitlines()) < 60
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    # One device at LLVM -O0: a run without a warm start is mostly compiling
+    # (tests/support/xla_test_flags.py).
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": jax_flags()}
     workdir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "spade_jax.train", "--experiment=tiny", f"--workdir={workdir}",

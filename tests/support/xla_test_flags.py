@@ -5,7 +5,8 @@ pytest processes; a test that starts a JAX subprocess with XLA_FLAGS of its own 
 here (``jax_flags()``), unless it checks numerics at the default level (the exact-replay
 drivers), a result measured at it (the learning check), or runs mostly compiled code
 rather than compiling (a `spade_jax.train` run's warm start took 123 s at -O0 against
-80 s: the train-command tests keep the default level)."""
+80 s: the train-command tests with a warm start keep the default level; those without
+one, the kill and resume runs, are mostly compiling and use -O0: 51 s against 64-71 s)."""
 
 from __future__ import annotations
 
