@@ -169,7 +169,7 @@ def test_kill_9_mid_window_then_resume_equals_an_uninterrupted_run(straight, tmp
     # The same tokenizer for the second run (a fresh one is trained on the checkout's text,
     # which may change between the runs).
     run = [*KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'"]
-    _kill_after_checkpoint(killed, run, 2)
+    _kill_after_checkpoint(killed, run, 2, xla_flags=KILL_RUN_FLAGS)
     r = _train(killed, *run, xla_flags=KILL_RUN_FLAGS)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from step" in (killed / "train.log").read_text()
@@ -256,7 +256,7 @@ def test_kill_9_with_pending_designer_routing_then_resume_equals_an_uninterrupte
     r = _train(straight, *REPLAY_KILL_RUN)
     assert r.returncode == 0, r.stderr[-3000:]
     run = [*REPLAY_KILL_RUN, "--set", f"tokenizer.path='{straight / 'tokenizer' / 'spm.model'}'"]
-    _kill_after_checkpoint(killed, run, 1, xla_flags="")
+    _kill_after_checkpoint(killed, run, 1)
     # Step 0's designer samples wait in the checkpoint with their routing: uint8
     # [prompt + output - 1, 2 MoE layers, top-2], as the uninterrupted run recorded them.
     routes = _pending_routing(killed, 1)
@@ -280,9 +280,9 @@ def test_kill_9_with_pending_designer_routing_then_resume_equals_an_uninterrupte
 
 
 def _kill_after_checkpoint(workdir, run: list[str], step: int,
-                           xla_flags: str = KILL_RUN_FLAGS) -> None:
+                           xla_flags: str = "") -> None:
     """Starts the CLI and SIGKILLs it as soon as checkpoint ``step`` (written after round
-    ``step - 1``) is committed."""
+    ``step - 1``) is committed; ``xla_flags`` as :func:`_train`'s."""
     import signal
     import time
 
