@@ -116,6 +116,10 @@ class WarmStartConfig:
     # "token": the loss is the mean over a batch's target tokens (long programs dominate);
     # "sequence": the mean over its examples (a 6-token answer weighs as a 220-token program).
     loss_mean: str = "token"
+    # Length groups of the examples (spade/warm_start.py `warm_start`): 1 pads every batch
+    # to the longest example; with 2, a step's batch comes from one group (short agent
+    # answers, or long programs and hint prompts), padded to that group's length.
+    length_buckets: int = 1
     # A local directory that keeps warm-started weights by a hash of everything the pass
     # reads (spade/warm_start_cache.py): the runs of a sweep at one seed (an experiment and
     # its ablations, planted faults) train the warm start once. "" = no cache.
@@ -125,6 +129,9 @@ class WarmStartConfig:
         if self.loss_mean not in LOSS_MEANS:
             raise ValueError(f"warm_start.loss_mean must be one of {LOSS_MEANS}, got "
                              f"{self.loss_mean!r}")
+        if self.length_buckets < 1:
+            raise ValueError(f"warm_start.length_buckets must be >= 1, got "
+                             f"{self.length_buckets}")
         if "://" in self.cache_dir:
             raise ValueError(f"warm_start.cache_dir must be a local directory, got "
                              f"{self.cache_dir!r}")

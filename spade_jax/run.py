@@ -597,6 +597,8 @@ def _supervised_pass(config, tokenizer, graphdef, state: TrainState, seqs) -> Tr
     ws = config.warm_start
     settings = dict(steps=ws.steps, batch_size=ws.batch_size, learning_rate=ws.learning_rate,
                     seed=config.seed, pad_id=tokenizer.pad_id, loss_mean=ws.loss_mean)
+    if ws.length_buckets != 1:  # (absent at 1, so the cache entries made before it still hit)
+        settings["length_buckets"] = ws.length_buckets
     key = None
     if ws.cache_dir and jax.process_count() == 1:
         key = warm_start_cache.cache_key(
@@ -610,7 +612,11 @@ def _supervised_pass(config, tokenizer, graphdef, state: TrainState, seqs) -> Tr
     elif ws.cache_dir:
         log.warning("warm_start.cache_dir is ignored by a multi-process run")
     params, losses = warm_start(graphdef, state.params, seqs, **settings)
-    log.info("warm start loss %.3f -> %.3f", losses[0], losses[-1])
+    # Means over the first and last tenth of the steps: with length groups one step's loss
+    # is of one group (a short answer's or a program's), not of the mix.
+    tenth = max(1, len(losses) // 10)
+    log.info("warm start loss %.3f -> %.3f (means of the first and last %d steps)",
+             float(np.mean(losses[:tenth])), float(np.mean(losses[-tenth:])), tenth)
     if key is not None:
         path = warm_start_cache.save(ws.cache_dir, key, params, losses)
         log.info("warm start cached as %s", path)

@@ -20,16 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny_hf
+from xla_test_flags import LLVM_O0
 
 from spade_jax.models import ModelOptions, load_hf, numerics, positions_from_mask
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_driver(*args: str) -> dict:
+def _run_driver(*args: str, flags: str = numerics.EXACT_CPU_XLA_FLAG) -> dict:
     # The run's shared compile cache: its keys include XLA_FLAGS, so the exact-math
     # programs never mix with the default ones, and the two driver runs share theirs.
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=numerics.EXACT_CPU_XLA_FLAG)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "exact_replay_driver.py"),
                            *args], env=env, capture_output=True, text=True, timeout=900,
                           cwd=REPO)
@@ -82,7 +83,10 @@ def test_slot_engine_is_bit_exact_across_slot_counts_and_against_the_trainer(tmp
     """Issue 18.3: scheduling (1, 3 or 8 slots; a prefill budget splitting the admits)
     changes no bit, and turns decoded over a KV cache reused across turns are re-scored
     exactly by the trainer's forward."""
-    assert _run_driver("engine") == {"streams_equal": True, "logprob_diff": 0,
+    # At LLVM -O0 (40 s against 52 s alone, cold cache, 2026-12-06): what this checks is
+    # the engine's scheduling and KV reuse on batch-invariant numerics; those numerics at
+    # XLA's default level are the main report's (`replay`, `batching`, above).
+    assert _run_driver("engine", flags=f"{numerics.EXACT_CPU_XLA_FLAG} {LLVM_O0}") == {"streams_equal": True, "logprob_diff": 0,
                                       "split_admits": True, "trainer_differing": 0,
                                       "tokens": 96}
 

@@ -87,11 +87,57 @@ def per_sequence_weights(weights_bk: np.ndarray) -> np.ndarray:
     return np.where(totals > 0, weights_bk / np.maximum(totals, 1e-9), 0.0).astype(np.float32)
 
 
+def _length_groups(sequences: Sequence[TrainSequence], groups: int, pad_id: int
+                   ) -> list[tuple[np.ndarray, PackConfig, int]]:
+    """(member indices, packing to the group's length, loss width) per length group."""
+    lengths = [len(s.token_ids) for s in sequences]
+    bounds = padded_lengths(lengths, groups)
+    which = np.searchsorted(bounds, lengths)  # the smallest padded length that holds each
+    out = []
+    for g, bound in enumerate(bounds):
+        members = np.nonzero(which == g)[0]
+        width = round_up(max(1, *(int(np.count_nonzero(sequences[j].loss_mask))
+                                  for j in members)), 16)
+        out.append((members, PackConfig(buckets=(bound,), pad_id=pad_id), width))
+    return out
+
+
 def _optimizer(steps: int, learning_rate: float) -> optax.GradientTransformation:
     """Clipped AdamW, linear warm-up over the first tenth, then cosine decay."""
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(optax.warmup_cosine_decay_schedule(
                            0.0, learning_rate, max(1, steps // 10), max(2, steps)), b2=0.98))
+
+
+def padded_lengths(lengths: Sequence[int], groups: int, multiple: int = 16) -> list[int]:
+    """At most ``groups`` padded lengths (multiples of ``multiple``, ascending, the last
+    holding the longest sequence) that minimise the tokens of the whole set when each
+    sequence is padded to the smallest one that holds it: an exact dynamic programme over
+    the distinct rounded lengths (a few dozen), so a set of short answers and long programs
+    splits where the padding is, not at a quantile."""
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    values, counts = np.unique([round_up(max(1, n), multiple) for n in lengths],
+                               return_counts=True)
+    m = len(values)
+    prefix = np.concatenate([[0], np.cumsum(counts)])
+    # best[k][j]: fewest tokens for the j smallest values in k groups; cut[k][j]: where the
+    # last group starts.
+    best = np.full((groups + 1, m + 1), np.inf)
+    cut = np.zeros((groups + 1, m + 1), np.int64)
+    best[0][0] = 0.0
+    for k in range(1, groups + 1):
+        for j in range(1, m + 1):
+            for i in range(j):  # the last group is values[i:j], padded to values[j - 1]
+                cost = best[k - 1][i] + values[j - 1] * (prefix[j] - prefix[i])
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    k = int(np.argmin(best[:, m]))  # fewer groups when more do not help (m < groups)
+    out, j = [], m
+    while j > 0:
+        out.append(int(values[j - 1]))
+        j, k = int(cut[k][j]), k - 1
+    return out[::-1]
 
 
 def warm_start(
@@ -105,14 +151,27 @@ def warm_start(
     seed: int = 0,
     pad_id: int = 0,
     loss_mean: str = "token",
+    length_buckets: int = 1,
 ) -> tuple[nnx.State, list[float]]:
     """Runs ``steps`` AdamW steps of masked NLL; returns new params and the loss curve.
     ``loss_mean``: "token" (every target token of a batch weighs the same) or "sequence"
-    (every example does: short targets are not drowned by long ones)."""
+    (every example does: short targets are not drowned by long ones).
+
+    ``length_buckets``: 1 pads every batch to the longest sequence of the set. With more,
+    the sequences are split into that many length groups (:func:`padded_lengths`) and each
+    step draws a group with probability proportional to its size, then its batch from that
+    group, padded to the group's length: a set of short agent answers beside ~600-token
+    programs then no longer pads the answers to 600. Every example is drawn as often as
+    with one group; under ``loss_mean="sequence"`` the expected gradient is the same too
+    (each step's loss is a mean over examples), under "token" the short examples' steps
+    weigh as much as the long ones' (in a mixed batch the long targets' tokens dominate).
+    One compile per group."""
     if loss_mean not in LOSS_MEANS:
         raise ValueError(f"warm start loss_mean must be one of {LOSS_MEANS}, got {loss_mean!r}")
     if not sequences:
         raise ValueError("warm start needs at least one supervised sequence")
+    if length_buckets < 1:
+        raise ValueError(f"warm start length_buckets must be >= 1, got {length_buckets}")
     optimizer = _optimizer(steps, learning_rate)
     opt_state = optimizer.init(params)
 
@@ -123,15 +182,18 @@ def warm_start(
         return optax.apply_updates(params, updates), opt_state, loss
 
     rng = np.random.default_rng(seed)
-    # One padded length and one loss width for every batch (one compile), each the longest
-    # sequence's rounded up: the default power-of-two buckets padded ~600-token sequences to
+    # One padded length and one loss width per group (one compile each), each the longest
+    # member's rounded up: the default power-of-two buckets padded ~600-token sequences to
     # 1024, and the model's cost grows faster than linearly in the length.
-    pack = PackConfig(buckets=(round_up(max(len(s.token_ids) for s in sequences), 16),),
-                      pad_id=pad_id)
-    width = round_up(max(1, *(int(np.count_nonzero(s.loss_mask)) for s in sequences)), 16)
+    groups = _length_groups(sequences, length_buckets, pad_id)
+    shares = np.asarray([len(members) for members, _, _ in groups], np.float64) / len(sequences)
     losses, start = [], time.time()
     for i in range(steps):
-        batch = pack_sequences([sequences[j] for j in rng.choice(len(sequences), batch_size)], pack)
+        # One group: the draws of a plain uniform choice (the same batches as before groups).
+        members, pack, width = groups[int(rng.choice(len(groups), p=shares))
+                                      if len(groups) > 1 else 0]
+        batch = pack_sequences([sequences[j] for j in members[rng.choice(len(members),
+                                                                          batch_size)]], pack)
         positions, weights = _loss_positions(np.asarray(batch.loss_mask), width)
         if loss_mean == "sequence":
             weights = per_sequence_weights(weights)

@@ -26,6 +26,7 @@ from test_loop import (  # the loop's scripted policy and fixtures
     _text,
     pool,  # noqa: F401  (fixture)
 )
+from xla_test_flags import LLVM_O0
 
 from spade_jax.models import ModelConfig, Qwen3, numerics
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
@@ -206,8 +207,13 @@ def test_telemetry_counts_flips_gaps_and_clips_against_numpy():
 
 
 def _driver(*flags: str, exact: bool) -> dict:
+    # The exact run at LLVM -O0 (104 s against 139 s alone, cold cache, 2026-12-06): what
+    # it checks is the loop's routing plumbing (recorded, stored, replayed) on batch-
+    # invariant numerics, which tests/test_exact_replay.py checks at XLA's default level.
+    # The default-numerics run measures the bound docs/trainer.md states for users' runs:
+    # it keeps the default level.
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=numerics.EXACT_CPU_XLA_FLAG if exact else "")
+               XLA_FLAGS=f"{numerics.EXACT_CPU_XLA_FLAG} {LLVM_O0}" if exact else "")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "routing_replay_driver.py"),
                            *flags], env=env, capture_output=True, text=True, timeout=1800,
                           cwd=REPO)

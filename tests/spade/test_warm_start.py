@@ -21,6 +21,7 @@ from spade_jax.spade.warm_start import (
     _loss_positions,
     _nll,
     _optimizer,
+    padded_lengths,
     per_sequence_weights,
     warm_start,
 )
@@ -55,19 +56,32 @@ def _reference_nll(params, graphdef, ids_bt, mask_bt, attn_bt):
     return -jnp.sum(target_logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def _reference_warm_start(graphdef, params, seqs, *, steps, batch_size, learning_rate, seed):
+def _reference_sequence_mean_nll(params, graphdef, ids_bt, mask_bt, attn_bt):
+    """``loss_mean="sequence"``'s loss the plain way: the mean of each row's token mean."""
+    return jnp.mean(jnp.stack([_reference_nll(params, graphdef, ids_bt[i:i + 1],
+                                              mask_bt[i:i + 1], attn_bt[i:i + 1])
+                               for i in range(ids_bt.shape[0])]))
+
+
+def _reference_warm_start(graphdef, params, seqs, *, steps, batch_size, learning_rate, seed,
+                          groups=None, loss_fn=_reference_nll):
+    """``groups``: lists of sequence indices; a step draws one with probability
+    proportional to its size, then its batch from it (``length_buckets``' draws)."""
     optimizer = _optimizer(steps, learning_rate)
     opt_state = optimizer.init(params)
 
     @jax.jit
     def step(params, opt_state, ids, mask, attn):
-        loss, grads = jax.value_and_grad(_reference_nll)(params, graphdef, ids, mask, attn)
+        loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, ids, mask, attn)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     rng, losses = np.random.default_rng(seed), []
+    groups = groups or [list(range(len(seqs)))]
+    shares = np.array([len(g) for g in groups]) / len(seqs)
     for _ in range(steps):
-        batch = pack_sequences([seqs[j] for j in rng.choice(len(seqs), batch_size)],
+        group = groups[rng.choice(len(groups), p=shares)] if len(groups) > 1 else groups[0]
+        batch = pack_sequences([seqs[group[j]] for j in rng.choice(len(group), batch_size)],
                                PackConfig(pad_id=0))
         params, opt_state, loss = step(params, opt_state, batch.input_ids, batch.loss_mask,
                                        batch.attention_mask)
@@ -119,3 +133,72 @@ def test_sequence_mean_loss_weighs_every_example_the_same():
     with pytest.raises(ValueError, match="loss_mean"):
         warm_start(graphdef, params, _sequences(), steps=1, batch_size=1, learning_rate=1e-3,
                    loss_mean="example")
+
+
+def _brute_force_padded_lengths(lengths, groups, multiple=16):
+    """Every way to cut the sorted distinct rounded lengths into at most ``groups`` runs."""
+    import itertools
+
+    values = sorted({-(-max(1, n) // multiple) * multiple for n in lengths})
+    best = None
+    for k in range(1, min(groups, len(values)) + 1):
+        for cuts in itertools.combinations(range(1, len(values)), k - 1):
+            bounds = [values[c - 1] for c in cuts] + [values[-1]]
+            cost = sum(next(b for b in bounds if b >= n) for n in
+                       (-(-max(1, n) // multiple) * multiple for n in lengths))
+            if best is None or cost < best[0]:
+                best = (cost, bounds)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_padded_lengths_minimise_the_padded_tokens(seed):
+    rng = np.random.default_rng(seed)
+    # short answers and long programs, as the toy world's warm start has them
+    lengths = np.concatenate([rng.integers(20, 90, rng.integers(5, 60)),
+                              rng.integers(400, 700, rng.integers(1, 12))]).tolist()
+    for groups in (1, 2, 3):
+        got = padded_lengths(lengths, groups)
+        cost = sum(next(b for b in got if b >= -(-n // 16) * 16) for n in lengths)
+        assert len(got) <= groups and got == sorted(got) and got[-1] >= max(lengths)
+        assert cost == _brute_force_padded_lengths(lengths, groups)[0]
+    assert padded_lengths([30, 35, 600], 2) == [48, 608]  # the cut is where the padding is
+    assert padded_lengths([30, 31], 4) == [32]  # never more groups than lengths
+    with pytest.raises(ValueError, match="groups"):
+        padded_lengths([3], 0)
+
+
+@pytest.mark.slow  # two compiles of a 2-layer MoE step per side
+def test_length_buckets_train_as_the_full_logits_reference_on_the_same_draws():
+    """Two length groups: each step draws a group by its size, then a batch from it, padded
+    to the group's length; losses and parameters equal the full-logits reference driven by
+    the same draws (which pads each batch to a power of two: padding changes nothing)."""
+    rng = np.random.default_rng(9)
+    seqs = _sequences()  # 70-139 tokens
+    for n in (6, 9, 7, 8):  # and short ones
+        ids = rng.integers(2, 96, n + 3).tolist()
+        seqs.append(TrainSequence(ids, [0] * n + [1] * 3, [0.0] * len(ids), 0.0))
+    graphdef, params = nnx.split(_tiny_moe())
+    kwargs = dict(steps=5, batch_size=2, learning_rate=3e-3, seed=3)
+    assert padded_lengths([len(s.token_ids) for s in seqs], 2) == [16, 144]
+    new_params, new_losses = warm_start(graphdef, params, seqs, pad_id=0, length_buckets=2,
+                                        loss_mean="sequence", **kwargs)
+    ref_params, ref_losses = _reference_warm_start(
+        graphdef, params, seqs, groups=[[5, 6, 7, 8], [0, 1, 2, 3, 4]],
+        loss_fn=_reference_sequence_mean_nll, **kwargs)
+    # (the five steps draw from both groups: both padded lengths are exercised)
+    draws, picked = np.random.default_rng(3), []
+    for _ in range(5):
+        picked.append(int(draws.choice(2, p=[4 / 9, 5 / 9])))
+        draws.choice((4, 5)[picked[-1]], 2)
+    assert set(picked) == {0, 1}, picked
+    np.testing.assert_allclose(new_losses, ref_losses, rtol=1e-5)
+    moved = 0
+    for new, ref, init in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params),
+                              jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(new), np.asarray(ref), rtol=1e-5, atol=1e-5)
+        moved += not np.array_equal(np.asarray(new), np.asarray(init))
+    assert moved > len(jax.tree.leaves(params)) // 2  # it trained: the comparison is not vacuous
+    with pytest.raises(ValueError, match="length_buckets"):
+        warm_start(graphdef, params, seqs, steps=1, batch_size=1, learning_rate=1e-3,
+                   length_buckets=0)

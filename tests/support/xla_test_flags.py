@@ -3,7 +3,9 @@ mostly compiling tiny programs; -O0 compiles them about a third faster and chang
 last bits of results, tests/models/test_opt_level.py). tests/conftest.py sets it for the
 pytest processes; a test that starts a JAX subprocess with XLA_FLAGS of its own builds them
 here (``jax_flags()``), unless it checks numerics at the default level (the exact-replay
-drivers), a result measured at it (the learning check), or runs mostly compiled code
+driver's main report, the default-numerics replay bound; the engine and router-replay
+drivers check plumbing on exact numerics and add -O0 to the exact flag), a result
+measured at it (the learning check), or runs mostly compiled code
 rather than compiling (a `spade_jax.train` run's warm start took 123 s at -O0 against
 80 s: the train-command tests with a warm start keep the default level; those without
 one, the kill and resume runs, are mostly compiling and use -O0: 51 s against 64-71 s)."""
