@@ -165,7 +165,9 @@ def warm_start(
     with one group; under ``loss_mean="sequence"`` the expected gradient is the same too
     (each step's loss is a mean over examples), under "token" the short examples' steps
     weigh as much as the long ones' (in a mixed batch the long targets' tokens dominate).
-    One compile per group."""
+    But Adam scales every step to the learning rate, so a group gets as many updates as it
+    has steps: a few long examples among many short ones learn less than in mixed batches
+    (docs/toy_world.md, "The learning checks"). One compile per group."""
     if loss_mean not in LOSS_MEANS:
         raise ValueError(f"warm start loss_mean must be one of {LOSS_MEANS}, got {loss_mean!r}")
     if not sequences:
