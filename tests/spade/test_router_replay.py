@@ -26,9 +26,9 @@ from test_loop import (  # the loop's scripted policy and fixtures
     _text,
     pool,  # noqa: F401  (fixture)
 )
-from xla_test_flags import LLVM_O0
+from xla_test_flags import exact_flags_o0
 
-from spade_jax.models import ModelConfig, Qwen3, numerics
+from spade_jax.models import ModelConfig, Qwen3
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
 from spade_jax.rl.replay_stats import replay_telemetry
 from spade_jax.rl.train_step import RoleConfig, TrainConfig
@@ -213,7 +213,7 @@ def _driver(*flags: str, exact: bool) -> dict:
     # The default-numerics run measures the bound docs/trainer.md states for users' runs:
     # it keeps the default level.
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{numerics.EXACT_CPU_XLA_FLAG} {LLVM_O0}" if exact else "")
+               XLA_FLAGS=exact_flags_o0() if exact else "")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "routing_replay_driver.py"),
                            *flags], env=env, capture_output=True, text=True, timeout=1800,
                           cwd=REPO)

@@ -64,9 +64,10 @@ def _reference_sequence_mean_nll(params, graphdef, ids_bt, mask_bt, attn_bt):
 
 
 def _reference_warm_start(graphdef, params, seqs, *, steps, batch_size, learning_rate, seed,
-                          groups=None, loss_fn=_reference_nll):
+                          groups=None, loss_fn=_reference_nll, drawn=None):
     """``groups``: lists of sequence indices; a step draws one with probability
-    proportional to its size, then its batch from it (``length_buckets``' draws)."""
+    proportional to its size, then its batch from it (``length_buckets``' draws); the
+    index of each step's group is appended to ``drawn``."""
     optimizer = _optimizer(steps, learning_rate)
     opt_state = optimizer.init(params)
 
@@ -80,7 +81,10 @@ def _reference_warm_start(graphdef, params, seqs, *, steps, batch_size, learning
     groups = groups or [list(range(len(seqs)))]
     shares = np.array([len(g) for g in groups]) / len(seqs)
     for _ in range(steps):
-        group = groups[rng.choice(len(groups), p=shares)] if len(groups) > 1 else groups[0]
+        g = int(rng.choice(len(groups), p=shares)) if len(groups) > 1 else 0
+        if drawn is not None:
+            drawn.append(g)
+        group = groups[g]
         batch = pack_sequences([seqs[group[j]] for j in rng.choice(len(group), batch_size)],
                                PackConfig(pad_id=0))
         params, opt_state, loss = step(params, opt_state, batch.input_ids, batch.loss_mask,
@@ -183,15 +187,11 @@ def test_length_buckets_train_as_the_full_logits_reference_on_the_same_draws():
     assert padded_lengths([len(s.token_ids) for s in seqs], 2) == [16, 144]
     new_params, new_losses = warm_start(graphdef, params, seqs, pad_id=0, length_buckets=2,
                                         loss_mean="sequence", **kwargs)
+    drawn = []
     ref_params, ref_losses = _reference_warm_start(
         graphdef, params, seqs, groups=[[5, 6, 7, 8], [0, 1, 2, 3, 4]],
-        loss_fn=_reference_sequence_mean_nll, **kwargs)
-    # (the five steps draw from both groups: both padded lengths are exercised)
-    draws, picked = np.random.default_rng(3), []
-    for _ in range(5):
-        picked.append(int(draws.choice(2, p=[4 / 9, 5 / 9])))
-        draws.choice((4, 5)[picked[-1]], 2)
-    assert set(picked) == {0, 1}, picked
+        loss_fn=_reference_sequence_mean_nll, drawn=drawn, **kwargs)
+    assert set(drawn) == {0, 1}, drawn  # both groups, so both padded lengths, are exercised
     np.testing.assert_allclose(new_losses, ref_losses, rtol=1e-5)
     moved = 0
     for new, ref, init in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params),

@@ -20,3 +20,11 @@ def jax_flags(devices: int = 1) -> str:
     if devices > 1:
         return f"--xla_force_host_platform_device_count={devices} {LLVM_O0}"
     return LLVM_O0
+
+
+def exact_flags_o0() -> str:
+    """XLA_FLAGS for a subprocess that checks plumbing on exact numerics (FMA off,
+    ``numerics.EXACT_CPU_XLA_FLAG``) at -O0: the engine and router-replay drivers."""
+    from spade_jax.models import numerics
+
+    return f"{numerics.EXACT_CPU_XLA_FLAG} {LLVM_O0}"
