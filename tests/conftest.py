@@ -17,9 +17,9 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 # LLVM at -O0 for XLA:CPU (tests/support/xla_test_flags.py says why and which subprocesses
 # keep the default level). Set the flag yourself to run the suite at another level.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    from xla_test_flags import LLVM_O0
+    from xla_test_flags import FAST_COMPILE
 
-    os.environ["XLA_FLAGS"] += f" {LLVM_O0}"
+    os.environ["XLA_FLAGS"] += f" {FAST_COMPILE}"
 
 # One persistent compilation cache for the run and every JAX subprocess it starts (they
 # inherit the environment): a program compiled once (the tiny experiment's train step, its
