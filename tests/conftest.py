@@ -14,8 +14,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-# LLVM at -O0 for XLA:CPU (tests/support/xla_test_flags.py says why and which subprocesses
-# keep the default level). Set the flag yourself to run the suite at another level.
+# Compile-speed flags for XLA:CPU: LLVM at -O0, the classic fusion emitters, one codegen
+# split (tests/support/xla_test_flags.py says why and which subprocesses keep the default
+# flags). Set an optimization level yourself to run the suite without them.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     from xla_test_flags import FAST_COMPILE
 

@@ -1,9 +1,9 @@
-"""The suite compiles at LLVM -O0 (tests/conftest.py: a third less compile time). That
-changes the last bits of XLA:CPU's results (a probe's hash differs), so every comparison
-in the suite is either against a reference with a tolerance or of a program against
-itself; this checks that -O0 and the default level agree to float32 rounding. The
-exact-replay driver (tests/test_exact_replay.py) sets its own flags and runs at the
-default level."""
+"""The suite compiles for speed (tests/conftest.py: LLVM -O0, the classic fusion emitters,
+one codegen split; about half the compile time). That changes the last bits of XLA:CPU's
+results (a probe's hash differs), so every comparison in the suite is either against a
+reference with a tolerance or of a program against itself; this checks that those flags
+and the default ones agree to float32 rounding. The exact-replay driver
+(tests/test_exact_replay.py) sets its own flags and runs at the default level."""
 
 import json
 import os

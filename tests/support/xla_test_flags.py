@@ -1,14 +1,17 @@
-"""XLA flags of the suite's JAX processes: LLVM at -O0 for XLA:CPU (the suite's time is
-mostly compiling tiny programs; -O0 compiles them about a third faster and changes only the
-last bits of results, tests/models/test_opt_level.py). tests/conftest.py sets it for the
-pytest processes; a test that starts a JAX subprocess with XLA_FLAGS of its own builds them
-here (``jax_flags()``), unless it checks numerics at the default level (the exact-replay
+"""XLA flags of the suite's JAX processes, set for compile speed (``FAST_COMPILE``): the
+suite's time is mostly XLA:CPU compiling tiny programs. LLVM at -O0 compiles them about a
+third faster; XLA:CPU's classic fusion emitters instead of the MLIR ones, and one codegen
+split instead of parallel LLVM modules on a box whose two cores are already busy, take
+another ~half off (three compile-bound tests, cold cache: 127 s at -O0, 65 s with all
+three; tests/README.md "Compile flags"). They change only the last bits of results
+(tests/models/test_opt_level.py). tests/conftest.py sets them for the pytest processes; a
+test that starts a JAX subprocess with XLA_FLAGS of its own builds them here
+(``jax_flags()``), unless it checks numerics at the default flags (the exact-replay
 driver's main report, the default-numerics replay bound; the engine and router-replay
-drivers check plumbing on exact numerics and add -O0 to the exact flag), a result
-measured at it (the learning check), or runs mostly compiled code
-rather than compiling (a `spade_jax.train` run's warm start took 123 s at -O0 against
-80 s: the train-command tests with a warm start keep the default level; those without
-one, the kill and resume runs, are mostly compiling and use -O0: 51 s against 64-71 s)."""
+drivers check plumbing on exact numerics and add them to the exact flag), a result
+measured at them (the learning check), or runs mostly compiled code rather than compiling
+(a `spade_jax.train` run with a warm start: 84 s at the default flags, 114 s with these;
+the kill and resume runs, without one, are mostly compiling and use them)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ FAST_COMPILE = (f"{LLVM_O0} --xla_cpu_use_fusion_emitters=false "
 
 
 def jax_flags(devices: int = 1) -> str:
-    """XLA_FLAGS for a JAX subprocess on ``devices`` simulated CPU devices, at -O0."""
+    """XLA_FLAGS for a JAX subprocess on ``devices`` simulated CPU devices, compiling fast."""
     if devices > 1:
         return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
     return FAST_COMPILE
@@ -28,7 +31,7 @@ def jax_flags(devices: int = 1) -> str:
 
 def exact_flags_o0() -> str:
     """XLA_FLAGS for a subprocess that checks plumbing on exact numerics (FMA off,
-    ``numerics.EXACT_CPU_XLA_FLAG``) at -O0: the engine and router-replay drivers."""
+    ``numerics.EXACT_CPU_XLA_FLAG``) compiling fast: the engine and router-replay drivers."""
     from spade_jax.models import numerics
 
     return f"{numerics.EXACT_CPU_XLA_FLAG} {FAST_COMPILE}"
