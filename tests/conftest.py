@@ -18,9 +18,9 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 # split (tests/support/xla_test_flags.py says why and which subprocesses keep the default
 # flags). Set an optimization level yourself to run the suite without them.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    from xla_test_flags import FAST_COMPILE
+    from xla_test_flags import fast_compile
 
-    os.environ["XLA_FLAGS"] += f" {FAST_COMPILE}"
+    os.environ["XLA_FLAGS"] += f" {fast_compile()}"
 
 # One persistent compilation cache for the run and every JAX subprocess it starts (they
 # inherit the environment): a program compiled once (the tiny experiment's train step, its

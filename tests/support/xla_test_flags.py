@@ -1,4 +1,4 @@
-"""XLA flags of the suite's JAX processes, set for compile speed (``FAST_COMPILE``): the
+"""XLA flags of the suite's JAX processes, set for compile speed (``fast_compile()``): the
 suite's time is mostly XLA:CPU compiling tiny programs. LLVM at -O0 compiles them about a
 third faster; XLA:CPU's classic fusion emitters instead of the MLIR ones, and one codegen
 split instead of parallel LLVM modules on a box whose two cores are already busy, take
@@ -15,18 +15,43 @@ the kill and resume runs, without one, are mostly compiling and use them)."""
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
+import sys
+
 LLVM_O0 = "--xla_backend_optimization_level=0"
-# The suite's compile flags: LLVM at -O0, XLA:CPU's classic fusion emitters instead of the
-# MLIR ones, one LLVM module per program instead of parallel codegen splits.
-FAST_COMPILE = (f"{LLVM_O0} --xla_cpu_use_fusion_emitters=false "
-                "--xla_cpu_parallel_codegen_split_count=1")
+# XLA:CPU's classic fusion emitters instead of the MLIR ones, one LLVM module per program
+# instead of parallel codegen splits. XLA aborts a process on a flag it does not know, and
+# jax is not pinned for CPU installs, so these are used only where this jaxlib accepts them.
+_EMITTER_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+# Where the probe's answer is kept for the suite's worker processes and subprocesses.
+_ENV_KEY = "SPADE_TEST_FAST_COMPILE"
+
+
+@functools.cache
+def fast_compile() -> str:
+    """The suite's compile flags: LLVM at -O0 and, when this jaxlib's XLA accepts them, the
+    classic emitters and one codegen split (probed once per suite, in a subprocess, ~2 s;
+    the answer travels to the other processes in the environment)."""
+    if _ENV_KEY not in os.environ:
+        flags = f"{LLVM_O0} {_EMITTER_FLAGS}"
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+        probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                               capture_output=True, text=True, timeout=300)
+        if probe.returncode != 0:
+            print(f"tests: XLA refused {_EMITTER_FLAGS!r}; compiling at {LLVM_O0} only "
+                  f"({probe.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
+            flags = LLVM_O0
+        os.environ[_ENV_KEY] = flags
+    return os.environ[_ENV_KEY]
 
 
 def jax_flags(devices: int = 1) -> str:
     """XLA_FLAGS for a JAX subprocess on ``devices`` simulated CPU devices, compiling fast."""
     if devices > 1:
-        return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
-    return FAST_COMPILE
+        return f"--xla_force_host_platform_device_count={devices} {fast_compile()}"
+    return fast_compile()
 
 
 def exact_flags_o0() -> str:
@@ -34,4 +59,4 @@ def exact_flags_o0() -> str:
     ``numerics.EXACT_CPU_XLA_FLAG``) compiling fast: the engine and router-replay drivers."""
     from spade_jax.models import numerics
 
-    return f"{numerics.EXACT_CPU_XLA_FLAG} {FAST_COMPILE}"
+    return f"{numerics.EXACT_CPU_XLA_FLAG} {fast_compile()}"
