@@ -26,7 +26,7 @@ from test_loop import (  # the loop's scripted policy and fixtures
     _text,
     pool,  # noqa: F401  (fixture)
 )
-from xla_test_flags import exact_flags_o0
+from xla_test_flags import exact_fast_compile_flags
 
 from spade_jax.models import ModelConfig, Qwen3
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
@@ -213,7 +213,7 @@ def _driver(*flags: str, exact: bool) -> dict:
     # The default-numerics run measures the bound docs/trainer.md states for users' runs:
     # it keeps the default level.
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=exact_flags_o0() if exact else "")
+               XLA_FLAGS=exact_fast_compile_flags() if exact else "")
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "routing_replay_driver.py"),
                            *flags], env=env, capture_output=True, text=True, timeout=1800,
                           cwd=REPO)

@@ -54,7 +54,7 @@ def jax_flags(devices: int = 1) -> str:
     return fast_compile()
 
 
-def exact_flags_o0() -> str:
+def exact_fast_compile_flags() -> str:
     """XLA_FLAGS for a subprocess that checks plumbing on exact numerics (FMA off,
     ``numerics.EXACT_CPU_XLA_FLAG``) compiling fast: the engine and router-replay drivers."""
     from spade_jax.models import numerics
