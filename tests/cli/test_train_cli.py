@@ -43,10 +43,10 @@ def _env(xla_flags: str = "") -> dict[str, str]:
 
 
 # KILL_RUN (below) has no warm start and no designer sampling: compiling is most of its
-# time, and at LLVM -O0 (tests/support/xla_test_flags.py) it ran in 51-76 s against 64-94 s
-# at the default level (alone, cold compile cache, interleaved, 2026-12-06). The replay kill
-# runs sample the designer's programs and were no faster at -O0 (53-56 s against 51-52 s):
-# they keep the default level. Every run a test compares runs with the same flags.
+# time, so it uses the suite's compile flags (tests/support/xla_test_flags.py; at LLVM -O0
+# alone it ran in 51-76 s against 64-94 s at the default level: alone, cold compile cache,
+# interleaved, 2026-12-06). The replay kill runs sample the designer's programs and were no
+# faster at -O0 (53-56 s against 51-52 s): they keep the default level. Every run a test compares runs with the same flags.
 KILL_RUN_FLAGS = jax_flags()
 
 

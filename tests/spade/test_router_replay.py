@@ -207,9 +207,10 @@ def test_telemetry_counts_flips_gaps_and_clips_against_numpy():
 
 
 def _driver(*flags: str, exact: bool) -> dict:
-    # The exact run at LLVM -O0 (104 s against 139 s alone, cold cache, 2026-12-06): what
-    # it checks is the loop's routing plumbing (recorded, stored, replayed) on batch-
-    # invariant numerics, which tests/test_exact_replay.py checks at XLA's default level.
+    # The exact run with the suite's compile flags (at -O0 alone: 104 s against 139 s,
+    # cold cache, 2026-12-06): what it checks is the loop's routing plumbing (recorded,
+    # stored, replayed) on batch-invariant numerics, which tests/test_exact_replay.py
+    # checks at XLA's default level.
     # The default-numerics run measures the bound docs/trainer.md states for users' runs:
     # it keeps the default level.
     env = dict(os.environ, JAX_PLATFORMS="cpu",

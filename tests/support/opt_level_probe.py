@@ -1,6 +1,7 @@
 """Prints a tiny Qwen3-MoE's logits and one loss gradient (as JSON lists) under whatever
-XLA_FLAGS the process starts with; ``tests/models/test_opt_level.py`` runs it at LLVM -O0
-(the suite's level, tests/conftest.py) and at XLA's default level and compares."""
+XLA_FLAGS the process starts with; ``tests/models/test_opt_level.py`` runs it with the
+suite's compile flags (LLVM -O0 and more, tests/conftest.py) and with XLA's default flags
+and compares."""
 
 import json
 

@@ -15,7 +15,6 @@ the kill and resume runs, without one, are mostly compiling and use them)."""
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
@@ -29,7 +28,6 @@ _EMITTER_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen
 _ENV_KEY = "SPADE_TEST_FAST_COMPILE"
 
 
-@functools.cache
 def fast_compile() -> str:
     """The suite's compile flags: LLVM at -O0 and, when this jaxlib's XLA accepts them, the
     classic emitters and one codegen split (probed once per suite, in a subprocess, ~2 s;
