@@ -144,6 +144,10 @@ class SpadeConfig:
       use_memory: keep and feed back the environment memory (ablation: False).
       use_corpus: condition the designer on freshly sampled corpus documents (ablation: False).
       train_designer: train the designer role (self-generation ablation: False).
+      train_agent: train the agent role (default). False: the agent still plays every
+        game and its returns still score the designer, but its samples are not trained,
+        so its frontier stays where the warm start left it (``toy:check``, the designer
+        path's learning check, where the designer has one place to go).
       designer_mode: "self" (the policy designs) or "fixed_pool" (programs from pool_dir,
         drawn without replacement across the run).
       pool_dir: directory of programs for designer_mode fixed_pool (``*.py`` + hints or the
@@ -233,6 +237,7 @@ class SpadeConfig:
     use_memory: bool = True
     use_corpus: bool = True
     train_designer: bool = True
+    train_agent: bool = True
     designer_mode: DesignerMode = DesignerMode.SELF
     pool_dir: str = ""
     designer_reward: str = "blend"
@@ -316,6 +321,11 @@ class SpadeConfig:
             raise ValueError(f"spade.hint_mode='designer' needs spade.contract='paper': the "
                              f"{self.contract.value} contract's designer prompt asks for a "
                              f"program without a hint (use hint_mode='self')")
+        if not self.train_agent and (self.baseline != Baseline.NONE or not self.train_designer
+                                     or self.designer_mode != DesignerMode.SELF):
+            raise ValueError("spade.train_agent=False trains the designer alone, so it needs "
+                             "spade.designer_mode='self', spade.train_designer=True and no "
+                             "baseline (otherwise the run would train nothing)")
 
     @property
     def game_source(self) -> GameSourceKind:

@@ -205,7 +205,8 @@ class SpadeLoop:
             cfg, step=step, window=window, attempts=attempts, records=kept, scored=scored,
             classify=self.memory.classify, learnable_share=learnable,
             pending=sum(len(p.samples) for p in self.pending),
-            memory_regimes=self.memory.regime_counts(), num_agent=len(agent),
+            memory_regimes=self.memory.regime_counts(),
+            num_agent=len(agent) if cfg.train_agent else 0,
             num_designer=len(designer), update_metrics=update_metrics, times=timer.times)
         metrics.update(self.pop_rule_metrics())
         self.step_attempts = attempts
@@ -227,7 +228,9 @@ class SpadeLoop:
         """The update's samples and how many were cut. With ``global_batch`` (the recipe):
         the designer's first, then the agent's, cut to that many, so at designer-training
         rounds the last games' plays are not trained. Without: every agent sample, then
-        every designer sample."""
+        every designer sample. With ``train_agent`` off, the designer's only."""
+        if not self.config.train_agent:
+            agent = []
         limit = self.config.global_batch
         if not limit:
             return agent + designer, 0

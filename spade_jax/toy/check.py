@@ -33,9 +33,28 @@ agent_tokens_sampled   the trainer's log-prob of every agent token it trains equ
                        The agent trains on-policy here; the designer's rows are a round old
                        (its reward comes a round later), so its gap is not checked.
 
-``check_agent_path`` is the CI learning check's claims (``key_digit:check``: the agent's
-return on constant-key games rises, and ``agent_tokens_sampled``);
-``scripts/planted_faults.py`` runs either check clean and under each planted fault.
+The CI learning check is two short runs. ``check_agent_path`` is the agent path's claims
+(``key_digit:check``: the agent's return on constant-key games rises, and
+``agent_tokens_sampled``); ``check_designer_path`` the designer path's (``toy:check``: the
+toy world with the agent held at its warm start, so its frontier stays put and the
+designer has one place to go):
+
+validity_floor         as above
+regret_positive        as above (the hint helps where the designer puts the games)
+designer_moves_to_frontier
+                       the share of the designer's scored games in memory's frontier regime
+                       (the hint helps: regret above memory's threshold; the paper's
+                       frontier) at least ``min_frontier_share`` over the last third of the
+                       run, and above the first regeneration's (written by the
+                       warm-started designer, before any designer update) by more than
+                       ``min_frontier_rise``. Its line also shows the designer's mean
+                       level at the first regeneration and over the last third.
+designer_tokens_sampled
+                       ``agent_tokens_sampled`` for the designer's tokens
+                       (``train/designer/logp_gap_max``): with the reward in the round that
+                       wrote them (``designer_delay=0``) the designer trains on-policy
+
+``scripts/planted_faults.py`` runs any of the checks clean and under each planted fault.
 """
 
 from __future__ import annotations
@@ -51,6 +70,7 @@ from etils import epath
 from spade_jax import storage
 
 Curves = Mapping[str, tuple[np.ndarray, np.ndarray]]
+NAN = float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +129,24 @@ def agent_frontier(curves: Curves, frontier_pass: float) -> float:
     return float(max([1] + [lv for lv, p in levels.items() if p >= frontier_pass]))
 
 
-def _agent_tokens_sampled(curves: Curves, max_logp_gap: float) -> Finding:
-    _, gaps = _finite(curves, "train/agent/logp_gap_max")
+def _tokens_sampled(curves: Curves, max_logp_gap: float, role: str = "agent") -> Finding:
+    _, gaps = _finite(curves, f"train/{role}/logp_gap_max")
     worst = float(gaps.max()) if len(gaps) else float("nan")
-    return Finding("agent_tokens_sampled", bool(worst <= max_logp_gap), worst,
-                   f"max |trainer - sampler| log-prob of trained agent tokens <= {max_logp_gap}")
+    return Finding(f"{role}_tokens_sampled", bool(worst <= max_logp_gap), worst,
+                   f"max |trainer - sampler| log-prob of trained {role} tokens <= {max_logp_gap}")
+
+
+def _validity_floor(curves: Curves, floor: float) -> Finding:
+    _, validity = _finite(curves, "validity_rate")
+    low = float(validity.min()) if len(validity) else float("nan")
+    return Finding("validity_floor", bool(low >= floor), low, f"lowest >= {floor}")
+
+
+def _regret_positive(curves: Curves, min_share: float) -> Finding:
+    _, regret = _finite(curves, "regret_raw_mean")
+    share = float(np.mean(regret > 0)) if len(regret) else float("nan")
+    return Finding("regret_positive", bool(share >= min_share), share,
+                   f"share of rounds > 0 >= {min_share}")
 
 
 def check_agent_path(curves: Curves, min_rise: float = 0.2,
@@ -124,7 +157,40 @@ def check_agent_path(curves: Curves, min_rise: float = 0.2,
     first, last = thirds(_finite(curves, "return_no_hint_mean")[1])
     return [Finding("agent_return_rises", bool(last - first > min_rise), last - first,
                     f"last third - first third > {min_rise}"),
-            _agent_tokens_sampled(curves, max_logp_gap)]
+            _tokens_sampled(curves, max_logp_gap)]
+
+
+def frontier_shares(curves: Curves) -> np.ndarray:
+    """Per scoring round, the share of the scored games in the frontier regime."""
+    counts = {name: dict(zip(*_finite(curves, f"regime/{name}"), strict=True))
+              for name in ("frontier", "mastered", "intractable")}
+    shares = []
+    for step in sorted(counts["frontier"]):
+        total = sum(counts[name].get(step, 0.0) for name in counts)
+        if total > 0:
+            shares.append(counts["frontier"][step] / total)
+    return np.asarray(shares, np.float64)
+
+
+def check_designer_path(curves: Curves, config: CheckConfig = CheckConfig(),
+                        min_frontier_share: float = 0.5,
+                        min_frontier_rise: float = 0.25) -> list[Finding]:
+    """``toy:check``'s claims (module docstring): the programs stay valid, the hint helps
+    where the designer puts its games, the designer's games move into the agent's frontier,
+    and the designer trains the tokens it sampled."""
+    shares = frontier_shares(curves)
+    start, end = (float(shares[0]), thirds(shares)[1]) if len(shares) >= 3 else (NAN, NAN)
+    _, level = _finite(curves, "designer/difficulty_mean")
+    level_start, level_end = (float(level[0]), thirds(level)[1]) if len(level) >= 3 \
+        else (NAN, NAN)
+    moved = bool(end >= min_frontier_share and end - start > min_frontier_rise)
+    return [_validity_floor(curves, config.validity_floor),
+            _regret_positive(curves, config.min_positive_regret_share),
+            Finding("designer_moves_to_frontier", moved, end,
+                    f"frontier share of the games: last third >= {min_frontier_share} and > "
+                    f"first regeneration {start:.2f} + {min_frontier_rise}; mean level "
+                    f"{level_start:.2f} -> {level_end:.2f}"),
+            _tokens_sampled(curves, config.max_logp_gap, role="designer")]
 
 
 def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Finding]:
@@ -138,14 +204,8 @@ def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Findi
     rise = float(heldout[-1] - heldout[0]) if len(heldout) >= 2 else float("nan")
     findings.append(Finding("heldout_rises", bool(rise > config.min_heldout_rise), rise,
                             f"last eval - first eval > {config.min_heldout_rise}"))
-    _, validity = _finite(curves, "validity_rate")
-    low = float(validity.min()) if len(validity) else float("nan")
-    findings.append(Finding("validity_floor", bool(low >= config.validity_floor), low,
-                            f"lowest >= {config.validity_floor}"))
-    _, regret = _finite(curves, "regret_raw_mean")
-    share = float(np.mean(regret > 0)) if len(regret) else float("nan")
-    findings.append(Finding("regret_positive", bool(share >= config.min_positive_regret_share),
-                            share, f"share of rounds > 0 >= {config.min_positive_regret_share}"))
+    findings.append(_validity_floor(curves, config.validity_floor))
+    findings.append(_regret_positive(curves, config.min_positive_regret_share))
     regimes = {name: float(np.sum(_finite(curves, f"regime/{name}")[1]))
                for name in ("frontier", "mastered", "intractable")}
     fewest = min(regimes.values())
@@ -166,7 +226,7 @@ def check_run(curves: Curves, config: CheckConfig = CheckConfig()) -> list[Findi
     findings.append(Finding("designer_follows_agent", bool(gap <= config.max_frontier_gap), gap,
                             f"|last-third level - agent frontier {frontier:g}| <= "
                             f"{config.max_frontier_gap}"))
-    findings.append(_agent_tokens_sampled(curves, config.max_logp_gap))
+    findings.append(_tokens_sampled(curves, config.max_logp_gap))
     return findings
 
 

@@ -489,6 +489,26 @@ def test_one_scripted_round_per_ablation_and_baseline(pool, name):
         assert all(len(v) == spade.plays_per_game for r in fed for v in r.values())
 
 
+def test_an_untrained_agent_plays_and_scores_but_only_the_designer_trains(pool):
+    """spade.train_agent=False (toy:check): the agent's plays still score the designer, but
+    only designer samples reach the update."""
+    experiment = load_experiment("tiny")
+    spade = dataclasses.replace(experiment.spade, contract="paper", rounds=2, eval_every=0,
+                                regeneration_interval=1, designer_delay=0, train_agent=False)
+    policy = ScriptedPolicy(ALL_VALID, loss=0.0)
+    loop = _loop(pool, policy, spade, rules=(experiment.train.agent, experiment.train.designer))
+    updates = []
+    update = loop.update
+    loop.update = lambda seqs: (updates.append([s.role for s in seqs]), update(seqs))[1]
+    metrics = [loop.run_step(s) for s in range(2)]
+    assert all(m["episodes/no_hint"] > 0 and math.isfinite(m["return_no_hint_mean"])
+               for m in metrics)
+    assert all(m["batch/agent"] == 0 and m["batch/designer"] > 0 for m in metrics)
+    assert len(updates) == 2 and all(roles and set(roles) == {"designer"} for roles in updates)
+    with pytest.raises(ValueError, match="train_agent=False trains the designer alone"):
+        dataclasses.replace(spade, train_designer=False)
+
+
 class _TextEnv:
     """A minimal text env: a fixed opening observation."""
 

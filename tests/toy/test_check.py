@@ -7,7 +7,9 @@ from spade_jax.toy.check import (
     CheckConfig,
     agent_frontier,
     check_agent_path,
+    check_designer_path,
     check_run,
+    frontier_shares,
     thirds,
 )
 
@@ -83,6 +85,53 @@ def test_the_agent_path_check_fails_on_a_flat_return_or_a_shifted_mask():
                       **{"train/agent/logp_gap_max": np.full(12, 12.0)})
     assert [f.name for f in check_agent_path(shifted) if not f.ok] == ["agent_tokens_sampled"]
     assert not all(f.ok for f in check_agent_path({}))
+
+
+def _designer_path_curves(frontier=(1, 2, 3, 5, 6, 6, 7, 7, 8, 7, 8, 8), **overrides):
+    # toy:check's shape: 8 games scored every round, more and more of them in the frontier
+    # regime (the hint helps), the rest split between mastered and intractable
+    steps = np.arange(12, dtype=float)
+    frontier = np.asarray(frontier, float)
+    curves = {
+        "validity_rate": (steps, np.full(12, 0.9)),
+        "regret_raw_mean": (steps, np.full(12, 0.3)),
+        "regime/frontier": (steps, frontier),
+        "regime/mastered": (steps, np.floor((8 - frontier) / 2)),
+        "regime/intractable": (steps, np.ceil((8 - frontier) / 2)),
+        "designer/difficulty_mean": (steps, np.linspace(5.0, 2.5, 12)),
+        "train/designer/logp_gap_max": (steps, np.full(12, 2e-6)),
+    }
+    curves.update({k: (steps, np.asarray(v, float)) for k, v in overrides.items()})
+    return curves
+
+
+def _designer_path_failed(curves):
+    return {f.name for f in check_designer_path(curves) if not f.ok}
+
+
+def test_the_designer_path_check_fails_each_claim_alone():
+    findings = check_designer_path(_designer_path_curves())
+    assert all(f.ok for f in findings), [f.line() for f in findings]
+    moved = next(f for f in findings if f.name == "designer_moves_to_frontier")
+    assert moved.value == np.mean([7, 8, 8, 8]) / 8  # the last third's frontier share
+    assert "mean level 5.00 -> " in moved.bar
+    assert np.allclose(frontier_shares(_designer_path_curves()),
+                       np.asarray([1, 2, 3, 5, 6, 6, 7, 7, 8, 7, 8, 8]) / 8)
+    assert _designer_path_failed(_designer_path_curves(validity_rate=np.full(12, 0.45))
+                                 ) == {"validity_floor"}
+    assert _designer_path_failed(_designer_path_curves(regret_raw_mean=np.full(12, -0.1))
+                                 ) == {"regret_positive"}
+    # no direction (rewards on the wrong programs), away (sign flipped), or already there
+    # from the start (the warm start put the games at the frontier: nothing moved them)
+    for frontier in ([2] * 12, [2, 1, 1, 0, 1, 0, 0, 1, 0, 0, 1, 0], [5] + [6] * 11):
+        assert _designer_path_failed(_designer_path_curves(frontier)
+                                     ) == {"designer_moves_to_frontier"}
+    assert _designer_path_failed(_designer_path_curves(**{
+        "train/designer/logp_gap_max": np.where(np.arange(12) == 3, 12.0, 2e-6)})
+    ) == {"designer_tokens_sampled"}
+    assert _designer_path_failed({}) == {"validity_floor", "regret_positive",
+                                         "designer_moves_to_frontier",
+                                         "designer_tokens_sampled"}
 
 
 def test_thirds_match_numpy():
