@@ -31,8 +31,8 @@ from spade_jax.experiment import ExperimentConfig, load_experiment
 
 
 def get_config(variant: str = "") -> ExperimentConfig:
-    """``variant`` "check": the designer path's learning check of CI
-    (tests/toy/test_learning_check.py, ~3 min; the agent path's is ``key_digit:check``)."""
+    """``variant`` "check": the designer path's learning check
+    (tests/toy/test_designer_check.py, 264 s alone; the agent path's is ``key_digit:check``)."""
     if variant not in ("", "check"):
         raise ValueError(f"toy variants: '' or 'check', got {variant!r} (the chain family's "
                          "are chain:<variant>)")

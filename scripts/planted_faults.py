@@ -6,9 +6,9 @@ which claims each run passes (issue 29: the check must fail under every fault).
     python scripts/planted_faults.py --workdir runs/faults --faults none,advantage_sign --seed 1
     python scripts/planted_faults.py --workdir runs/faults --check full   # toy, ~35 min a run
 
-The CI learning check is two runs, each checked on its own claims: ``key_digit:check``
-(``--check agent_path``, the default: the agent's signal path; it has no designer, so the
-designer faults cannot show there) and ``toy:check`` (``--check designer_path``: the
+The learning checks are two short runs, each checked on its own claims: ``key_digit:check``
+(``--check agent_path``, the default, CI's: the agent's signal path; it has no designer, so
+the designer faults cannot show there) and ``toy:check`` (``--check designer_path``: the
 designer's). ``--check full`` is the toy world's claims on ``toy``. The runs are one per
 fault, in this process (the faults patch the loop and the trainer in memory:
 ``spade_jax.planted_faults``). Exit status 0 when the clean run passes every claim and

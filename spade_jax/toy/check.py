@@ -33,11 +33,11 @@ agent_tokens_sampled   the trainer's log-prob of every agent token it trains equ
                        The agent trains on-policy here; the designer's rows are a round old
                        (its reward comes a round later), so its gap is not checked.
 
-The CI learning check is two short runs. ``check_agent_path`` is the agent path's claims
-(``key_digit:check``: the agent's return on constant-key games rises, and
-``agent_tokens_sampled``); ``check_designer_path`` the designer path's (``toy:check``: the
-toy world with the agent held at its warm start, so its frontier stays put and the
-designer has one place to go):
+``check_agent_path`` is the CI learning check's claims (``key_digit:check``: the agent's
+return on constant-key games rises, and ``agent_tokens_sampled``);
+``check_designer_path`` the designer path's (``toy:check``, opt-in in the suite: the toy
+world with the agent held at its warm start, so its frontier stays put and the designer
+has one place to go):
 
 validity_floor         as above
 regret_positive        as above (the hint helps where the designer puts the games)

@@ -1,8 +1,8 @@
 """The CI learning check's agent path: ``key_digit:check`` (~2 min on 2 cores), the toy
 world's policy, warm start and agent loop on constant-key games, whose return must rise
 and whose trained tokens must be the ones the sampler wrote
-(``spade_jax.toy.check.check_agent_path``). Its designer path is
-tests/toy/test_designer_check.py. scripts/planted_faults.py runs it under the planted
+(``spade_jax.toy.check.check_agent_path``). The designer path's check is
+tests/toy/test_designer_check.py (opt-in). scripts/planted_faults.py runs it under the planted
 faults of the agent's signal path: the advantage sign flipped fails the first claim, the
 loss mask shifted one token the second (docs/toy_world.md, "The learning checks and the
 planted faults")."""
