@@ -131,20 +131,20 @@ def agent_frontier(curves: Curves, frontier_pass: float) -> float:
 
 def _tokens_sampled(curves: Curves, max_logp_gap: float, role: str = "agent") -> Finding:
     _, gaps = _finite(curves, f"train/{role}/logp_gap_max")
-    worst = float(gaps.max()) if len(gaps) else float("nan")
+    worst = float(gaps.max()) if len(gaps) else NAN
     return Finding(f"{role}_tokens_sampled", bool(worst <= max_logp_gap), worst,
                    f"max |trainer - sampler| log-prob of trained {role} tokens <= {max_logp_gap}")
 
 
 def _validity_floor(curves: Curves, floor: float) -> Finding:
     _, validity = _finite(curves, "validity_rate")
-    low = float(validity.min()) if len(validity) else float("nan")
+    low = float(validity.min()) if len(validity) else NAN
     return Finding("validity_floor", bool(low >= floor), low, f"lowest >= {floor}")
 
 
 def _regret_positive(curves: Curves, min_share: float) -> Finding:
     _, regret = _finite(curves, "regret_raw_mean")
-    share = float(np.mean(regret > 0)) if len(regret) else float("nan")
+    share = float(np.mean(regret > 0)) if len(regret) else NAN
     return Finding("regret_positive", bool(share >= min_share), share,
                    f"share of rounds > 0 >= {min_share}")
 
@@ -178,11 +178,11 @@ def check_designer_path(curves: Curves, config: CheckConfig = CheckConfig(),
     """``toy:check``'s claims (module docstring): the programs stay valid, the hint helps
     where the designer puts its games, the designer's games move into the agent's frontier,
     and the designer trains the tokens it sampled."""
+    # thirds() is NaN for fewer than 3 values, so a too-short run fails the claim
     shares = frontier_shares(curves)
-    start, end = (float(shares[0]), thirds(shares)[1]) if len(shares) >= 3 else (NAN, NAN)
+    start, end = (float(shares[0]) if len(shares) else NAN), thirds(shares)[1]
     _, level = _finite(curves, "designer/difficulty_mean")
-    level_start, level_end = (float(level[0]), thirds(level)[1]) if len(level) >= 3 \
-        else (NAN, NAN)
+    level_start, level_end = (float(level[0]) if len(level) else NAN), thirds(level)[1]
     moved = bool(end >= min_frontier_share and end - start > min_frontier_rise)
     return [_validity_floor(curves, config.validity_floor),
             _regret_positive(curves, config.min_positive_regret_share),
