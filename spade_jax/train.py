@@ -56,7 +56,9 @@ def main(argv: list[str]) -> int:
         overrides.append("sandbox.allow_weak_isolation=True")
     try:
         config = load_experiment(FLAGS.experiment, overrides)
-    except (FileNotFoundError, OverrideError, AttributeError, TypeError) as e:
+    # ValueError: an experiment's get_config refusing its variant (``toy:nope``) or a config
+    # class refusing a value the experiment file set
+    except (FileNotFoundError, OverrideError, AttributeError, TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     problem = _workdir_problem(FLAGS.workdir) if FLAGS.workdir else None

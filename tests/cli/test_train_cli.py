@@ -119,6 +119,9 @@ def test_bad_flags_get_clear_errors(tmp_path):
     r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=nope",
                         f"--workdir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "unknown experiment" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=toy:nope",
+                        f"--workdir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "toy variants" in r.stderr and "Traceback" not in r.stderr
     # The recipe experiments refuse to start without their corpus, naming the flag.
     r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=qwen3_30b_a3b",
                         f"--workdir={tmp_path / 'q'}"], capture_output=True, text=True, env=env,
