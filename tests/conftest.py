@@ -42,6 +42,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # of them while the other idles). Order only: no test depends on it.
 LONG_FILES_FIRST = (
     "tests/cli/test_train_cli.py",
+    "tests/toy/test_designer_check.py",
     "tests/multihost/test_multihost_model.py",
     "tests/spade/test_router_replay.py",
     "tests/cli/test_tool_use_cli.py",

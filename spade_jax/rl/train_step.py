@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
@@ -466,7 +466,13 @@ def init_train_state(
         )
 
     if mesh is None:
-        return graphdef, jax.jit(fresh)(params)
+        # Committed to the default device: a freshly initialised model's arrays are
+        # uncommitted, and so is a jitted function's output when all its inputs are. A
+        # warm start or a checkpoint then swaps committed params in beside uncommitted
+        # optimizer state, and the train step's second call, on its own committed outputs,
+        # compiled the step a second time (~16 s of toy:check's first rounds).
+        return graphdef, jax.jit(fresh, out_shardings=SingleDeviceSharding(
+            jax.local_devices()[0]))(params)
     abstract = jax.eval_shape(fresh, params)
     shardings = sharding.tree_shardings(abstract, mesh, rules)
     params = jax.device_put(params, sharding.tree_shardings(params, mesh, rules))

@@ -447,8 +447,12 @@ class SpadeLoop:
                     samples.append((pending.produced_at, sample))
                     totals.append(total)
                     penalized.append(sample.env_id not in by_id)
-        return scored, self.designer_sequences(samples, totals, num_agent, step,
-                                               penalized=penalized)
+        sequences = self.designer_sequences(samples, totals, num_agent, step,
+                                            penalized=penalized)
+        attribution = reward_attribution([s for _, s in samples], totals, sequences)
+        if np.isfinite(attribution):
+            self.rule_metrics["designer/reward_attribution"] = attribution
+        return scored, sequences
 
     def designer_sequences(self, samples: list[tuple[int, DesignerSample]],
                            totals: list[float], num_agent: int, step: int,
@@ -686,6 +690,47 @@ def _designer_episode(sample: DesignerSample) -> EpisodeRecord:
     rec.turn_spans.append((len(sample.prompt_ids), len(rec.token_ids)))
     rec.routing = sample.routing  # router replay: the routes it was sampled with
     return rec
+
+
+def reward_attribution(samples: Sequence[DesignerSample], totals: Sequence[float],
+                       sequences: Sequence[TrainSequence]) -> float:
+    """How well the advantages the designer is trained with follow its own games' scores:
+    the Pearson correlation between the advantage of each program it trains and that
+    program's score (or penalty), centred within its advantage group. Sequences are
+    matched to samples by their tokens (prompt + program), not by position, so a score
+    handed to the wrong program reads low: 1 when every program gets its own (a
+    mean-centred rule; a group-normalised one reads slightly below when its groups' spreads
+    differ), about 0 when the scores are shuffled. Identical programs (a designer that has
+    converged writes the same one several times, each with its own game) are one point,
+    their mean advantage against their mean score. NaN with fewer than 3 distinct programs
+    or no spread on either side."""
+    scores: dict[tuple[int, ...], list[float]] = collections.defaultdict(list)
+    for sample, total in zip(samples, totals, strict=True):
+        scores[tuple(sample.prompt_ids) + tuple(sample.output_ids)].append(float(total))
+    advantages: dict[int, dict[tuple[int, ...], list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    for seq in sequences:
+        key = tuple(int(t) for t in seq.token_ids)
+        if key not in scores:
+            continue
+        advantage = np.asarray(seq.advantage, np.float64)
+        if advantage.ndim:  # per-token: the mean over the trained tokens
+            mask = np.asarray(seq.loss_mask, bool)
+            advantage = advantage[mask].mean() if mask.any() else np.float64(0.0)
+        advantages[seq.group][key].append(float(advantage))
+    points = []
+    for by_key in advantages.values():
+        counts = {key: len(advs) for key, advs in by_key.items()}
+        group_mean = sum(n * np.mean(scores[key]) for key, n in counts.items()) / sum(
+            counts.values())
+        points += [(np.mean(advs), np.mean(scores[key]) - group_mean)
+                   for key, advs in by_key.items()]
+    if len(points) < 3:
+        return float("nan")
+    adv, centred = np.array(points, np.float64).T
+    if adv.std() < 1e-12 or centred.std() < 1e-12:
+        return float("nan")
+    return float(np.corrcoef(adv, centred)[0, 1])
 
 
 def _count(value: float) -> int:

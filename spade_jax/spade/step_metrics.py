@@ -64,6 +64,10 @@ def design_metrics(attempts: Sequence[Any], window: Window, regeneration: bool) 
     stated = [env_stats.stated_level(g.program) for g in window.games if g.verdict.ok]
     stated = [lv for lv in stated if lv is not None]
     m["designer/difficulty_mean"] = _mean(stated)
+    # and how many games state each level (where the designer puts them, read from the
+    # programs alone: the toy check compares it with a frontier known by construction)
+    for level, count in collections.Counter(stated).items():
+        m[f"designer/level/{level}"] = float(count)
     m["program_reward_levels_mean"] = _mean(levels)
     m["program_strict_partial_levels_mean"] = _mean(partial)
     sources = [g.program for g in window.games]

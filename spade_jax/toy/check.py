@@ -35,20 +35,29 @@ agent_tokens_sampled   the trainer's log-prob of every agent token it trains equ
 
 ``check_agent_path`` is the CI learning check's claims (``key_digit:check``: the agent's
 return on constant-key games rises, and ``agent_tokens_sampled``);
-``check_designer_path`` the designer path's (``toy:check``, opt-in in the suite: the toy
-world with the agent held at its warm start, so its frontier stays put and the designer
-has one place to go):
+``check_designer_path`` the designer path's (``toy:check``, in CI: the toy world with
+the agent held at its warm start, so its frontier stays where the warm start put it,
+levels 2-4, and the designer has one place to go):
 
 validity_floor         as above
 regret_positive        as above (the hint helps where the designer puts the games)
 designer_moves_to_frontier
-                       the share of the designer's scored games in memory's frontier regime
-                       (the hint helps: regret above memory's threshold; the paper's
-                       frontier) at least ``min_frontier_share`` over the last third of the
-                       run, and above the first regeneration's (written by the
+                       the share of the designer's valid games stating a level of the
+                       agent's frontier (``designer/level/<n>``; levels 2-4, known by
+                       construction) at least ``min_frontier_share`` over the last third of
+                       the run, and above the first regeneration's (written by the
                        warm-started designer, before any designer update) by more than
-                       ``min_frontier_rise``. Its line also shows the designer's mean
-                       level at the first regeneration and over the last third.
+                       ``min_frontier_rise``. Read from the programs, not from the plays'
+                       returns: with the hint and no-hint returns swapped, memory's
+                       frontier regime moves with the swap (the swapped designer goes to
+                       level 5, where the no-hint play beats the failing hint, and its
+                       games read "frontier"). Its line also shows that regime share.
+designer_rewards_reach_their_programs
+                       ``designer/reward_attribution`` at least ``min_reward_attribution`` in
+                       every round that logs it: the correlation of each trained program's
+                       advantage with its own game's score, matching sequences to games by
+                       their tokens (``spade_jax.spade.loop.reward_attribution``; 1 clean,
+                       about 0 with the scores handed to the wrong programs)
 designer_tokens_sampled
                        ``agent_tokens_sampled`` for the designer's tokens
                        (``train/designer/logp_gap_max``): with the reward in the round that
@@ -62,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from etils import epath
@@ -86,6 +95,7 @@ class CheckConfig:
     frontier_pass: float = 0.5
     max_frontier_gap: float = 1.5
     max_logp_gap: float = 0.01
+    min_reward_attribution: float = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +159,14 @@ def _regret_positive(curves: Curves, min_share: float) -> Finding:
                    f"share of rounds > 0 >= {min_share}")
 
 
+def _rewards_reach_programs(curves: Curves, min_attribution: float) -> Finding:
+    _, attribution = _finite(curves, "designer/reward_attribution")
+    worst = float(attribution.min()) if len(attribution) else NAN
+    return Finding("designer_rewards_reach_their_programs", bool(worst >= min_attribution),
+                   worst, f"lowest correlation of a trained program's advantage with its own "
+                   f"game's score >= {min_attribution}")
+
+
 def check_agent_path(curves: Curves, min_rise: float = 0.2,
                      max_logp_gap: float = CheckConfig.max_logp_gap) -> list[Finding]:
     """``key_digit:check``'s claims: the agent's return on the constant-key games rises by
@@ -158,6 +176,22 @@ def check_agent_path(curves: Curves, min_rise: float = 0.2,
     return [Finding("agent_return_rises", bool(last - first > min_rise), last - first,
                     f"last third - first third > {min_rise}"),
             _tokens_sampled(curves, max_logp_gap)]
+
+
+def level_shares(curves: Curves, levels: Sequence[int]) -> np.ndarray:
+    """Per regeneration, the share of the designer's valid games that state one of
+    ``levels`` (``designer/level/<n>``: the games stating level n)."""
+    counts: dict[int, dict[float, float]] = {}
+    for key in curves:
+        if key.startswith("designer/level/"):
+            counts[int(key.rsplit("/", 1)[1])] = dict(zip(*_finite(curves, key), strict=True))
+    steps = sorted({step for by_step in counts.values() for step in by_step})
+    shares = []
+    for step in steps:
+        total = sum(by_step.get(step, 0.0) for by_step in counts.values())
+        inside = sum(counts.get(level, {}).get(step, 0.0) for level in levels)
+        shares.append(inside / total)
+    return np.asarray(shares, np.float64)
 
 
 def frontier_shares(curves: Curves) -> np.ndarray:
@@ -172,24 +206,36 @@ def frontier_shares(curves: Curves) -> np.ndarray:
     return np.asarray(shares, np.float64)
 
 
+# toy:check's frontier, known by construction: its frozen agent was taught to follow the
+# hint's table up to level 4 (``toy.chain_hint_max_level``) and plays level 1 without it,
+# so levels 2-4 are where the hint helps and the agent's own play does not yet succeed.
+TOY_CHECK_FRONTIER_LEVELS = (2, 3, 4)
+
+
 def check_designer_path(curves: Curves, config: CheckConfig = CheckConfig(),
                         min_frontier_share: float = 0.5,
-                        min_frontier_rise: float = 0.25) -> list[Finding]:
+                        min_frontier_rise: float = 0.25,
+                        frontier_levels: Sequence[int] = TOY_CHECK_FRONTIER_LEVELS,
+                        ) -> list[Finding]:
     """``toy:check``'s claims (module docstring): the programs stay valid, the hint helps
-    where the designer puts its games, the designer's games move into the agent's frontier,
-    and the designer trains the tokens it sampled."""
+    where the designer puts its games, the designer's games move into the agent's frontier
+    (``frontier_levels``), each program is trained with its own game's reward, and the
+    designer trains the tokens it sampled."""
     # thirds() is NaN for fewer than 3 values, so a too-short run fails the claim
-    shares = frontier_shares(curves)
+    shares = level_shares(curves, frontier_levels)
     start, end = (float(shares[0]) if len(shares) else NAN), thirds(shares)[1]
-    _, level = _finite(curves, "designer/difficulty_mean")
-    level_start, level_end = (float(level[0]) if len(level) else NAN), thirds(level)[1]
+    regime = frontier_shares(curves)
+    regime_start, regime_end = (float(regime[0]) if len(regime) else NAN), thirds(regime)[1]
     moved = bool(end >= min_frontier_share and end - start > min_frontier_rise)
+    levels = ",".join(str(n) for n in frontier_levels)
     return [_validity_floor(curves, config.validity_floor),
             _regret_positive(curves, config.min_positive_regret_share),
             Finding("designer_moves_to_frontier", moved, end,
-                    f"frontier share of the games: last third >= {min_frontier_share} and > "
-                    f"first regeneration {start:.2f} + {min_frontier_rise}; mean level "
-                    f"{level_start:.2f} -> {level_end:.2f}"),
+                    f"share of the games at levels {levels}: last third >= "
+                    f"{min_frontier_share} and > first regeneration {start:.2f} + "
+                    f"{min_frontier_rise}; in the frontier regime {regime_start:.2f} -> "
+                    f"{regime_end:.2f}"),
+            _rewards_reach_programs(curves, config.min_reward_attribution),
             _tokens_sampled(curves, config.max_logp_gap, role="designer")]
 
 

@@ -17,6 +17,8 @@ from byte_tokenizer import ByteTokenizer
 from spade_jax.envs import EnvPool, SandboxConfig
 from spade_jax.experiment import load_experiment
 from spade_jax.overrides import diff
+from spade_jax.planted_faults import planted
+from spade_jax.rl.batch import TrainSequence
 from spade_jax.rl.rules.grpo import GroupNormAdvantageConfig
 from spade_jax.rl.update_rule import RoleConfig
 from spade_jax.rollout.records import EpisodeRecord
@@ -24,10 +26,11 @@ from spade_jax.spade import seed_programs
 from spade_jax.spade.config import SpadeConfig
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, Document, InMemoryCorpus
 from spade_jax.spade.game_source import FixedEnv, FixedPool
-from spade_jax.spade.loop import HintedEnv, SpadeLoop
+from spade_jax.spade.loop import HintedEnv, SpadeLoop, reward_attribution
 from spade_jax.spade.memory import EnvironmentMemory, EnvironmentRecord, MemoryConfig
 from spade_jax.spade.prompts import HINT_WRITER_SYSTEM_PROMPT, format_designer_output
 from spade_jax.spade.reward import make_designer_reward
+from spade_jax.spade.window import DesignerSample
 
 VALID = seed_programs.SEED_PROGRAMS[0]
 OTHER = seed_programs.SEED_PROGRAMS[2]
@@ -638,3 +641,67 @@ def test_paper_scale_experiments_set_the_recipes_numbers(name):
     designer_tokens, thinking = (20_000, True) if name == "qwen3_8b" else (16384, False)
     assert (config.designer_sampler.max_new_tokens, s.designer_thinking) == (designer_tokens,
                                                                             thinking)
+
+
+def _attribution_case(programs, seed=0):
+    """Designer samples writing ``programs`` (ids; equal ids = identical programs), their
+    scores and the sequences a mean-centred rule trains, in shuffled order."""
+    rng = np.random.default_rng(seed)
+    samples = [DesignerSample(slot=i, skill="s", prompt_ids=[7, 8], output_ids=[9, 20 + p],
+                              output_logprobs=[0.0, 0.0], env_id=f"e{i}")
+               for i, p in enumerate(programs)]
+    totals = rng.random(len(programs))
+    return samples, totals
+
+
+def _trained(samples, advantages, order=None):
+    order = range(len(samples)) if order is None else order
+    return [TrainSequence(list(samples[i].prompt_ids) + list(samples[i].output_ids),
+                          [0, 0, 1, 1], [0.0] * 4, float(advantages[i]), "designer", group=0)
+            for i in order]
+
+
+def test_reward_attribution_matches_a_numpy_rederivation():
+    programs = [0, 0, 1, 2, 2, 2, 3, 4, 5, 5]
+    samples, totals = _attribution_case(programs)
+    centred = totals - totals.mean()
+    reversed_order = list(range(len(programs)))[::-1]  # matched by tokens, not position
+    assert reward_attribution(samples, totals, _trained(samples, centred, reversed_order)
+                              ) == pytest.approx(1.0)
+    # scores handed to the wrong programs: by hand, identical programs as one point (their
+    # mean advantage against their mean score)
+    shuffled = np.roll(centred, 3)
+    ids = sorted(set(programs))
+    adv = [np.mean([shuffled[i] for i, p in enumerate(programs) if p == k]) for k in ids]
+    own = [np.mean([centred[i] for i, p in enumerate(programs) if p == k]) for k in ids]
+    expected = np.corrcoef(adv, own)[0, 1]
+    assert reward_attribution(samples, totals, _trained(samples, shuffled)
+                              ) == pytest.approx(expected)
+    assert expected < 0.9
+    # per-token advantages read as their mean over the trained tokens
+    per_token = [dataclasses.replace(s, advantage=np.array([5.0, 5.0, a, a]))
+                 for s, a in zip(_trained(samples, centred), centred, strict=True)]
+    assert reward_attribution(samples, totals, per_token) == pytest.approx(1.0)
+    # fewer than 3 distinct programs, or nothing trained: no reading
+    two = [0, 0, 1, 1, 1]
+    samples2, totals2 = _attribution_case(two)
+    assert math.isnan(reward_attribution(samples2, totals2,
+                                         _trained(samples2, totals2 - totals2.mean())))
+    assert math.isnan(reward_attribution(samples, totals, []))
+
+
+def test_the_loop_logs_reward_attribution_and_a_permutation_lowers_it(pool):
+    """The loop's own designer_sequences (skill groups, the recipe's): every program gets
+    its own score; under the planted permutation fault the same samples read low."""
+    loop = _loop(pool, ScriptedPolicy(ALL_VALID), dataclasses.replace(
+        WINDOW, rounds=1, regeneration_interval=1, designer_delay=0))
+    samples, totals = _attribution_case([0, 1, 2, 3, 4, 5])
+    pairs = [(0, s) for s in samples]
+    clean = loop.designer_sequences(pairs, list(totals), num_agent=8, step=3)
+    assert reward_attribution(samples, totals, clean) == pytest.approx(1.0)
+    with planted("designer_reward_permutation"):
+        moved = loop.designer_sequences(pairs, list(totals), num_agent=8, step=3)
+    assert reward_attribution(samples, totals, moved) < 0.9
+    metrics = loop.run_step(0)  # a scored round logs it (2 distinct scripted programs: none)
+    assert "designer/reward_attribution" not in metrics or math.isfinite(
+        metrics["designer/reward_attribution"])

@@ -10,6 +10,7 @@ from spade_jax.toy.check import (
     check_designer_path,
     check_run,
     frontier_shares,
+    level_shares,
     thirds,
 )
 
@@ -87,19 +88,28 @@ def test_the_agent_path_check_fails_on_a_flat_return_or_a_shifted_mask():
     assert not all(f.ok for f in check_agent_path({}))
 
 
-def _designer_path_curves(frontier=(1, 2, 3, 5, 6, 6, 7, 7, 8, 7, 8, 8), **overrides):
-    # toy:check's shape: 8 games scored every round, more and more of them in the frontier
-    # regime (the hint helps), the rest split between mastered and intractable
+def _designer_path_curves(frontier=(1, 2, 3, 5, 6, 6, 7, 7, 8, 7, 8, 8), levels=None,
+                          **overrides):
+    # toy:check's shape: 8 games scored every round, more and more of them at the agent's
+    # frontier (levels 2-4: in the frontier regime, the hint helps), the rest split between
+    # mastered (level 1) and intractable (level 7) games; ``levels`` overrides the levels
     steps = np.arange(12, dtype=float)
     frontier = np.asarray(frontier, float)
+    mastered, intractable = np.floor((8 - frontier) / 2), np.ceil((8 - frontier) / 2)
+    levels = levels or {1: mastered, 3: frontier, 7: intractable}
     curves = {
         "validity_rate": (steps, np.full(12, 0.9)),
         "regret_raw_mean": (steps, np.full(12, 0.3)),
         "regime/frontier": (steps, frontier),
-        "regime/mastered": (steps, np.floor((8 - frontier) / 2)),
-        "regime/intractable": (steps, np.ceil((8 - frontier) / 2)),
+        "regime/mastered": (steps, mastered),
+        "regime/intractable": (steps, intractable),
+        # a level no game states in a round is not logged in it
+        **{f"designer/level/{n}": (steps[np.asarray(c) > 0], np.asarray(c)[np.asarray(c) > 0])
+           for n, c in levels.items()},
         "designer/difficulty_mean": (steps, np.linspace(5.0, 2.5, 12)),
         "train/designer/logp_gap_max": (steps, np.full(12, 2e-6)),
+        # NaN (not logged) where a round's programs were too few or alike to correlate
+        "designer/reward_attribution": (steps, np.where(steps % 5 == 4, np.nan, 1.0)),
     }
     curves.update({k: (steps, np.asarray(v, float)) for k, v in overrides.items()})
     return curves
@@ -114,9 +124,14 @@ def test_the_designer_path_check_fails_each_claim_alone():
     assert all(f.ok for f in findings), [f.line() for f in findings]
     moved = next(f for f in findings if f.name == "designer_moves_to_frontier")
     assert moved.value == np.mean([7, 8, 8, 8]) / 8  # the last third's frontier share
-    assert "mean level 5.00 -> " in moved.bar
-    assert np.allclose(frontier_shares(_designer_path_curves()),
-                       np.asarray([1, 2, 3, 5, 6, 6, 7, 7, 8, 7, 8, 8]) / 8)
+    assert "first regeneration 0.12" in moved.bar and "frontier regime 0.12 -> 0.97" in moved.bar
+    expected = np.asarray([1, 2, 3, 5, 6, 6, 7, 7, 8, 7, 8, 8]) / 8
+    assert np.allclose(frontier_shares(_designer_path_curves()), expected)
+    assert np.allclose(level_shares(_designer_path_curves(), (2, 3, 4)), expected)
+    # the games read "frontier" by their (swapped) returns but sit at level 5: the level,
+    # read from the programs, is what the claim measures
+    at_five = _designer_path_curves(levels={5: np.full(12, 8.0)})
+    assert _designer_path_failed(at_five) == {"designer_moves_to_frontier"}
     assert _designer_path_failed(_designer_path_curves(validity_rate=np.full(12, 0.45))
                                  ) == {"validity_floor"}
     assert _designer_path_failed(_designer_path_curves(regret_raw_mean=np.full(12, -0.1))
@@ -129,8 +144,13 @@ def test_the_designer_path_check_fails_each_claim_alone():
     assert _designer_path_failed(_designer_path_curves(**{
         "train/designer/logp_gap_max": np.where(np.arange(12) == 3, 12.0, 2e-6)})
     ) == {"designer_tokens_sampled"}
+    # one round's rewards on the wrong programs (the others' attribution is exact)
+    assert _designer_path_failed(_designer_path_curves(**{
+        "designer/reward_attribution": np.where(np.arange(12) == 7, 0.3, 1.0)})
+    ) == {"designer_rewards_reach_their_programs"}
     assert _designer_path_failed({}) == {"validity_floor", "regret_positive",
                                          "designer_moves_to_frontier",
+                                         "designer_rewards_reach_their_programs",
                                          "designer_tokens_sampled"}
 
 

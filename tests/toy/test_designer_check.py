@@ -1,28 +1,27 @@
-"""The designer path's learning check: ``toy:check`` (264 s alone on 2 cores), the toy
-world with the agent held at its warm start, whose designer must keep its programs valid,
-put its games where the hint helps and move them into the agent's frontier, training the
-tokens it sampled (``spade_jax.toy.check.check_designer_path``).
-``python scripts/planted_faults.py --check designer_path`` runs it under the four planted
-faults, each of which fails it (docs/toy_world.md, "The designer path's check").
-
-Opt-in, not yet in CI (``SPADE_DESIGNER_CHECK=1``): its clean run passes in 4 of 5 seeds
-(seed 4 fails), so any change to the run's numerics (a jax release: jax is not pinned for
-CPU) has about one chance in five of failing it with nothing broken, and its 336 s in the
-suite took the suite over 30 minutes (30 min 28 s)."""
-
-import os
+"""The designer path's learning check: ``toy:check``, the toy world with the agent held at
+its warm start, whose designer must keep its programs valid, put its games where the hint
+helps, move them into the agent's frontier (levels 2-4, known by construction), train each
+program on its own game's reward, and train the tokens it sampled
+(``spade_jax.toy.check.check_designer_path``). ``python scripts/planted_faults.py --check
+designer_path`` runs it under the four planted faults, each of which fails it
+(docs/toy_world.md, "The designer path's check")."""
 
 import pytest
 from learning_runs import run_train
 
+from spade_jax.experiment import load_experiment
 from spade_jax.metrics import read_metrics
-from spade_jax.toy.check import check_designer_path
+from spade_jax.toy.check import TOY_CHECK_FRONTIER_LEVELS, check_designer_path
 
 
-@pytest.mark.slow  # one short run: warm start and 12 rounds (~4.5 min)
-@pytest.mark.skipif(os.environ.get("SPADE_DESIGNER_CHECK") != "1",
-                    reason="opt-in (SPADE_DESIGNER_CHECK=1): passes in 4 of 5 seeds and "
-                    "takes 264 s; not yet a CI gate (tests/toy/test_designer_check.py)")
+def test_the_frontier_the_check_names_is_the_one_the_warm_start_teaches():
+    # the agent is taught to follow the hint's table up to chain_hint_max_level, and
+    # plays level 1 without it: the levels in between are its frontier
+    toy = load_experiment("toy:check").toy
+    assert TOY_CHECK_FRONTIER_LEVELS == tuple(range(2, toy.chain_hint_max_level + 1))
+
+
+@pytest.mark.slow  # one short run: warm start and 9 rounds (~3.5 min alone)
 def test_the_designer_moves_its_games_into_the_agents_frontier(tmp_path):
     run_train("toy:check", tmp_path)
     findings = check_designer_path(read_metrics(tmp_path))

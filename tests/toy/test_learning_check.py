@@ -2,7 +2,7 @@
 world's policy, warm start and agent loop on constant-key games, whose return must rise
 and whose trained tokens must be the ones the sampler wrote
 (``spade_jax.toy.check.check_agent_path``). The designer path's check is
-tests/toy/test_designer_check.py (opt-in). scripts/planted_faults.py runs it under the planted
+tests/toy/test_designer_check.py (also in CI). scripts/planted_faults.py runs it under the planted
 faults of the agent's signal path: the advantage sign flipped fails the first claim, the
 loss mask shifted one token the second (docs/toy_world.md, "The learning checks and the
 planted faults")."""
