@@ -2,7 +2,7 @@
 which claims each run passes (issue 29: the check must fail under every fault).
 
     python scripts/planted_faults.py --workdir runs/faults            # ~2 min a run
-    python scripts/planted_faults.py --workdir runs/faults --check designer_path  # ~4.5 min
+    python scripts/planted_faults.py --workdir runs/faults --check designer_path  # ~3.5 min
     python scripts/planted_faults.py --workdir runs/faults --faults none,advantage_sign --seed 1
     python scripts/planted_faults.py --workdir runs/faults --check full   # toy, ~35 min a run
 

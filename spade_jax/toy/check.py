@@ -178,32 +178,35 @@ def check_agent_path(curves: Curves, min_rise: float = 0.2,
             _tokens_sampled(curves, max_logp_gap)]
 
 
-def level_shares(curves: Curves, levels: Sequence[int]) -> np.ndarray:
-    """Per regeneration, the share of the designer's valid games that state one of
-    ``levels`` (``designer/level/<n>``: the games stating level n)."""
-    counts: dict[int, dict[float, float]] = {}
-    for key in curves:
-        if key.startswith("designer/level/"):
-            counts[int(key.rsplit("/", 1)[1])] = dict(zip(*_finite(curves, key), strict=True))
-    steps = sorted({step for by_step in counts.values() for step in by_step})
+def _counts(curves: Curves, key: str) -> dict[float, float]:
+    """``key``'s finite values by step."""
+    return dict(zip(*_finite(curves, key), strict=True))
+
+
+def _shares(counts: Mapping[object, Mapping[float, float]], inside: Sequence[object],
+            steps: Sequence[float]) -> np.ndarray:
+    """Per step with any count, the share of the counts under the keys ``inside``."""
     shares = []
     for step in steps:
         total = sum(by_step.get(step, 0.0) for by_step in counts.values())
-        inside = sum(counts.get(level, {}).get(step, 0.0) for level in levels)
-        shares.append(inside / total)
+        if total > 0:
+            shares.append(sum(counts.get(k, {}).get(step, 0.0) for k in inside) / total)
     return np.asarray(shares, np.float64)
+
+
+def level_shares(curves: Curves, levels: Sequence[int]) -> np.ndarray:
+    """Per regeneration, the share of the designer's valid games that state one of
+    ``levels`` (``designer/level/<n>``: the games stating level n)."""
+    counts = {int(key.rsplit("/", 1)[1]): _counts(curves, key) for key in curves
+              if key.startswith("designer/level/")}
+    return _shares(counts, levels, sorted({step for c in counts.values() for step in c}))
 
 
 def frontier_shares(curves: Curves) -> np.ndarray:
     """Per scoring round, the share of the scored games in the frontier regime."""
-    counts = {name: dict(zip(*_finite(curves, f"regime/{name}"), strict=True))
+    counts = {name: _counts(curves, f"regime/{name}")
               for name in ("frontier", "mastered", "intractable")}
-    shares = []
-    for step in sorted(counts["frontier"]):
-        total = sum(counts[name].get(step, 0.0) for name in counts)
-        if total > 0:
-            shares.append(counts["frontier"][step] / total)
-    return np.asarray(shares, np.float64)
+    return _shares(counts, ("frontier",), sorted(counts["frontier"]))
 
 
 # toy:check's frontier, known by construction: its frozen agent was taught to follow the
