@@ -194,9 +194,10 @@ def _shares(counts: Mapping[object, Mapping[float, float]], inside: Sequence[obj
     return np.asarray(shares, np.float64)
 
 
-def level_shares(curves: Curves, levels: Sequence[int]) -> np.ndarray:
+def shares_at_levels(curves: Curves, levels: Sequence[int]) -> np.ndarray:
     """Per regeneration, the share of the designer's valid games that state one of
-    ``levels`` (``designer/level/<n>``: the games stating level n)."""
+    ``levels``, from the logged ``designer/level/<n>`` counts (``spade_jax.toy.levels``
+    reads the same levels from a local run's ``designs.jsonl``, by part of the run)."""
     counts = {int(key.rsplit("/", 1)[1]): _counts(curves, key) for key in curves
               if key.startswith("designer/level/")}
     return _shares(counts, levels, sorted({step for c in counts.values() for step in c}))
@@ -225,7 +226,7 @@ def check_designer_path(curves: Curves, config: CheckConfig = CheckConfig(),
     (``frontier_levels``), each program is trained with its own game's reward, and the
     designer trains the tokens it sampled."""
     # thirds() is NaN for fewer than 3 values, so a too-short run fails the claim
-    shares = level_shares(curves, frontier_levels)
+    shares = shares_at_levels(curves, frontier_levels)
     start, end = (float(shares[0]) if len(shares) else NAN), thirds(shares)[1]
     regime = frontier_shares(curves)
     regime_start, regime_end = (float(regime[0]) if len(regime) else NAN), thirds(regime)[1]

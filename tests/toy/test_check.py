@@ -10,7 +10,7 @@ from spade_jax.toy.check import (
     check_designer_path,
     check_run,
     frontier_shares,
-    level_shares,
+    shares_at_levels,
     thirds,
 )
 
@@ -127,7 +127,7 @@ def test_the_designer_path_check_fails_each_claim_alone():
     assert "first regeneration 0.12" in moved.bar and "frontier regime 0.12 -> 0.97" in moved.bar
     expected = np.asarray([1, 2, 3, 5, 6, 6, 7, 7, 8, 7, 8, 8]) / 8
     assert np.allclose(frontier_shares(_designer_path_curves()), expected)
-    assert np.allclose(level_shares(_designer_path_curves(), (2, 3, 4)), expected)
+    assert np.allclose(shares_at_levels(_designer_path_curves(), (2, 3, 4)), expected)
     # the games read "frontier" by their (swapped) returns but sit at level 5: the level,
     # read from the programs, is what the claim measures
     at_five = _designer_path_curves(levels={5: np.full(12, 8.0)})
