@@ -103,14 +103,15 @@ def _check(config: ExperimentConfig) -> ExperimentConfig:
     # frontier against 0.66-0.97 clean; with 16, 0.40-0.41 against 0.70-0.94. No held-out
     # evaluation: the agent does not change.
     spade = dataclasses.replace(
-        config.spade, rounds=7, envs_per_round=16, regeneration_interval=1, designer_delay=0,
+        config.spade, rounds=5, envs_per_round=16, regeneration_interval=1, designer_delay=0,
         train_agent=False, eval_every=0)
     # The designer's KL term to its warm start at 0.1 (toy: 0.5). At 0.5 the tilt a
     # reward can give the level the designer writes is capped near exp(reward gap / 0.5),
     # a few-fold over 9 levels: the clean runs ended with 0.34-0.94 of their games at the
-    # frontier and seed 4 failed. At 0.1 all five seeds are at 0.75-1.00 by the seventh
-    # round and stay there to the twelfth (docs/toy_world.md, "The designer path's
-    # check"), so 7 rounds.
+    # frontier and seed 4 failed. At 0.1 all five seeds are at 0.75-1.00 by the fifth
+    # round and stay there to the twelfth, and every planted fault already fails by the
+    # fifth (docs/toy_world.md, "The designer path's check"), so 5 rounds (7 until
+    # 2026-12-07: 22 s more alone, and the seed-1 permutation failed one claim, not two).
     designer = dataclasses.replace(config.train.designer, loss=dataclasses.replace(
         config.train.designer.loss, kl_coef=0.1))
     return dataclasses.replace(
