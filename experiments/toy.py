@@ -111,7 +111,7 @@ def _check(config: ExperimentConfig) -> ExperimentConfig:
     # frontier and seed 4 failed. At 0.1 all five seeds are at 0.75-1.00 by the fifth
     # round and stay there to the twelfth, and every planted fault already fails by the
     # fifth (docs/toy_world.md, "The designer path's check"), so 5 rounds (7 until
-    # 2026-12-07: 22 s more alone, and the seed-1 permutation failed one claim, not two).
+    # 2026-12-07: about 24 s more alone, and the seed-1 permutation failed one claim, not two).
     designer = dataclasses.replace(config.train.designer, loss=dataclasses.replace(
         config.train.designer.loss, kl_coef=0.1))
     return dataclasses.replace(
