@@ -73,7 +73,7 @@ def plot_run(run_dir: storage.PathLike, out_dir: storage.PathLike | None = None,
                 # Trailing moving average; NaNs stay NaN inside the windows they touch.
                 kernel = np.ones(smooth) / smooth
                 ax.plot(steps[smooth - 1 :], np.convolve(values, kernel, mode="valid"))
-            ax.set_title(name, fontsize=9)
+            ax.set_title(name, fontsize=9, y=1.0)
             ax.set_xlabel("step", fontsize=8)
             ax.locator_params(nbins=4)  # fewer tick labels: most of a panel's drawing time
             ax.grid(alpha=0.3)

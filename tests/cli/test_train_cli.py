@@ -230,8 +230,9 @@ def test_sigterm_mid_window_drops_the_round_saves_and_resumes_from_there(straigh
 # start, so the designer's programs are mostly invalid; the 0.0 invalid penalty still
 # trains them, one step after they were drawn (tiny: designer_delay=1, windows of 2 steps,
 # router_replay=True), so step 0's designer samples and their recorded routing sit in the
-# checkpoint written after step 0 (checkpoint 1) and are replayed at step 1.
-REPLAY_KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=3",
+# checkpoint written after step 0 (checkpoint 1) and are replayed at step 1, the resumed
+# run's one step (two rounds: a third, 2026-12-07 and before, showed nothing more).
+REPLAY_KILL_RUN = ["--set", "warm_start.steps=0", "--set", "spade.rounds=2",
                    "--set", "spade.eval_every=0", "--set", "agent.max_turn_tokens=8",
                    "--set", "spade.invalid_penalty=0.0", "--set", "keep_checkpoints=10"]
 
@@ -273,13 +274,13 @@ def test_kill_9_with_pending_designer_routing_then_resume_equals_an_uninterrupte
     log = (killed / "train.log").read_text()
     assert "resumed from step 0" in log, "the resume did not start after step 0"
     want, got = _last_rows(straight), _last_rows(killed)
-    assert sorted(got) == list(range(3))
+    assert sorted(got) == list(range(2))
     # The designer trained on step 0's samples at step 1 (after the resume), with replay.
     assert got[1]["batch/designer"] > 0 and "train/replay/designer/flip_rate" in got[1]
     assert math.isfinite(got[1]["train/replay/designer/logp_gap_replay"])
-    for step in range(3):
+    for step in range(2):
         assert json.dumps(got[step], sort_keys=True) == json.dumps(want[step], sort_keys=True), step
-    _assert_same_final_checkpoint(straight, killed, 3)
+    _assert_same_final_checkpoint(straight, killed, 2)
 
 
 def _kill_after_checkpoint(workdir, run: list[str], step: int,
