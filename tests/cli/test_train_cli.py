@@ -247,7 +247,7 @@ def _pending_routing(workdir, checkpoint: int) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # three CLI runs without warm start (~3 min each on 2 busy cores)
+@pytest.mark.timeout(2400)  # three CLI runs without warm start (85-108 s together in the suite)
 def test_kill_9_with_pending_designer_routing_then_resume_equals_an_uninterrupted_run(tmp_path):
     """The CLI with router replay on, SIGKILLed once the checkpoint after step 0 (holding
     step 0's designer samples and their recorded routing) is committed and resumed from it,
