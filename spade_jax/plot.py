@@ -73,6 +73,8 @@ def plot_run(run_dir: storage.PathLike, out_dir: storage.PathLike | None = None,
                 # Trailing moving average; NaNs stay NaN inside the windows they touch.
                 kernel = np.ones(smooth) / smooth
                 ax.plot(steps[smooth - 1 :], np.convolve(values, kernel, mode="valid"))
+            # y given: the title is placed, not moved above measured tick labels (the
+            # measuring was ~8% of a run's plotting time, 6.1 -> 5.6 s, 2026-12-07)
             ax.set_title(name, fontsize=9, y=1.0)
             ax.set_xlabel("step", fontsize=8)
             ax.locator_params(nbins=4)  # fewer tick labels: most of a panel's drawing time
