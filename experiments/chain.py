@@ -30,6 +30,7 @@ import dataclasses
 
 from spade_jax.experiment import ExperimentConfig, load_experiment
 from spade_jax.rl.train_step import TrainConfig
+from spade_jax.toy import chain as chain_family
 
 
 def get_config(variant: str = "") -> ExperimentConfig:
@@ -79,8 +80,8 @@ def get_config(variant: str = "") -> ExperimentConfig:
             # A written hint is used only in the table's form (every digit once, in order:
             # `Next: 0>d 1>d 2>d 3>d 4>d.`); others are tried again (hint_attempts). What
             # each digit is sent to is still the policy's.
-            spade=dataclasses.replace(config.spade, hint_pattern="Next: " + " ".join(
-                rf"{d}>\d" for d in range(config.toy.chain_base)) + r"\."))
+            spade=dataclasses.replace(config.spade, hint_pattern=(
+                chain_family.pairs_hint_pattern(config.toy.chain_base))))
     if variant == "check":
         config = dataclasses.replace(
             config,  # the name stays "chain": a variant is named by its experiment

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -263,11 +264,38 @@ def check_warm_start(config: ExperimentConfig) -> None:
     """Refuses a warm start that would teach the designer programs of another contract
     than the one its prompt asks for (the seed programs follow the paper's or the tool
     contract; a run with ``spade.contract='reference'`` has none, so it needs
-    ``warm_start.steps=0``)."""
+    ``warm_start.steps=0``), and a chain-games run whose ``spade.hint_pattern`` rejects
+    the hint of its own base (``check_chain_hint_pattern``)."""
     ws, spade = config.warm_start, config.spade
-    if ws.steps == 0 or config.toy.enabled or spade.game_source != GameSourceKind.SELF_DESIGN:
+    if config.toy.enabled:
+        check_chain_hint_pattern(config)
+        return
+    if ws.steps == 0 or spade.game_source != GameSourceKind.SELF_DESIGN:
         return
     warm_start_programs(config)
+
+
+def check_chain_hint_pattern(config: ExperimentConfig) -> None:
+    """A chain-games run whose policy writes the hints keeps only hints matching
+    ``spade.hint_pattern``; ``chain:hint`` and ``toy`` set it for base 5. Run with another
+    ``toy.chain_base`` and that pattern, every hint of the base's table is rejected and no
+    game has a hint arm, silently (hints_written 0, regret minus the no-hint return): a
+    ValueError instead, naming the pattern the base needs."""
+    from spade_jax.toy import chain
+
+    toy, spade = config.toy, config.spade
+    if toy.family != "chain" or not spade.hint_pattern or not spade.policy_writes_hints:
+        return
+    hint = chain.hint_for(toy.chain_base, toy.chain_hint_form)
+    if re.fullmatch(spade.hint_pattern, hint) is None:
+        wanted = (f"spade.hint_pattern=r'{chain.pairs_hint_pattern(toy.chain_base)}' "
+                  "(quoted, in --set)" if toy.chain_hint_form == "pairs"
+                  else "a pattern that matches it")
+        raise ValueError(
+            f"spade.hint_pattern {spade.hint_pattern!r} rejects the hint of the run's own "
+            f"games (toy.chain_base={toy.chain_base}, toy.chain_hint_form="
+            f"{toy.chain_hint_form!r}: {hint!r}), so no game would get a hint arm; "
+            f"set {wanted}")
 
 
 def warm_start_programs(config: ExperimentConfig) -> list[Any]:

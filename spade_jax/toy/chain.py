@@ -216,6 +216,14 @@ def table_hint(cycle: Sequence[int], form: str = "cycle") -> str:
     raise ValueError(f"a chain hint form is one of {HINT_FORMS}, got {form!r}")
 
 
+def pairs_hint_pattern(base: int) -> str:
+    """The regular expression of a pairs hint in table form for ``base`` digits (every
+    digit once, in order: ``Next: 0>d 1>d .. (base-1)>d.``): what a chain run's
+    ``spade.hint_pattern`` lets through (what each digit is sent to is the writer's)."""
+    _check(1, base)
+    return "Next: " + " ".join(rf"{d}>\d" for d in range(base)) + r"\."
+
+
 def cycle_hint(cycle: Sequence[int]) -> str:
     """A successor table written as a hint: its cycle from 0 back to 0. The chain games'
     table is ``0 1 .. base-1``; the warm start's hint-following examples use others."""

@@ -388,3 +388,35 @@ def test_the_pairs_hint_writes_each_digits_successor_as_one_piece(tmp_path):
     pieces = [tokenizer.decode([t]) for t in tokenizer.encode(hint)]
     assert [p for p in pieces if ">" in p] == ["0>2", "1>3", "2>4", "3>0", "4>1"]
     assert tokenizer.decode(tokenizer.encode(hint)) == hint
+
+
+@pytest.mark.parametrize("base", [3, 5, 7, 10])
+def test_the_hint_pattern_follows_the_base_and_a_stale_one_is_refused(base):
+    """`chain:hint`/`toy` keep only hints in the pairs table's form; the pattern is built
+    from the base, and a run that changes the base under another base's pattern (every
+    hint rejected, no hint arm, silently: seen 2026-12-07 with `--set toy.chain_base=7`)
+    is refused before it starts, with the pattern it needs in the message."""
+    from spade_jax.experiment import check_warm_start, load_experiment
+
+    pattern = chain.pairs_hint_pattern(base)
+    assert re.fullmatch(pattern, chain.hint_for(base, "pairs"))
+    other = [(d + 2) % base if (d + 2) % base != d else (d + 1) % base for d in range(base)]
+    assert re.fullmatch(pattern, chain.pairs_hint(other))  # any table in the form
+    assert not re.fullmatch(pattern, chain.hint_for(base, "cycle"))
+    assert not re.fullmatch(pattern, chain.pairs_hint(other)[:-1])  # no closing stop
+    if base != 5:
+        assert not re.fullmatch(pattern, chain.hint_for(5, "pairs"))
+
+    check_warm_start(load_experiment("toy"))  # base 5 and its own pattern
+    stale = load_experiment("toy", [f"toy.chain_base={base}"])
+    if base == 5:
+        check_warm_start(stale)
+        return
+    with pytest.raises(ValueError, match="rejects the hint of the run's own games") as error:
+        check_warm_start(stale)
+    assert chain.pairs_hint_pattern(base) in str(error.value)
+    check_warm_start(load_experiment("toy", [f"toy.chain_base={base}",
+                                            f"spade.hint_pattern=r'{pattern}'"]))
+    # Without a hint arm there is nothing to filter.
+    check_warm_start(load_experiment("toy", [f"toy.chain_base={base}",
+                                            "spade.hint_mode='none'"]))
