@@ -298,6 +298,32 @@ def check_chain_hint_pattern(config: ExperimentConfig) -> None:
             f"set {wanted}")
 
 
+class ConfigProblemAtStart(ValueError):
+    """A config problem found only once a run has built something it needs (the
+    tokenizer): ``python -m spade_jax.train`` prints it as one error line, exit 2."""
+
+
+def check_chain_hint_fits(config: ExperimentConfig, tokenizer: Any) -> None:
+    """The other half of ``check_chain_hint_pattern``, once the run's tokenizer exists: the
+    hint of the run's own games, with the token that ends the reply, must fit the hint
+    writer's ``spade.hint_max_tokens``, or every hint is cut short and rejected (base 5's
+    table is 13 tokens under the toy tokenizer, base 7's 17: ``chain:hint`` sets 16).
+    ConfigProblemAtStart naming the budget needed."""
+    from spade_jax.toy import chain
+
+    toy, spade = config.toy, config.spade
+    if not toy.enabled or toy.family != "chain" or not spade.policy_writes_hints:
+        return
+    hint = chain.hint_for(toy.chain_base, toy.chain_hint_form)
+    needed = len(tokenizer.encode(hint)) + 1  # the turn's end token
+    if needed > spade.hint_max_tokens:
+        raise ConfigProblemAtStart(
+            f"spade.hint_max_tokens={spade.hint_max_tokens} is shorter than the hint of the "
+            f"run's own games with its end token ({needed} tokens for {hint!r}, "
+            f"toy.chain_base={toy.chain_base}): every hint would be cut short and none used; "
+            f"set spade.hint_max_tokens={needed} or more")
+
+
 def warm_start_programs(config: ExperimentConfig) -> list[Any]:
     """The seed programs the warm start teaches (`spade.seed_programs`): those named in
     ``warm_start.programs``, or every seed program of the run's contract; each must follow

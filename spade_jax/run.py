@@ -34,6 +34,7 @@ from spade_jax.experiment import (
     ExperimentConfig,
     ModelSpec,
     TokenizerSpec,
+    check_chain_hint_fits,
     check_warm_start,
     config_hash,
     json_value,
@@ -313,6 +314,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
             pool.close()
             raise
     tokenizer = build_tokenizer(config.tokenizer, workdir, config.toy)
+    check_chain_hint_fits(config, tokenizer)  # needs the tokenizer: checked here, not earlier
     mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
     model = build_model(config.model, tokenizer, config.seed, mesh)
     if distributed.is_primary():  # what `python -m spade_jax.export` rebuilds the policy from

@@ -102,6 +102,7 @@ def main(argv: list[str]) -> int:
         return 2
     log_file = _setup_logging(workdir)
     from spade_jax.envs.preflight import SandboxUnavailable
+    from spade_jax.experiment import ConfigProblemAtStart
     from spade_jax.run import run_experiment
 
     start = time.time()
@@ -109,8 +110,8 @@ def main(argv: list[str]) -> int:
         with distributed.fail_fast():  # one host failing stops the job, not a 5-min hang
             try:
                 run_experiment(config, workdir)
-            except SandboxUnavailable as e:  # every host checks its own: all stop here
-                log.error("error: %s", e)  # stderr and train.log
+            except (SandboxUnavailable, ConfigProblemAtStart) as e:  # every host checks
+                log.error("error: %s", e)  # its own: all stop here (stderr and train.log)
                 return 2
         log.info("done in %.1f min; report: %s", (time.time() - start) / 60,
                  workdir / "report.md")

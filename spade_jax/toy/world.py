@@ -61,7 +61,10 @@ class ToyConfig:
       family: "key_digit" (``toy/family.py``) or "chain" (``toy/chain.py``: count up
         from a start modulo ``chain_base``; every function below then builds from it,
         ``toy/chain_world.py``).
-      chain_base: the chain family's base (its digits count up modulo it).
+      chain_base: the chain family's base (its digits count up modulo it). A run whose
+        ``spade.hint_pattern`` or ``spade.hint_max_tokens`` was set for another base
+        (``chain:hint`` and ``toy`` set them for 5) is refused, naming the values the
+        base needs (``experiment.check_chain_hint_pattern`` / ``check_chain_hint_fits``).
       pool_levels: the levels of the chain family's fixed pool (empty: every level).
       chain_separator: what separates the digits of the chain warm start's answers: " "
         (``\\boxed{3 4 0}``) or "" (``\\boxed{340}``: each digit is then a token right

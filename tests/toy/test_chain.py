@@ -420,3 +420,25 @@ def test_the_hint_pattern_follows_the_base_and_a_stale_one_is_refused(base):
     # Without a hint arm there is nothing to filter.
     check_warm_start(load_experiment("toy", [f"toy.chain_base={base}",
                                             "spade.hint_mode='none'"]))
+
+
+def test_a_hint_budget_that_cuts_the_bases_hint_is_refused_once_the_tokenizer_exists(tmp_path):
+    """Base 7's table is 17 tokens under the toy tokenizer (base 5's 13), past the 16 that
+    `chain:hint` gives the hint writer: every hint would be cut and none used. The run
+    stops after training its tokenizer (`python -m spade_jax.train` prints one error line,
+    exit 2) naming the budget it needs."""
+    from spade_jax.experiment import ConfigProblemAtStart, check_chain_hint_fits, load_experiment
+    from spade_jax.run import build_tokenizer
+
+    pattern = chain.pairs_hint_pattern(7)
+    config = load_experiment("toy", ["toy.chain_base=7", f"spade.hint_pattern=r'{pattern}'"])
+    tokenizer = build_tokenizer(config.tokenizer, tmp_path, config.toy)
+    needed = len(tokenizer.encode(chain.hint_for(7, "pairs"))) + 1
+    assert needed > config.spade.hint_max_tokens == 16
+    with pytest.raises(ConfigProblemAtStart, match=f"set spade.hint_max_tokens={needed} or more"):
+        check_chain_hint_fits(config, tokenizer)
+    check_chain_hint_fits(load_experiment("toy", [
+        "toy.chain_base=7", f"spade.hint_pattern=r'{pattern}'",
+        f"spade.hint_max_tokens={needed}"]), tokenizer)
+    check_chain_hint_fits(load_experiment("toy", ["toy.chain_base=7", "spade.hint_mode='none'"]),
+                          tokenizer)
