@@ -314,7 +314,11 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
             pool.close()
             raise
     tokenizer = build_tokenizer(config.tokenizer, workdir, config.toy)
-    check_chain_hint_fits(config, tokenizer)  # needs the tokenizer: checked here, not earlier
+    try:  # needs the tokenizer: checked here, not with the other checks above
+        check_chain_hint_fits(config, tokenizer)
+    except Exception:
+        pool.close()
+        raise
     mesh = sharding.make_mesh(config.mesh) if jax.device_count() > 1 else None
     model = build_model(config.model, tokenizer, config.seed, mesh)
     if distributed.is_primary():  # what `python -m spade_jax.export` rebuilds the policy from
