@@ -275,6 +275,18 @@ def check_warm_start(config: ExperimentConfig) -> None:
     warm_start_programs(config)
 
 
+def _own_chain_hint(config: ExperimentConfig) -> str | None:
+    """The hint of a chain-games run's own games, the one its policy's hint writer should
+    produce (what ``check_chain_hint_pattern`` / ``check_chain_hint_fits`` test); None when
+    the run has no such writer (not chain games, or the policy writes no hints)."""
+    toy = config.toy
+    if not toy.enabled or toy.family != "chain" or not config.spade.policy_writes_hints:
+        return None
+    from spade_jax.toy import chain
+
+    return chain.hint_for(toy.chain_base, toy.chain_hint_form)
+
+
 def check_chain_hint_pattern(config: ExperimentConfig) -> None:
     """A chain-games run whose policy writes the hints keeps only hints matching
     ``spade.hint_pattern``; ``chain:hint`` and ``toy`` set it for base 5. Run with another
@@ -283,10 +295,9 @@ def check_chain_hint_pattern(config: ExperimentConfig) -> None:
     ValueError instead, naming the pattern the base needs."""
     from spade_jax.toy import chain
 
-    toy, spade = config.toy, config.spade
-    if toy.family != "chain" or not spade.hint_pattern or not spade.policy_writes_hints:
+    toy, spade, hint = config.toy, config.spade, _own_chain_hint(config)
+    if hint is None or not spade.hint_pattern:
         return
-    hint = chain.hint_for(toy.chain_base, toy.chain_hint_form)
     if re.fullmatch(spade.hint_pattern, hint) is None:
         wanted = (f"spade.hint_pattern=r'{chain.pairs_hint_pattern(toy.chain_base)}' "
                   "(quoted, in --set)" if toy.chain_hint_form == "pairs"
@@ -309,19 +320,16 @@ def check_chain_hint_fits(config: ExperimentConfig, tokenizer: Any) -> None:
     writer's ``spade.hint_max_tokens``, or every hint is cut short and rejected (base 5's
     table is 13 tokens under the toy tokenizer, base 7's 17: ``chain:hint`` sets 16).
     ConfigProblemAtStart naming the budget needed."""
-    from spade_jax.toy import chain
-
-    toy, spade = config.toy, config.spade
-    if not toy.enabled or toy.family != "chain" or not spade.policy_writes_hints:
+    spade, hint = config.spade, _own_chain_hint(config)
+    if hint is None:
         return
-    hint = chain.hint_for(toy.chain_base, toy.chain_hint_form)
     needed = len(tokenizer.encode(hint)) + 1  # the turn's end token
     if needed > spade.hint_max_tokens:
         raise ConfigProblemAtStart(
             f"spade.hint_max_tokens={spade.hint_max_tokens} is shorter than the hint of the "
             f"run's own games with its end token ({needed} tokens for {hint!r}, "
-            f"toy.chain_base={toy.chain_base}): every hint would be cut short and none used; "
-            f"set spade.hint_max_tokens={needed} or more")
+            f"toy.chain_base={config.toy.chain_base}): every hint would be cut short and none "
+            f"used; set spade.hint_max_tokens={needed} or more")
 
 
 def warm_start_programs(config: ExperimentConfig) -> list[Any]:
