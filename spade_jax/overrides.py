@@ -11,11 +11,18 @@ A config class may declare ``OVERRIDE_RESETS = {"field": ("dependent", ...)}``: 
 ``field`` resets each dependent field to its default, e.g. ``train.agent.policy_loss=gspo``
 drops the previous rule's ``loss`` config (its fields mean nothing to the new rule). A later
 override of a dependent field applies on top.
+
+Overrides apply in order, each checked by the configs' own validation (``__post_init__``).
+One that is only valid together with a later one (``toy.chain_max_level=12`` needs twelve
+``toy.designer_level_weights``, which need the new top level) is applied unchecked, and
+the whole config is checked again after the last override: it must be valid by then, or
+the error names the overrides that were waiting on it.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import enum
 from collections.abc import Sequence
@@ -67,8 +74,20 @@ def _coerce(path: str, current: Any, value: Any, annotation: Any = None) -> Any:
     return value
 
 
-def set_path(config: Any, path: str, value: Any) -> Any:
-    """Returns a copy of ``config`` with the dotted ``path`` set to ``value``."""
+def _replace(config: Any, validate: bool, **changes: Any) -> Any:
+    """``dataclasses.replace``, or (``validate=False``) a copy with ``changes`` set and no
+    ``__post_init__`` run: ``apply_overrides`` checks the result later."""
+    if validate:
+        return dataclasses.replace(config, **changes)
+    out = copy.copy(config)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+def set_path(config: Any, path: str, value: Any, validate: bool = True) -> Any:
+    """Returns a copy of ``config`` with the dotted ``path`` set to ``value`` (unchecked by
+    the sections' ``__post_init__`` with ``validate=False``)."""
     head, _, rest = path.partition(".")
     if not dataclasses.is_dataclass(config):
         raise OverrideError(f"cannot descend into {head!r}: not a config section")
@@ -81,12 +100,12 @@ def set_path(config: Any, path: str, value: Any) -> Any:
     if rest:
         if current is None:
             raise OverrideError(f"{head} is None; set the whole section in the experiment file")
-        new = set_path(current, rest, value)
+        new = set_path(current, rest, value, validate)
     else:
         new = _coerce(path, current, value, fields[head].type)
         if new != current:
-            return dataclasses.replace(config, **{head: new, **_reset_dependents(config, head)})
-    return dataclasses.replace(config, **{head: new})
+            return _replace(config, validate, **{head: new, **_reset_dependents(config, head)})
+    return _replace(config, validate, **{head: new})
 
 
 def _reset_dependents(config: Any, name: str) -> dict[str, Any]:
@@ -106,18 +125,43 @@ def _reset_dependents(config: Any, name: str) -> dict[str, Any]:
 
 
 def apply_overrides(config: Any, overrides: Sequence[str]) -> Any:
-    """Applies ``key=value`` strings in order; raises OverrideError naming the bad one."""
+    """Applies ``key=value`` strings in order; raises OverrideError naming the bad one. An
+    override the configs' validation rejects is kept unchecked until the last one has
+    applied (module docstring), then the whole config must validate."""
+    waiting: list[tuple[str, str]] = []  # (override, the validation error it met)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise OverrideError(f"override {item!r} is not of the form section.field=value")
+        value = parse_value(raw.strip())
         try:
-            config = set_path(config, key.strip(), parse_value(raw.strip()))
+            config = set_path(config, key.strip(), value)
         except OverrideError as e:
             raise OverrideError(f"override {item!r}: {e}") from None
         except (TypeError, ValueError) as e:  # a config's own validation in __post_init__
-            raise OverrideError(f"override {item!r} is invalid: {e}") from None
+            waiting.append((item, str(e)))
+            config = set_path(config, key.strip(), value, validate=False)
+    if waiting:
+        try:
+            config = revalidate(config)
+        except (TypeError, ValueError) as e:
+            own = [item for item, error in waiting if error == str(e)]
+            if own:  # the config still fails as this override did when it was applied
+                raise OverrideError(f"override {own[-1]!r} is invalid: {e}") from None
+            names = ", ".join(repr(item) for item, _ in waiting)
+            raise OverrideError(f"after every override the config is invalid: {e} (overrides "
+                                f"that did not validate when applied: {names})") from None
     return config
+
+
+def revalidate(config: Any) -> Any:
+    """``config`` rebuilt from the leaves up, so every section's ``__post_init__`` runs on
+    its final fields (the check ``apply_overrides`` deferred)."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return config
+    changes = {f.name: revalidate(getattr(config, f.name)) for f in dataclasses.fields(config)
+               if f.init and dataclasses.is_dataclass(getattr(config, f.name))}
+    return dataclasses.replace(config, **changes)
 
 
 def diff(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:

@@ -354,3 +354,27 @@ def test_a_warm_start_of_another_contract_than_the_run_is_refused_before_the_run
     with pytest.raises(ValueError, match=r"\['modular_product', 'sort_numbers'\] follow another"):
         check_warm_start(load_experiment("tiny", ["spade.contract='tool'"]))
     check_warm_start(load_experiment("tiny", ["spade.contract='tool'", "warm_start.programs=()"]))
+
+
+def test_overrides_that_are_valid_only_together_apply_in_either_order():
+    """A field whose check reads another (twelve levels need twelve designer weights) can
+    be set on the command line: an override the configs' validation rejects waits, and the
+    whole config must validate after the last one. An override invalid on its own, or a
+    set that is still invalid at the end, names itself."""
+    weights = "toy.designer_level_weights=" + ",".join(["1"] * 12)
+    for order in (["toy.chain_max_level=12", weights], [weights, "toy.chain_max_level=12"]):
+        config = load_experiment("toy", order)
+        assert config.toy.chain_max_level == 12 and config.toy.designer_level_weights == (1,) * 12
+        assert config == load_experiment("toy", order[::-1])
+    with pytest.raises(OverrideError, match=r"override 'toy.chain_max_level=12' is invalid: "
+                                            r"toy.designer_level_weights must be 12 weights"):
+        load_experiment("toy", ["toy.chain_max_level=12"])
+    with pytest.raises(OverrideError, match=r"override 'toy.chain_base=11' is invalid: "
+                                            r"toy.chain_base must be in 3..10"):
+        load_experiment("toy", [weights, "toy.chain_max_level=12", "toy.chain_base=11"])
+    eleven = "toy.designer_level_weights=" + ",".join(["1"] * 11)
+    with pytest.raises(OverrideError, match=f"override '{eleven}' is invalid: "
+                                            r"toy.designer_level_weights must be 12 weights"):
+        load_experiment("toy", ["toy.chain_max_level=12", eleven])
+    with pytest.raises(OverrideError, match="unknown config field 'nope'"):
+        load_experiment("toy", ["toy.chain_max_level=12", "toy.nope=1"])
