@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from spade_jax.models import numerics
 from spade_jax.rl.batch import PackConfig, TrainSequence, pack_sequences
@@ -175,7 +176,18 @@ def warm_start(
     if length_buckets < 1:
         raise ValueError(f"warm start length_buckets must be >= 1, got {length_buckets}")
     optimizer = _optimizer(steps, learning_rate)
-    opt_state = optimizer.init(params)
+    devices = {d for leaf in jax.tree.leaves(params) for d in leaf.devices()}
+    if len(devices) == 1:
+        # Params and optimizer state committed to their device: a run's params are, optax's
+        # init leaves its state uncommitted, and the step's second call (on its own
+        # committed outputs) compiled the step again (4-5 s of a toy warm start). A jit
+        # with out_shardings commits every leaf (device_put left the 0-d step counters
+        # uncommitted).
+        on_device = SingleDeviceSharding(devices.pop())
+        params = jax.device_put(params, on_device)
+        opt_state = jax.jit(optimizer.init, out_shardings=on_device)(params)
+    else:
+        opt_state = optimizer.init(params)
 
     @jax.jit
     def step(params, opt_state, ids, attn, positions, weights):

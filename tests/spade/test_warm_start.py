@@ -202,3 +202,26 @@ def test_length_buckets_train_as_the_full_logits_reference_on_the_same_draws():
     with pytest.raises(ValueError, match="length_buckets"):
         warm_start(graphdef, params, seqs, steps=1, batch_size=1, learning_rate=1e-3,
                    length_buckets=0)
+
+
+def test_each_length_group_compiles_its_step_once(caplog):
+    """A run hands the warm start committed parameters (``init_train_state``); the
+    optimizer's state must be committed beside them, or the step's second call, on its own
+    committed outputs, compiles the step again (4-5 s of every toy warm start)."""
+    import logging
+
+    rng = np.random.default_rng(9)
+    seqs = _sequences()
+    for n in (6, 9, 7, 8):
+        ids = rng.integers(2, 96, n + 3).tolist()
+        seqs.append(TrainSequence(ids, [0] * n + [1] * 3, [0.0] * len(ids), 0.0))
+    graphdef, params = nnx.split(_tiny_moe())
+    committed = jax.device_put(params, jax.local_devices()[0])  # as a run's are
+    for given in (committed, params):  # and as a direct call's may be
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+            warm_start(graphdef, given, seqs, steps=6, batch_size=2, learning_rate=3e-3,
+                       seed=3, pad_id=0, length_buckets=2)
+        compiles = [r.getMessage() for r in caplog.records
+                    if "Finished XLA compilation of jit(step)" in r.getMessage()]
+        assert len(compiles) == 2, compiles  # one per length group
