@@ -332,6 +332,30 @@ def check_chain_hint_fits(config: ExperimentConfig, tokenizer: Any) -> None:
             f"used; set spade.hint_max_tokens={needed} or more")
 
 
+def check_chain_answer_fits(config: ExperimentConfig, tokenizer: Any) -> None:
+    """A chain-games run's agent must be able to write the longest answer of its family
+    (``toy.chain_max_level`` digits, with the turn's end token) within
+    ``agent.sampler.max_new_tokens``, or every game at the top levels is cut short and
+    scores as a wrong answer (base 5 under the toy tokenizer: 22 tokens at level 9 and 28 at
+    12 spaced, 17 at 12 unspaced as ``toy`` writes them; ``chain:hint`` sets 24).
+    ConfigProblemAtStart naming the budget needed."""
+    from spade_jax.toy import chain
+
+    toy = config.toy
+    if not toy.enabled or toy.family != "chain":
+        return
+    answer = chain.answer_text(chain.target(toy.chain_base - 1, toy.chain_max_level,
+                                            toy.chain_base), toy.chain_separator)
+    needed = len(tokenizer.encode(answer)) + 1  # the turn's end token
+    budget = config.agent.sampler.max_new_tokens
+    if needed > budget:
+        raise ConfigProblemAtStart(
+            f"agent.sampler.max_new_tokens={budget} is shorter than the longest answer of the "
+            f"run's games with its end token ({needed} tokens for {answer!r}, "
+            f"toy.chain_max_level={toy.chain_max_level}): those answers would be cut short "
+            f"and score as wrong; set agent.sampler.max_new_tokens={needed} or more")
+
+
 def warm_start_programs(config: ExperimentConfig) -> list[Any]:
     """The seed programs the warm start teaches (`spade.seed_programs`): those named in
     ``warm_start.programs``, or every seed program of the run's contract; each must follow

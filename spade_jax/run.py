@@ -34,6 +34,7 @@ from spade_jax.experiment import (
     ExperimentConfig,
     ModelSpec,
     TokenizerSpec,
+    check_chain_answer_fits,
     check_chain_hint_fits,
     check_warm_start,
     config_hash,
@@ -316,6 +317,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     tokenizer = build_tokenizer(config.tokenizer, workdir, config.toy)
     try:  # needs the tokenizer: checked here, not with the other checks above
         check_chain_hint_fits(config, tokenizer)
+        check_chain_answer_fits(config, tokenizer)
     except Exception:
         pool.close()
         raise

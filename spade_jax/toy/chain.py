@@ -5,7 +5,7 @@ Every program is the same short game in the published recipe's contract (a class
 ``*Env``, ``\\boxed{}`` actions, the last reward is the score) with two constants at the
 top; the designer chooses the level by what it writes:
 
-    LEVEL = 4            # how many digits the answer has (1 .. 9)
+    LEVEL = 4            # how many digits the answer has (1 .. ToyConfig.chain_max_level)
     BASE = 5             # the digits count up modulo BASE (fixed per run: ToyConfig.chain_base)
 
 The agent sees ``Start: 3. Length: 4.`` and must answer ``\\boxed{3 4 0 1}``: the start,
@@ -43,7 +43,10 @@ from collections.abc import Sequence
 
 from spade_jax.spade.env_stats import stated_level
 
+# The family's levels by default (``ToyConfig.chain_max_level`` = 9); a run may reach up to
+# ``MAX_LEVEL`` (``levels``): the answer is then that many digits long.
 LEVELS: tuple[int, ...] = tuple(range(1, 10))
+MAX_LEVEL = 16
 BASES: tuple[int, ...] = (3, 4, 5, 6, 7, 8, 9, 10)
 DEFAULT_BASE = 5
 # The held-out grid's and the fixed pool's "rule" slot for a chain game of this base: the
@@ -90,9 +93,16 @@ class ChainEnv:
 _BASE_LINE = re.compile(r"^BASE\s*=\s*(\d+)\s*$", re.M)
 
 
+def levels(max_level: int = LEVELS[-1]) -> tuple[int, ...]:
+    """The family's levels 1 .. ``max_level`` (``ToyConfig.chain_max_level``)."""
+    if not isinstance(max_level, int) or not 1 <= max_level <= MAX_LEVEL:
+        raise ValueError(f"chain max level must be an int in 1..{MAX_LEVEL}, got {max_level!r}")
+    return tuple(range(1, max_level + 1))
+
+
 def _check(level: int, base: int, length_rule: str = DEFAULT_LENGTH_RULE) -> None:
-    if level not in LEVELS:
-        raise ValueError(f"chain level must be one of {LEVELS}, got {level!r}")
+    if not isinstance(level, int) or not 1 <= level <= MAX_LEVEL:
+        raise ValueError(f"chain level must be an int in 1..{MAX_LEVEL}, got {level!r}")
     if base not in BASES:
         raise ValueError(f"chain base must be one of {BASES}, got {base!r}")
     if length_rule not in LENGTH_RULES:

@@ -40,12 +40,13 @@ def designer_pairs(config: Any, designer_messages: Any, seed: int) -> list[tuple
     weights = np.asarray(config.designer_level_weights, np.float64)
     weights /= weights.sum()
     base, rule = config.chain_base, config.chain_length_rule
+    levels = chain.levels(config.chain_max_level)
     pairs = []
     for i in range(config.designer_examples):
-        level = int(draw.choice(chain.LEVELS, p=weights))
+        level = int(draw.choice(levels, p=weights))
         examples = []
         if i % 2:
-            example_level = int(draw.choice(chain.LEVELS))
+            example_level = int(draw.choice(levels))
             build_on = bool(draw.integers(2))
             examples = [{"program": as_loop_program(chain.render_program(example_level,
                                                                          base, rule)),
@@ -60,8 +61,9 @@ def designer_pairs(config: Any, designer_messages: Any, seed: int) -> list[tuple
 def hint_pairs(config: Any, seed: int) -> list[tuple[Messages, str]]:
     """(hint-writer chat on a chain program -> its hint) pairs over every level."""
     draw = rng(seed, 0, Phase.WARM_START, 1)
+    levels = chain.levels(config.chain_max_level)
     return [(hint_writer_messages(as_loop_program(chain.render_program(
-                int(draw.choice(chain.LEVELS)), config.chain_base, config.chain_length_rule))),
+                int(draw.choice(levels)), config.chain_base, config.chain_length_rule))),
              chain.hint_for(config.chain_base, config.chain_hint_form))
             for _ in range(config.hint_examples)]
 
@@ -70,10 +72,10 @@ def agent_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...], str]]:
     """(observation,) -> answer text (module docstring: format and copying only), then
     ``chain_hint_following`` hinted examples (``hint_following_examples``)."""
     draw = rng(seed, 0, Phase.WARM_START, 2)
-    base = config.chain_base
+    base, levels = config.chain_base, chain.levels(config.chain_max_level)
     examples = []
     for i in range(config.agent_examples):
-        level = 1 if i % 3 == 0 else int(draw.choice(chain.LEVELS))
+        level = 1 if i % 3 == 0 else int(draw.choice(levels))
         start = int(draw.integers(base))
         digits = [start] + [int(d) for d in draw.integers(base, size=level - 1)]
         examples.append(((chain.observation(start, level),),
@@ -98,7 +100,7 @@ def hint_following_examples(config: Any, seed: int) -> list[tuple[tuple[str, ...
     base, form = config.chain_base, config.chain_hint_form
     count_up = [(d + 1) % base for d in range(base)]
     first_level = 1 if form == "pairs" else 2
-    last_level = config.chain_hint_max_level or min(base + 1, chain.LEVELS[-1])
+    last_level = config.chain_hint_max_level or min(base + 1, config.chain_max_level)
     levels = range(first_level, last_level + 1)  # ToyConfig rejects cycle with max 1
     examples = []
     while len(examples) < config.chain_hint_following:
@@ -132,22 +134,24 @@ def agent_sequences(config: Any, seed: int, tokenizer: Any, agent: Any) -> list[
             for prompt, answer in agent_examples(config, seed)]
 
 
-def tokenizer_text(base: int = chain.DEFAULT_BASE, hint_form: str = "cycle") -> str:
+def tokenizer_text(base: int = chain.DEFAULT_BASE, hint_form: str = "cycle",
+                   max_level: int = chain.LEVELS[-1]) -> str:
     """Every chain program (under both length rules), hint (in ``hint_form``), observation
-    and answer shape (both separators)."""
+    and answer shape (both separators), at levels 1 .. ``max_level``."""
+    levels = chain.levels(max_level)
     parts = [chain.render_program(level, base, rule) for rule in chain.LENGTH_RULES
-             for level in chain.LEVELS]
+             for level in levels]
     parts += [chain.hint_for(base, hint_form), "Correct.", "Wrong."]
-    parts += [chain.observation(s, level) for s in range(base) for level in chain.LEVELS]
+    parts += [chain.observation(s, level) for s in range(base) for level in levels]
     parts += [chain.answer_text(chain.target(s, level, base), separator)
-              for s in range(base) for level in chain.LEVELS for separator in (" ", "")]
+              for s in range(base) for level in levels for separator in (" ", "")]
     return "\n".join(parts)
 
 
 def fixed_pool(config: Any) -> list[tuple[str, str | None, str]]:
     """A fixed-pool run's programs: the chain game at every level of ``pool_levels``
     (every level when empty); hints are written by the policy (hint_mode "self")."""
-    levels = config.pool_levels or chain.LEVELS
+    levels = config.pool_levels or chain.levels(config.chain_max_level)
     return [(as_loop_program(chain.render_program(level, config.chain_base,
                                                   config.chain_length_rule)), None,
              chain.SKILL) for level in levels]

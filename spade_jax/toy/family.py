@@ -75,14 +75,15 @@ def render_program(level: int, rule: str, constant_key: int | None = None) -> st
 
     ``constant_key``: the agent-path check's variant, whose key is this digit whatever is
     shown (a preference RL finds in a dozen updates; ``key_digit:check``)."""
-    if level not in LEVELS:
-        raise ValueError(f"toy level must be one of {LEVELS}, got {level!r}")
     if isinstance(rule, str) and rule.startswith("chain_base") and constant_key is None:
         # A chain game's held-out grid entry (``toy.family="chain"``): the run's held-out
-        # eval renders every grid entry through this function (``spade_jax/toy/chain.py``).
+        # eval renders every grid entry through this function (``spade_jax/toy/chain.py``,
+        # which checks the level against its own range).
         from spade_jax.toy import chain
 
         return chain.render_grid_program(level, rule)
+    if level not in LEVELS:
+        raise ValueError(f"toy level must be one of {LEVELS}, got {level!r}")
     if rule not in RULES:
         raise ValueError(f"toy rule must be one of {RULES}, got {rule!r}")
     if constant_key is not None and constant_key not in range(10):

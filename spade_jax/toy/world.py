@@ -47,8 +47,9 @@ class ToyConfig:
     Attributes:
       enabled: build the warm start, tokenizer, fixed pool and held-out evaluation from
         the key-digit family.
-      designer_level_weights: relative frequency of each level 1..9 in the designer's
-        warm-start programs (every level must appear: > 0).
+      designer_level_weights: relative frequency of each level in the designer's
+        warm-start programs, one weight per level 1..9 (chain family: 1..``chain_max_level``;
+        every level must appear: > 0).
       designer_examples: designer warm-start pairs (prompt -> program).
       hint_examples: hint-writer warm-start pairs (program -> hint).
       agent_examples: agent warm-start examples (``agent_sequences``).
@@ -87,6 +88,11 @@ class ToyConfig:
         1 .. this; 2 .. this for "cycle"); 0 = ``chain_base + 1`` (one wrap of the table at
         most). Above it the warm-started agent cannot follow the games' hint, so the hint
         arm fails there and the regret term pays nothing for such games.
+      chain_max_level: the chain family's top level (the longest answer; 1 ..
+        ``chain.MAX_LEVEL``): the warm start's programs, answers and hint-following
+        examples, the tokenizer's text and the fixed pool range over 1 .. this. The
+        key-digit family has levels 1..9 only. The designer may still write any level;
+        this is the range the warm start shows and the config's level lists must be in.
     """
 
     enabled: bool = False
@@ -105,6 +111,7 @@ class ToyConfig:
     chain_hint_following: int = 0
     chain_hint_form: str = "cycle"
     chain_hint_max_level: int = 0
+    chain_max_level: int = 9
 
     def __post_init__(self) -> None:
         if self.family not in ("key_digit", "chain"):
@@ -120,23 +127,33 @@ class ToyConfig:
         if self.chain_length_rule not in ("partial", "exact_length"):
             raise ValueError(f"toy.chain_length_rule must be 'partial' or 'exact_length', got "
                              f"{self.chain_length_rule!r}")
-        bad = [lv for lv in self.pool_levels if lv not in LEVELS]
+        from spade_jax.toy.chain import HINT_FORMS, MAX_LEVEL
+
+        if not isinstance(self.chain_max_level, int) or \
+                not 1 <= self.chain_max_level <= MAX_LEVEL:
+            raise ValueError(f"toy.chain_max_level must be an int in 1..{MAX_LEVEL}, "
+                             f"got {self.chain_max_level!r}")
+        if self.family == "key_digit" and self.chain_max_level != LEVELS[-1]:
+            raise ValueError(f"toy.chain_max_level is the chain family's; the key-digit family "
+                             f"has levels {LEVELS[0]}..{LEVELS[-1]} (got chain_max_level="
+                             f"{self.chain_max_level} with family='key_digit')")
+        levels = tuple(range(1, self.chain_max_level + 1))
+        bad = [lv for lv in self.pool_levels if lv not in levels]
         if bad:
-            raise ValueError(f"toy.pool_levels must be levels from {LEVELS}, got "
+            raise ValueError(f"toy.pool_levels must be levels from {levels}, got "
                              f"{self.pool_levels}")
         if self.pool not in ("curriculum", "constant_key"):
             raise ValueError(f"toy.pool must be 'curriculum' or 'constant_key', got {self.pool!r}")
-        if len(self.designer_level_weights) != len(LEVELS) or \
+        if len(self.designer_level_weights) != len(levels) or \
                 min(self.designer_level_weights) <= 0:
-            raise ValueError(f"toy.designer_level_weights must be {len(LEVELS)} weights > 0 "
-                             f"(one per level {LEVELS[0]}..{LEVELS[-1]}), got "
+            raise ValueError(f"toy.designer_level_weights must be {len(levels)} weights > 0 "
+                             f"(one per level {levels[0]}..{levels[-1]}), got "
                              f"{self.designer_level_weights}")
         for name in ("heldout_levels",):
-            bad = [lv for lv in getattr(self, name) if lv not in LEVELS]
+            bad = [lv for lv in getattr(self, name) if lv not in levels]
             if bad or not getattr(self, name):
-                raise ValueError(f"toy.{name} must be non-empty levels from {LEVELS}, got "
+                raise ValueError(f"toy.{name} must be non-empty levels from {levels}, got "
                                  f"{getattr(self, name)}")
-        from spade_jax.toy.chain import HINT_FORMS
 
         if self.chain_hint_form not in HINT_FORMS:
             raise ValueError(f"toy.chain_hint_form must be one of {HINT_FORMS}, got "
@@ -144,9 +161,9 @@ class ToyConfig:
         if self.chain_hint_following < 0:
             raise ValueError(f"toy.chain_hint_following must be >= 0, got "
                              f"{self.chain_hint_following}")
-        if self.chain_hint_max_level != 0 and self.chain_hint_max_level not in LEVELS:
+        if self.chain_hint_max_level != 0 and self.chain_hint_max_level not in levels:
             raise ValueError(f"toy.chain_hint_max_level must be 0 (chain_base + 1) or a level "
-                             f"from {LEVELS}, got {self.chain_hint_max_level!r}")
+                             f"from {levels}, got {self.chain_hint_max_level!r}")
         if self.chain_hint_form == "cycle" and self.chain_hint_max_level == 1:
             raise ValueError("toy.chain_hint_max_level=1 needs chain_hint_form='pairs': a "
                              "cycle hint's examples start at level 2 (level 1 is a copy)")
@@ -261,7 +278,8 @@ def tokenizer_text(config: ToyConfig | None = None) -> str:
     if config is not None and config.family == "chain":
         from spade_jax.toy import chain_world
 
-        return chain_world.tokenizer_text(config.chain_base, config.chain_hint_form)
+        return chain_world.tokenizer_text(config.chain_base, config.chain_hint_form,
+                                          config.chain_max_level)
     parts = [render_program(level, rule) for level in LEVELS for rule in RULES]
     parts += [hint_for(rule) for rule in RULES]
     parts += [observation(list(range(n))) for n in LEVELS]

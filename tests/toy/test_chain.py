@@ -70,8 +70,9 @@ def test_the_score_is_the_share_of_right_leading_digits():
         for answer in (right, wrong_third, right[:1], right + [1]):
             assert game.step(chain.answer_text(answer))[1] == pytest.approx(
                 chain.score(answer, start, 4))
-    with pytest.raises(ValueError, match="level"):
-        chain.render_program(10)
+    for level in (0, chain.MAX_LEVEL + 1, 2.0):
+        with pytest.raises(ValueError, match="level"):
+            chain.render_program(level)
     with pytest.raises(ValueError, match="base"):
         chain.render_program(3, base=2)
 
@@ -442,3 +443,81 @@ def test_a_hint_budget_that_cuts_the_bases_hint_is_refused_once_the_tokenizer_ex
         f"spade.hint_max_tokens={needed}"]), tokenizer)
     check_chain_hint_fits(load_experiment("toy", ["toy.chain_base=7", "spade.hint_mode='none'"]),
                           tokenizer)
+
+
+def test_a_higher_top_level_reaches_the_warm_start_tokenizer_pool_and_grid():
+    """`toy.chain_max_level` (default 9) moves the family's top level: the designer's
+    programs, the agent's answers and the fixed pool then reach it, the tokenizer sees its
+    observations, and the held-out grid may name it; the default run's data is unchanged."""
+    config = ToyConfig(enabled=True, family="chain", chain_max_level=12,
+                       designer_level_weights=(1,) * 12, heldout_levels=(2, 10, 12),
+                       agent_examples=300, chain_hint_following=200, chain_hint_max_level=9)
+
+    def prompt(skill, documents, examples):
+        return [{"role": "user", "content": f"{skill} {examples}"}]
+
+    designed = {chain.program_level(recipe_program(t)) for _, t in designer_pairs(config, prompt, 0)}
+    assert designed == set(range(1, 13))
+    answered = set()
+    for (observation,), target in _agent_examples(config, 0)[:300]:
+        level = int(re.fullmatch(r"Start: \d\. Length: (\d+)\.", observation).group(1))
+        digits = re.fullmatch(r"\\boxed\{([0-9 ]*)\}", target).group(1).split()
+        assert len(digits) == level
+        answered.add(level)
+    assert answered == set(range(1, 13))
+    hinted = {int(re.search(r"Length: (\d+)\.", obs).group(1))
+              for (obs,), _ in _agent_examples(config, 0)[300:]}
+    assert max(hinted) == 9  # hint following still stops at chain_hint_max_level
+    assert [chain.program_level(p) for p, _, _ in fixed_pool(config)] == list(range(1, 13))
+    assert "Length: 12." in tokenizer_text(config)
+    assert "Length: 10." not in tokenizer_text(CONFIG)
+    level, rule, episode_seed = heldout_grid(config, seed=0)[-1]
+    assert level == 12 and family_render_program(level, rule) == chain.render_program(12, 5)
+    game = _game(12)
+    game.reset(seed=episode_seed)
+    assert game.step(chain.answer_text(chain.target(game.start, 12)))[1] == 1.0
+    # the default top level is the family's nine levels, byte for byte
+    assert ToyConfig(enabled=True, family="chain").chain_max_level == chain.LEVELS[-1] == 9
+    assert tokenizer_text(CONFIG) == tokenizer_text(dataclasses.replace(CONFIG, chain_max_level=9))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"chain_max_level": 12}, "designer_level_weights must be 12 weights"),
+    ({"chain_max_level": 17, "designer_level_weights": (1,) * 17}, "chain_max_level must be"),
+    ({"chain_max_level": 6, "designer_level_weights": (1,) * 6}, "heldout_levels must be"),
+    ({"chain_max_level": 12, "designer_level_weights": (1,) * 12, "chain_hint_max_level": 13},
+     "chain_hint_max_level must be"),
+])
+def test_settings_outside_the_top_level_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ToyConfig(enabled=True, family="chain", **kwargs)
+    with pytest.raises(ValueError, match="key-digit family has levels 1..9"):
+        ToyConfig(chain_max_level=12, designer_level_weights=(1,) * 12)
+
+
+def test_an_agent_budget_that_cuts_the_longest_answer_is_refused(tmp_path):
+    """At 12 levels the longest spaced answer (`toy.chain_separator=' '`) is 27 tokens under
+    the toy tokenizer (the end token makes 28), past the 24 `chain:hint` gives the agent:
+    every top-level answer would be cut short and score as wrong. The run stops after its
+    tokenizer naming the budget. (`toy`'s unspaced answers fit: 17 tokens at level 12.)"""
+    from spade_jax.experiment import ConfigProblemAtStart, check_chain_answer_fits, load_experiment
+    from spade_jax.run import build_tokenizer
+
+    twelve = ["toy.chain_max_level=12", "toy.designer_level_weights=" + ",".join("1" * 12),
+              "toy.chain_separator=' '"]
+    config = load_experiment("toy", twelve)
+    tokenizer = build_tokenizer(config.tokenizer, tmp_path, config.toy)
+    longest = chain.answer_text(chain.target(4, 12), " ")
+    needed = len(tokenizer.encode(longest)) + 1
+    assert needed > config.agent.sampler.max_new_tokens == 24
+    with pytest.raises(ConfigProblemAtStart,
+                       match=f"set agent.sampler.max_new_tokens={needed} or more"):
+        check_chain_answer_fits(config, tokenizer)
+    check_chain_answer_fits(load_experiment("toy", [*twelve, f"agent.sampler.max_new_tokens={needed}"]),
+                            tokenizer)
+    # toy's own answers (unspaced) fit at 12 levels, and every nine-level run fits
+    unspaced = load_experiment("toy", twelve[:2])
+    check_chain_answer_fits(unspaced, build_tokenizer(unspaced.tokenizer, tmp_path / "unspaced",
+                                                      unspaced.toy))
+    nine = load_experiment("chain:hint")
+    check_chain_answer_fits(nine, build_tokenizer(nine.tokenizer, tmp_path / "nine", nine.toy))
