@@ -521,3 +521,19 @@ def test_an_agent_budget_that_cuts_the_longest_answer_is_refused(tmp_path):
                                                       unspaced.toy))
     nine = load_experiment("chain:hint")
     check_chain_answer_fits(nine, build_tokenizer(nine.tokenizer, tmp_path / "nine", nine.toy))
+
+
+def test_toy_twelve_is_toy_with_the_top_level_at_twelve():
+    """`toy:twelve` changes only what twelve levels need: the top level, the designer's
+    warm-start weights and the held-out grid (levels 10 and 12 added), and the agent's
+    budget; hint following stays at 9, so levels 10-12 are beyond the hint's reach."""
+    from spade_jax.experiment import load_experiment
+    from spade_jax.overrides import diff
+
+    toy, twelve = load_experiment("toy"), load_experiment("toy:twelve")
+    assert set(diff(toy, twelve)) == {
+        "name", "toy.chain_max_level", "toy.designer_level_weights", "toy.heldout_levels",
+        "agent.sampler.max_new_tokens"}
+    assert twelve.toy.chain_max_level == 12 and twelve.toy.chain_hint_max_level == 9
+    assert set(twelve.toy.heldout_levels) == set(toy.toy.heldout_levels) | {10, 12}
+    assert load_experiment("spade_self_generation:toy:twelve").toy == twelve.toy
