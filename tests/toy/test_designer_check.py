@@ -21,7 +21,7 @@ def test_the_frontier_the_check_names_is_the_one_the_warm_start_teaches():
     assert TOY_CHECK_FRONTIER_LEVELS == tuple(range(2, toy.chain_hint_max_level + 1))
 
 
-@pytest.mark.slow  # one short run: warm start and 5 rounds (~3.3 min alone)
+@pytest.mark.slow  # one short run: warm start and 5 rounds (2.5-3 min alone)
 def test_the_designer_moves_its_games_into_the_agents_frontier(tmp_path):
     run_train("toy:check", tmp_path)
     findings = check_designer_path(read_metrics(tmp_path))
