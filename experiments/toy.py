@@ -32,7 +32,8 @@ from spade_jax.experiment import ExperimentConfig, load_experiment
 
 def get_config(variant: str = "") -> ExperimentConfig:
     """``variant`` "check": the designer path's learning check
-    (tests/toy/test_designer_check.py, in CI; the agent path's is ``key_digit:check``)."""
+    (tests/toy/test_designer_check.py, in CI; the agent path's is ``key_digit:check``);
+    "twelve": the family's top level at 12, beyond the hint's reach (``_twelve``)."""
     if variant not in ("", "check", "twelve"):
         raise ValueError(f"toy variants: '', 'check' or 'twelve', got {variant!r} (the chain "
                          "family's are chain:<variant>)")
