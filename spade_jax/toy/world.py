@@ -128,16 +128,17 @@ class ToyConfig:
             raise ValueError(f"toy.chain_length_rule must be 'partial' or 'exact_length', got "
                              f"{self.chain_length_rule!r}")
         from spade_jax.toy.chain import HINT_FORMS, MAX_LEVEL
+        from spade_jax.toy.chain import levels as chain_levels
 
-        if not isinstance(self.chain_max_level, int) or \
-                not 1 <= self.chain_max_level <= MAX_LEVEL:
-            raise ValueError(f"toy.chain_max_level must be an int in 1..{MAX_LEVEL}, "
-                             f"got {self.chain_max_level!r}")
-        if self.family == "key_digit" and self.chain_max_level != LEVELS[-1]:
+        try:
+            levels = chain_levels(self.chain_max_level)
+        except ValueError:
+            raise ValueError(f"toy.chain_max_level must be an int in 1..{MAX_LEVEL}, got "
+                             f"{self.chain_max_level!r}") from None
+        if self.family == "key_digit" and levels != LEVELS:
             raise ValueError(f"toy.chain_max_level is the chain family's; the key-digit family "
                              f"has levels {LEVELS[0]}..{LEVELS[-1]} (got chain_max_level="
                              f"{self.chain_max_level} with family='key_digit')")
-        levels = tuple(range(1, self.chain_max_level + 1))
         bad = [lv for lv in self.pool_levels if lv not in levels]
         if bad:
             raise ValueError(f"toy.pool_levels must be levels from {levels}, got "
