@@ -275,6 +275,17 @@ def check_warm_start(config: ExperimentConfig) -> None:
     warm_start_programs(config)
 
 
+def check_supervised_replay(config: ExperimentConfig) -> None:
+    """``spade.supervised_replay`` (examples replayed a step) and ``train.supervised_coef``
+    (their NLL term's weight) work together: one without the other would replay rows
+    that train nothing, or weigh a term that has no rows."""
+    replay, coef = config.spade.supervised_replay, config.train.supervised_coef
+    if bool(replay) != bool(coef > 0):
+        raise ValueError(
+            f"spade.supervised_replay={replay} and train.supervised_coef={coef}: set both "
+            "(examples replayed per update and their NLL term's weight) or neither")
+
+
 def _own_chain_hint(config: ExperimentConfig) -> str | None:
     """The hint of a chain-games run's own games, the one its policy's hint writer should
     produce (what ``check_chain_hint_pattern`` / ``check_chain_hint_fits`` test); None when

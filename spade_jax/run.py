@@ -36,6 +36,7 @@ from spade_jax.experiment import (
     TokenizerSpec,
     check_chain_answer_fits,
     check_chain_hint_fits,
+    check_supervised_replay,
     check_warm_start,
     config_hash,
     json_value,
@@ -300,6 +301,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
     workdir = storage.absolute(workdir)
     require_corpus(config)  # before anything starts: the recipe refuses the stand-in
     check_warm_start(config)
+    check_supervised_replay(config)
     if distributed.is_primary():  # multi-host: only process 0 writes the run's files
         (workdir / "config.json").write_text(
             json.dumps(dataclasses.asdict(config), indent=2, default=json_value))
@@ -334,6 +336,7 @@ def run_experiment(config: ExperimentConfig, workdir: storage.PathLike) -> None:
         routing_telemetry=records_routing(config), guard=guard)
     loop = build_loop(config, tokenizer=tokenizer, pool=pool, policy=trainer.sampling_policy,
                       update=trainer.update, mesh=trainer.sample_mesh)
+    loop.supervised_examples = supervised_replay_examples(config, tokenizer, loop)
 
     ckpt = CheckpointManager(
         CheckpointConfig(workdir / "checkpoints", save_every_steps=config.checkpoint_every,
@@ -524,19 +527,7 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
         log.info("toy warm start: %d steps on %d examples", ws.steps, len(seqs))
         return _supervised_pass(config, tokenizer, graphdef, state, seqs)
     programs = warm_start_programs(config)  # they exist and follow the run's contract
-    # A tool designer replies with the program alone (its prompt asks for no hint).
-    target = (format_program_reply if spade_cfg.contract == Contract.TOOL
-              else format_designer_output)
-    docs_sampler = build_corpus_sampler(config, seed_offset=7919)
-    skills = [s.name for s in get_skill_set(spade_cfg.skills)]
-    pairs = []
-    for prog in programs:
-        for variant in range(ws.prompts_per_program):
-            docs = ([d.text for d in docs_sampler.sample(spade_cfg.docs_per_prompt)]
-                    if docs_sampler is not None and variant > 0 else [])
-            skill = skills[variant % len(skills)] if ws.vary_skills else prog.skill
-            pairs.append((loop.designer.messages(skill, docs, []),
-                          target(prog.source, prog.hint)))
+    pairs = _designer_warm_start_pairs(config, loop, programs)
     designer_pairs = len(pairs)
     if spade_cfg.policy_writes_hints:
         pairs += [(loop.designer.hint_messages(prog.source), prog.hint) for prog in programs]
@@ -550,6 +541,44 @@ def _warm_start(config, tokenizer, graphdef, state: TrainState, loop: SpadeLoop)
     log.info("warm start: %d steps on %d designer, %d hint-writer and %d agent examples",
              ws.steps, designer_pairs, len(seqs) - designer_pairs, len(demos))
     return _supervised_pass(config, tokenizer, graphdef, state, seqs + demos)
+
+
+def _designer_warm_start_pairs(config, loop: SpadeLoop, programs) -> list:
+    """The warm start's (designer prompt, program reply) pairs from the seed programs:
+    ``warm_start.prompts_per_program`` prompts each, the first without documents."""
+    spade_cfg, ws = config.spade, config.warm_start
+    # A tool designer replies with the program alone (its prompt asks for no hint).
+    target = (format_program_reply if spade_cfg.contract == Contract.TOOL
+              else format_designer_output)
+    docs_sampler = build_corpus_sampler(config, seed_offset=7919)
+    skills = [s.name for s in get_skill_set(spade_cfg.skills)]
+    pairs = []
+    for prog in programs:
+        for variant in range(ws.prompts_per_program):
+            docs = ([d.text for d in docs_sampler.sample(spade_cfg.docs_per_prompt)]
+                    if docs_sampler is not None and variant > 0 else [])
+            skill = skills[variant % len(skills)] if ws.vary_skills else prog.skill
+            pairs.append((loop.designer.messages(skill, docs, []),
+                          target(prog.source, prog.hint)))
+    return pairs
+
+
+def supervised_replay_examples(config: ExperimentConfig, tokenizer: Any,
+                               loop: SpadeLoop) -> list:
+    """What ``spade.supervised_replay`` replays: the warm start's designer examples (the toy
+    world's programs across its levels, or the seed programs' pairs), as the warm start
+    builds them; [] when the run replays none."""
+    if not config.spade.supervised_replay:
+        return []
+    if config.toy.enabled:
+        from spade_jax.toy import world
+
+        pairs = world.designer_pairs(config.toy, loop.designer.messages, config.seed)
+    else:
+        pairs = _designer_warm_start_pairs(config, loop, warm_start_programs(config))
+    if jax.process_count() > 1:  # the corpus documents are drawn per host (see _warm_start)
+        pairs = [(messages, target) for messages, target in distributed.agree_json(pairs)]
+    return supervised_pairs(tokenizer, pairs)
 
 
 def _tool_agent_sequences(config, tokenizer, pool, programs) -> list:

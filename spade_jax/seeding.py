@@ -34,6 +34,7 @@ class Phase(enum.IntEnum):
     REFILL = 12  # a group filter's replacement plays (DAPO dynamic sampling's refill)
     REPLAY_AUDIT = 13  # which finished sandbox episodes are replayed to check determinism
     WARM_START = 14  # supervised warm-start examples (the toy world's levels, digits)
+    SUPERVISED_REPLAY = 15  # warm-start examples replayed in an update (spade.supervised_replay)
 
 
 def _entropy(parts: tuple[int, ...]) -> list[int]:

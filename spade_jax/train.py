@@ -65,10 +65,16 @@ def main(argv: list[str]) -> int:
     if problem:  # checked in --dry_run too: a run would fail there only after startup
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    from spade_jax.experiment import CorpusMissing, check_warm_start, require_corpus
+    from spade_jax.experiment import (
+        CorpusMissing,
+        check_supervised_replay,
+        check_warm_start,
+        require_corpus,
+    )
 
     try:
         check_warm_start(config)
+        check_supervised_replay(config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

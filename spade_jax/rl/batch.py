@@ -20,7 +20,11 @@ from flax import struct
 
 from spade_jax.rollout.routing import routing_per_layer
 
-ROLES = ("agent", "designer")  # role_id 0 and 1
+ROLES = ("agent", "designer")  # role_id 0 and 1: the roles the RL rules train
+# role_id 2: replayed supervised examples, trained by a masked NLL term of their own
+# (``TrainConfig.supervised_coef``, PPO-ptx), never by a role's rule.
+SUPERVISED = "supervised"
+ROW_ROLES = ROLES + (SUPERVISED,)
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -33,7 +37,8 @@ class TrainBatch:
       loss_mask: [B, T] float32, 1 on policy tokens to train on.
       old_logp: [B, T] float32 sampler log-probs of the tokens (0 off the mask).
       advantages: [B] or [B, T] float32.
-      role_id: [B] int32, index into ROLES (0 agent, 1 designer).
+      role_id: [B] int32, index into ROW_ROLES (0 agent, 1 designer, 2 a replayed
+        supervised example).
       ref_logp: [B, T] float32 reference-policy log-probs, or None (rules with KL need it).
       routing_replay: per layer, [B, T, X] int32 experts recorded at rollout time (None for
         dense layers), or None when routing was not recorded.
@@ -94,7 +99,8 @@ class TrainSequence:
       loss_mask: 1 on tokens the policy generated (same length; the first entry must be 0).
       logprobs: the sampler's log-prob of each token (same length; ignored off the mask).
       advantage: a float for the whole sequence or one float per token.
-      role: "agent" / "designer" or the role id 0 / 1.
+      role: "agent" / "designer" / "supervised" or the role id 0 / 1 / 2 ("supervised": a
+        replayed example, trained by the NLL term ``TrainConfig.supervised_coef``).
       ref_logprobs: reference-policy log-probs per token, if the loss uses a KL term.
       routing: per model layer, the [len, X] (or [len - 1, X]: the last token is never fed
         back) experts chosen at rollout time; None for dense layers. Or one recording
@@ -159,11 +165,11 @@ def bucket_length(length: int, buckets: Sequence[int]) -> int:
 
 def _role_id(role: str | int, index: int) -> int:
     if isinstance(role, str):
-        if role not in ROLES:
-            raise ValueError(f"sequence {index}: unknown role {role!r}; known: {ROLES}")
-        return ROLES.index(role)
-    if role not in range(len(ROLES)):
-        raise ValueError(f"sequence {index}: role id {role} not in [0, {len(ROLES)})")
+        if role not in ROW_ROLES:
+            raise ValueError(f"sequence {index}: unknown role {role!r}; known: {ROW_ROLES}")
+        return ROW_ROLES.index(role)
+    if role not in range(len(ROW_ROLES)):
+        raise ValueError(f"sequence {index}: role id {role} not in [0, {len(ROW_ROLES)})")
     return int(role)
 
 
@@ -272,7 +278,9 @@ def pack_sequences(
         else:
             advantages[i] = seq.advantage
         role_id[i] = _role_id(seq.role, i)
-        if seq.group >= 0:  # ids unique per (role, group): one group never spans both roles
+        # ids unique per (role, group): one group never spans both roles; a supervised row
+        # is in no group (no rule reads it).
+        if seq.group >= 0 and role_id[i] < len(ROLES):
             group_id[i] = seq.group * len(ROLES) + role_id[i]
     if not np.all(np.isfinite(old_logp)):
         bad = int(np.argwhere(~np.isfinite(old_logp))[0, 0])

@@ -21,6 +21,10 @@ per-sequence-mean rule (GRPO, GSPO): per role, or one mean over both roles' sequ
 sequences, not tokens. Rows of the other role are masked out, so a rule that divides by B
 (Dr.GRPO) still counts them in its denominator.
 
+Replayed supervised rows (role_id 2, PPO-ptx; ``supervised_coef`` > 0) add
+``supervised_coef * sum_{b in m} nll_b / n^sup``, with nll_b the row's mean token NLL at
+temperature 1 and n^sup the step's supervised rows; no role's rule sees them.
+
 Then global-norm clip + AdamW. A step whose loss or gradient norm is not finite leaves the
 whole state (params, optimizer state, step, rng) unchanged and reports ``skipped=1``.
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -52,7 +57,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from spade_jax import sharding
 from spade_jax.models import Qwen3, load_balancing_loss, numerics
-from spade_jax.rl.batch import ROLES, TrainBatch
+from spade_jax.rl.batch import ROLES, ROW_ROLES, SUPERVISED, TrainBatch
 from spade_jax.rl.optim import (
     MASTER_DTYPES,
     OptimizerConfig,
@@ -103,6 +108,11 @@ class TrainConfig:
         (loss mask 0) up to the smallest that fits, so a run whose sequence count varies
         from step to step compiles a handful of step shapes, not one per count (() = pad
         to the microbatch multiple only).
+      supervised_coef: weight of the NLL term on the batch's replayed supervised rows
+        (role_id 2, ``SUPERVISED``; InstructGPT's PPO-ptx): ``coef`` times the mean over
+        those rows of each row's mean token NLL (at temperature 1), added to the RL loss.
+        0 = off (a supervised row then trains nothing). What is replayed is the caller's
+        choice (the SPADE loop: ``spade.supervised_replay`` warm-start examples a step).
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -118,8 +128,15 @@ class TrainConfig:
     pooled_min_denominator: int = 0
     row_buckets: tuple[int, ...] = ()
     update_epochs: int = 1
+    supervised_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.supervised_coef) and self.supervised_coef >= 0):
+            raise ValueError(f"supervised_coef must be finite and >= 0, got "
+                             f"{self.supervised_coef}")
+        if self.supervised_coef > 0 and self.router_replay:
+            raise ValueError("supervised_coef > 0 needs router_replay=False: replayed "
+                             "supervised examples have no experts recorded at rollout time")
         if self.update_epochs < 1:
             raise ValueError(f"update_epochs must be >= 1, got {self.update_epochs}")
         if any(b < 1 for b in self.row_buckets) or \
@@ -291,9 +308,21 @@ def _row_temperatures(config: TrainConfig, batch: TrainBatch) -> float | Array:
     """The temperature each row was sampled at (its role's; 1.0 when unset): one float, or
     [B] when the roles differ."""
     role_temps = [1.0 if r.temperature is None else r.temperature for r in config.roles]
+    if config.supervised_coef > 0:
+        role_temps.append(1.0)  # a supervised row's NLL is of the model's own distribution
     if len(set(role_temps)) == 1:
         return role_temps[0]
     return jnp.asarray(role_temps, jnp.float32)[batch.role_id]
+
+
+def supervised_nll(batch: TrainBatch, logp_bt: Array) -> tuple[Array, Array]:
+    """(sum over the supervised rows of each row's mean token NLL, how many rows have a
+    target token): the PPO-ptx term's parts (``TrainConfig.supervised_coef``)."""
+    rows_b = (batch.role_id == ROW_ROLES.index(SUPERVISED)).astype(jnp.float32)
+    mask_bt = batch.loss_mask.astype(jnp.float32) * rows_b[:, None]
+    tokens_b = jnp.sum(mask_bt, axis=1)
+    nll_b = -jnp.sum(logp_bt * mask_bt, axis=1) / jnp.maximum(tokens_b, 1.0)
+    return jnp.sum(nll_b), jnp.sum((tokens_b > 0).astype(jnp.float32))
 
 
 def microbatch_loss(
@@ -304,12 +333,14 @@ def microbatch_loss(
     config: TrainConfig,
     loss_share_r: Array | None = None,
     mesh: Mesh | None = None,
+    supervised_rows: Array | float = 1.0,
 ) -> tuple[Array, tuple[Metrics, Metrics]]:
     """Loss of one microbatch as in the module docstring, plus (weighted, token) metrics.
 
     ``role_share_r``: n^r_m / n^r (weights the role's metrics into a role average);
     ``loss_share_r``: the role loss's weight in the total, ``role_share_r`` when None
-    (per-role aggregation) or n^r_m / N (pooled)."""
+    (per-role aggregation) or n^r_m / N (pooled); ``supervised_rows``: the step's
+    supervised rows with a target token (the PPO-ptx term's mean is over the step)."""
     loss_share_r = role_share_r if loss_share_r is None else loss_share_r
     compute = COMPUTE_DTYPES[config.compute_dtype]
     model = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(compute), params))
@@ -328,6 +359,11 @@ def microbatch_loss(
             weighted[f"{name}/{key}"] = jnp.where(share > 0, value, 0.0) * share
         for key, value in stats.items():
             token_stats[f"{name}/{key}"] = value
+    if config.supervised_coef > 0:
+        nll_sum, rows = supervised_nll(batch, logp_bt)
+        total = total + config.supervised_coef * nll_sum / jnp.maximum(supervised_rows, 1.0)
+        token_stats[f"{SUPERVISED}/nll_sum"] = nll_sum
+        token_stats[f"{SUPERVISED}/rows"] = rows
     if config.aux_loss_coef > 0:
         k = model.config.num_experts_per_tok
         aux = load_balancing_loss(router_logits, k, batch.attention_mask)
@@ -369,6 +405,11 @@ def _reduce_token_stats(stats_m: Metrics) -> Metrics:
             out[key] = jnp.max(value)
         elif key == "aux_loss_sum":
             out["aux_loss"] = jnp.mean(value)
+    if f"{SUPERVISED}/rows" in stats_m:
+        rows = jnp.sum(stats_m[f"{SUPERVISED}/rows"])
+        out[f"{SUPERVISED}/sequences"] = rows
+        out[f"{SUPERVISED}/nll"] = (jnp.sum(stats_m[f"{SUPERVISED}/nll_sum"])
+                                    / jnp.maximum(rows, 1.0))
     for name in ROLES:
         tokens = jnp.sum(stats_m[f"{name}/tokens"])
         out[f"{name}/tokens"] = tokens
@@ -395,11 +436,13 @@ def train_step(
         denominator = jnp.maximum(jnp.sum(scored_mr), max(config.pooled_min_denominator, 1))
         loss_share_mr = scored_mr / denominator
     grad_fn = jax.value_and_grad(microbatch_loss, has_aux=True)
+    supervised_rows = (supervised_nll(batch, jnp.zeros(batch.loss_mask.shape))[1]
+                       if config.supervised_coef > 0 else 1.0)
 
     def accumulate(grads_acc, inputs):
         microbatch, share_r, loss_share_r = inputs
         (loss, metrics), grads = grad_fn(state.params, graphdef, microbatch, share_r, config,
-                                         loss_share_r, mesh)
+                                         loss_share_r, mesh, supervised_rows)
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
         return grads_acc, (loss, metrics)
 

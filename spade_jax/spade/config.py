@@ -123,6 +123,11 @@ class SpadeConfig:
         group, e.g. 4).
       max_design_attempts: rejection sampling: attempts per designer sample until its
         program validates (recipe 5). Only valid attempts become games.
+      supervised_replay: designer warm-start examples (prompt -> program, the warm start's
+        own) added to every update as supervised rows, drawn with seed (seed, step,
+        SUPERVISED_REPLAY); their NLL weighs ``train.supervised_coef`` (PPO-ptx; needs it
+        > 0). 0 (recipe): none. An anchor for a policy whose program writing is learned
+        from few examples and erodes as the shared weights train.
       invalid_penalty: None (recipe): invalid attempts are never trained. A float: every
         invalid attempt (and a valid game that scored nothing) is trained with this
         designer reward (the paper text's -1); under skill groups it joins its skill's
@@ -227,6 +232,7 @@ class SpadeConfig:
     designer_group_size: int = 1
     max_design_attempts: int = 5
     invalid_penalty: float | None = None
+    supervised_replay: int = 0
     hint_mode: HintMode = HintMode.SELF
     hint_temperature: float = 0.3
     hint_max_tokens: int = 4096
@@ -281,7 +287,7 @@ class SpadeConfig:
         for name in ("hint_plays", "designer_delay", "docs_per_prompt", "memory_examples",
                      "memory_train_envs", "eval_every", "max_doc_chars", "max_doc_words",
                      "skills_per_window", "global_batch",
-                     "probe_episodes"):
+                     "probe_episodes", "supervised_replay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"spade.{name} must be >= 0, got {getattr(self, name)}")
         if self.envs_per_round % self.designer_group_size:

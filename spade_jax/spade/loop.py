@@ -40,7 +40,7 @@ import numpy as np
 
 from spade_jax import distributed
 from spade_jax.envs import EnvPool, arm_order
-from spade_jax.rl.batch import TrainSequence
+from spade_jax.rl.batch import SUPERVISED, TrainSequence
 from spade_jax.rl.episodes import GroupRequest, StepContext
 from spade_jax.rl.forks import PolicyRollouts
 from spade_jax.rl.update_rule import DEFAULT_DESIGNER_RULE, Group, RoleConfig, apply_rule
@@ -129,6 +129,9 @@ class SpadeLoop:
         self.corpus_sampler, self.memory, self.reward_rule = corpus_sampler, memory, reward_rule
         # Where the games come from (SelfDesign, FixedPool, FixedEnv): chosen by the run.
         self.source, self.seed = source if source is not None else SelfDesign(), seed
+        # What spade.supervised_replay draws from (the run sets it: the warm start's
+        # designer examples).
+        self.supervised_examples: list[TrainSequence] = []
         self.designer = Designer(config, tokenizer=tokenizer, pool=pool, generate=generate,
                                  corpus_sampler=corpus_sampler, memory=memory, seed=seed,
                                  max_turns=max_turns)
@@ -192,6 +195,8 @@ class SpadeLoop:
             scored, designer = self.score_due(step, num_agent=len(agent))
         with timer("update"):
             seqs, trimmed = self.batch(designer, agent)
+            if seqs:
+                seqs += self.supervised_rows(step)
             update_metrics = self.update(seqs) if seqs else {"skipped_no_data": 1.0}
         if cfg.memory_at == MemoryTiming.SCORING:
             self.remember(scored)
@@ -215,6 +220,21 @@ class SpadeLoop:
         metrics["batch/trimmed"] = float(trimmed)
         metrics["designer/missing_designed"] = float(missing_designed)
         return metrics
+
+    def supervised_rows(self, step: int) -> list[TrainSequence]:
+        """``spade.supervised_replay`` of ``supervised_examples`` for this step's update, as
+        supervised rows (trained by ``train.supervised_coef``'s NLL term, PPO-ptx), drawn
+        with replacement with seed (seed, step, SUPERVISED_REPLAY): a resumed run draws
+        the same ones."""
+        count, examples = self.config.supervised_replay, self.supervised_examples
+        if not count:
+            return []
+        if not examples:
+            raise ValueError("spade.supervised_replay > 0 but the loop was given no "
+                             "supervised examples to replay")
+        rng = np.random.default_rng(derive_seed(self.seed, step, Phase.SUPERVISED_REPLAY))
+        return [dataclasses.replace(examples[i], role=SUPERVISED)
+                for i in rng.integers(0, len(examples), count)]
 
     def agent_step(self) -> AgentStep:
         """The operations lent to a game source that plays steps of its own."""

@@ -115,6 +115,10 @@ def test_bad_flags_get_clear_errors(tmp_path):
     assert r.returncode == 2 and "roundz" in r.stderr
     r = _train(tmp_path / "x", "--set", "spade.rounds=many", timeout=120)
     assert r.returncode == 2 and "spade.rounds" in r.stderr
+    # Replayed supervised rows without their NLL term's weight would train nothing.
+    r = _train(tmp_path / "x", "--set", "spade.supervised_replay=2", timeout=120)
+    assert r.returncode == 2 and "train.supervised_coef=0.0: set both" in r.stderr
+    assert "Traceback" not in r.stderr
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-m", "spade_jax.train", "--experiment=nope",
                         f"--workdir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)

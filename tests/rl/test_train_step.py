@@ -652,3 +652,56 @@ def test_benchmark_runs_at_tiny_size(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["moe_impl"] for r in rows] == ["ragged"]
     assert rows[0]["tokens_per_s"] > 0 and 0 < rows[0]["roofline_fraction"] < 1.5
+
+
+# ---- the supervised (PPO-ptx) term --------------------------------------------------------
+
+PTX_CONFIG = TrainConfig(
+    optimizer=OptimizerConfig(learning_rate=1e-2, eps=1e-4, clip_norm=100.0),
+    agent=RoleConfig(policy_loss="grpo", temperature=0.7),
+    designer=RoleConfig(policy_loss="grpo", temperature=0.7), microbatches=2,
+    supervised_coef=0.3)
+
+
+def test_supervised_rows_add_their_mean_nll_and_nothing_else():
+    """Replayed rows (role "supervised") add coef x the mean over rows of each row's mean
+    token NLL at temperature 1 (NumPy, float64), whatever the roles' temperatures; the RL
+    rows' loss is the same with or without them, and at coef 0 they train nothing."""
+    model = Qwen3(tiny_config(), ModelOptions(), rngs=nnx.Rngs(0))
+    rng = np.random.RandomState(3)
+    rl = [TrainSequence(rng.randint(0, VOCAB, 9).tolist(), [0, 0, 0, 1, 1, 1, 1, 1, 1],
+                        (-rng.rand(9) - 1).tolist(), float(rng.randn()), role=r)
+          for r in ("agent", "designer", "agent", "designer")]
+    replay = [TrainSequence(rng.randint(0, VOCAB, n).tolist(), [0] * 3 + [1] * (n - 3),
+                            [0.0] * n, 0.0, role="supervised") for n in (11, 6)]
+    pack = PackConfig(buckets=(12,))
+    mixed, plain = pack_sequences(rl + replay, pack), pack_sequences(rl, pack)
+    assert list(np.asarray(mixed.role_id)) == [0, 1, 0, 1, 2, 2]
+
+    logits = np.asarray(model(mixed.input_ids).logits, np.float64)
+    logp = np.take_along_axis(log_softmax_np(logits)[:, :-1], mixed.input_ids[:, 1:, None],
+                              -1)[..., 0]
+    nll = [-logp[b, np.flatnonzero(np.asarray(mixed.loss_mask)[b, 1:])].mean() for b in (4, 5)]
+
+    def loss_of(config, batch):
+        graphdef, state = init_train_state(model, config)
+        _, metrics = make_train_step(graphdef, config)(state, batch)
+        return metrics
+
+    with_ptx = loss_of(PTX_CONFIG, mixed)
+    without = loss_of(dataclasses.replace(PTX_CONFIG, supervised_coef=0.0), mixed)
+    rl_only = loss_of(PTX_CONFIG, plain)
+    assert float(with_ptx["supervised/nll"]) == pytest.approx(np.mean(nll), rel=1e-5)
+    assert float(with_ptx["supervised/sequences"]) == 2
+    assert float(with_ptx["loss"]) - float(without["loss"]) == pytest.approx(
+        0.3 * np.mean(nll), rel=1e-4)
+    assert float(without["loss"]) == pytest.approx(float(rl_only["loss"]), rel=1e-6)
+    assert float(with_ptx["agent/sequences"]) == 2 and float(with_ptx["designer/sequences"]) == 2
+    assert "supervised/nll" not in without
+
+
+def test_supervised_coef_is_checked():
+    with pytest.raises(ValueError, match="supervised_coef must be finite and >= 0"):
+        TrainConfig(supervised_coef=-1.0)
+    with pytest.raises(ValueError, match="router_replay=False"):
+        TrainConfig(supervised_coef=0.5, router_replay=True)

@@ -705,3 +705,26 @@ def test_the_loop_logs_reward_attribution_and_a_permutation_lowers_it(pool):
     metrics = loop.run_step(0)  # a scored round logs it (2 distinct scripted programs: none)
     assert "designer/reward_attribution" not in metrics or math.isfinite(
         metrics["designer/reward_attribution"])
+
+
+def test_supervised_replay_adds_seeded_supervised_rows_to_every_update(pool):
+    """``spade.supervised_replay`` rows join every update (agent-only ones too), drawn from
+    the loop's examples with seed (seed, step, SUPERVISED_REPLAY): the same step draws the
+    same rows in another loop, and they are marked for the NLL term, not a role's rule."""
+    examples = [TrainSequence([1, 2, 3 + i], [0, 1, 1], [0.0] * 3, 0.0, role="designer")
+                for i in range(5)]
+    config = dataclasses.replace(WINDOW, rounds=3, supervised_replay=3)
+    runs = []
+    for _ in range(2):
+        policy = ScriptedPolicy(ALL_VALID)
+        loop = _loop(pool, policy, config)
+        loop.supervised_examples = examples
+        for step in range(3):
+            loop.run_step(step)
+        runs.append([[s.token_ids for s in u if s.role == "supervised"] for u in policy.updates])
+    assert runs[0] == runs[1] and len(runs[0]) == 3
+    assert all(len(rows) == 3 for rows in runs[0])
+    assert len({tuple(map(tuple, rows)) for rows in runs[0]}) > 1  # a new draw each step
+    loop.supervised_examples = []
+    with pytest.raises(ValueError, match="no supervised examples"):
+        loop.run_step(3)
