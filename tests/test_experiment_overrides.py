@@ -91,20 +91,23 @@ def test_every_experiment_docstring_command_dry_runs():
 def documented_sets() -> list[tuple[str, list[str]]]:
     """(file, [key=value, ...]) for every line with ``--set key=value`` in README.md,
     docs/*.md and the package's and experiments' Python sources (docstrings and help
-    texts): the sets of one line apply together, in order (a rule file, then its rule)."""
+    texts): the sets of one line apply together, in order (a rule file, then its rule). A
+    line that names ``--experiment=NAME`` has NAME first in its list."""
     files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted((REPO / "spade_jax").rglob("*.py")), *sorted(EXPERIMENTS_DIR.glob("*.py"))]
     pattern = re.compile(r"--set[=\s]+(?:'([^']*)'|\"([^\"]*)\"|([^\s`]+))")
+    experiment = re.compile(r"--experiment[=\s]+([\w:]+)")
     found = []
     for path in files:
         for line in path.read_text().splitlines():
-            items = []
+            named = experiment.search(line)
+            items = [] if named is None else [named.group(1)]
             for match in pattern.finditer(line):
                 item = next(g for g in match.groups() if g is not None)
                 item = item.rstrip(".,;:)")
                 if "=" in item and not item.endswith("=value") and "DIR" not in item:
                     items.append(item)
-            if items:
+            if len(items) > (named is not None):
                 found.append((str(path.relative_to(REPO)), items))
     return found
 
@@ -129,8 +132,11 @@ def _check_documented_sets():
     assert len(found) >= 10 and "README.md" in sources and "spade_jax/experiment.py" in sources
     failures = []
     for source, items in found:
+        # A line that names its experiment is parsed against it (its overrides may be valid
+        # only there); the others against tiny.
+        name, items = (items[0], items[1:]) if "=" not in items[0] else ("tiny", items)
         try:
-            load_experiment("tiny", items)
+            load_experiment(name, items)
         except (OverrideError, ValueError, TypeError) as e:
             failures.append(f"{source}: --set {' --set '.join(items)}: {e}")
     assert not failures, "\n".join(failures)
