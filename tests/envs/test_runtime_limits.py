@@ -7,11 +7,15 @@ nondeterministic. Validation now plays like an agent too (seeded), and catches e
 a game that breaks a limit mid-run is stopped, its episode ends with end reason
 "env_limit", its reported rewards sum to what the contract pays for an unfinished
 episode, and the pool blocklists it. The contract texts state the enforced budgets.
+
+The slow games spin on their own CPU clock (`time.process_time`, the quantity the
+supervisor reads from /proc), not for a loop count timed in this process: a count timed
+while the other test worker shared the core ran in under half its CPU time in the
+sandbox, and the game slipped under the budget. `time` is outside the import allow-list,
+so these pools run without the static gate (a filter, not a limit; tested elsewhere).
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -51,22 +55,19 @@ class DoorsEnv:
 """
 
 
-def _spin_iterations(cpu_s: float) -> int:
-    """Loop iterations of `x += i` that take about `cpu_s` of CPU time here."""
-    n = 2_000_000
-    start = time.process_time()
-    x = 0
-    for i in range(n):
-        x += i
-    return int(n * cpu_s / max(time.process_time() - start, 1e-3))
+def _spin(cpu_s: float, indent: int = 8) -> str:
+    """Step-body code that burns `cpu_s` seconds of the worker's own CPU time, whatever the
+    load (a loaded machine stretches the wall clock, not the CPU time)."""
+    pad = " " * indent
+    return (f"import time as cpu_clock\n{pad}spin_start = cpu_clock.process_time()\n"
+            f"{pad}while cpu_clock.process_time() - spin_start < {cpu_s}:\n{pad}    pass")
 
 
 @pytest.fixture(scope="module")
 def misbehaviours() -> dict[str, str]:
-    slow = _spin_iterations(2.0)  # twice the budget: a loaded machine cannot hide it
     return {
         "honest": "pass",
-        "slow": f"x = 0\n        for i in range({slow}):\n            x += i",
+        "slow": _spin(4.0),  # twice the pool's 2 s budget
         "memory": "self.hold = b'x' * (300 << 20)",
         "nondeterministic": "return door + ' is ' + str(random.random()), 0.0, False, "
                             "self.turn >= self.max_turns, {}",
@@ -79,8 +80,11 @@ def _doors(misbehaviours: dict[str, str], kind: str) -> str:
 
 @pytest.fixture(scope="module")
 def pool():
-    config = SandboxConfig(call_deadline_s=5.0, worker_memory_mb=200, spare_workers=2,
-                           replay_audit_rate=1.0)
+    # A 2 s CPU budget: writing 300 MiB took 1.01 s of CPU on a loaded box (the memory
+    # game then failed "slow_call"). The deadline sits far above it so that a spin given a
+    # seventh of a core is still stopped by its CPU budget.
+    config = SandboxConfig(call_deadline_s=15.0, call_cpu_budget_s=2.0, worker_memory_mb=200,
+                           spare_workers=2, replay_audit_rate=1.0, static_gate=False)
     with EnvPool(config, seed=5) as p:
         if p.isolation_report().missing:
             pytest.skip(f"sandbox layers missing here: {p.isolation_report().missing}")
@@ -157,8 +161,7 @@ def test_the_loop_can_blocklist_a_program_and_calls_under_budget_pass(misbehavio
     that uses a third of the CPU budget passes whatever the wall clock says."""
     from spade_jax.envs import SandboxError
 
-    source = DOORS.replace("@misbehave@", "x = 0\n        for i in range("
-                           f"{_spin_iterations(0.3)}):\n            x += i")
+    source = DOORS.replace("@misbehave@", _spin(0.6))
     handle = pool.open(source, contract="reference")
     handle.reset(0)
     assert handle.step("\\boxed{amber}").ok
@@ -171,21 +174,20 @@ def test_the_loop_can_blocklist_a_program_and_calls_under_budget_pass(misbehavio
 
 
 @pytest.mark.slow  # two games spinning seconds of CPU on purpose
-def test_an_agent_answer_that_slows_an_honest_game_does_not_blocklist_it(misbehaviours):
+def test_an_agent_answer_that_slows_an_honest_game_does_not_blocklist_it():
     """Issue 30 item 13 / issue 34: an agent's answer can make an honest game's step slow
     (a huge number to parse). Validation keeps its 1 s CPU budget, but played games run
     under the play-time limits (the recipe drops a step only past 30 s): a 2 s step is
     played, replay-audited under the same limits and not blocklisted; a step past the play
     budget ends the episode "env_limit" and blocklists the game."""
-    config = SandboxConfig(call_deadline_s=5.0, worker_memory_mb=200, spare_workers=2,
+    config = SandboxConfig(call_deadline_s=10.0, worker_memory_mb=200, spare_workers=2,
                            replay_audit_rate=1.0, play_call_cpu_budget_s=3.5,
-                           play_call_deadline_s=20.0)
-    slower = DOORS.replace("@misbehave@", "x = 0\n        for i in range("
-                           f"{_spin_iterations(8.0)}):\n            x += i")
+                           play_call_deadline_s=30.0, static_gate=False)
+    slower = DOORS.replace("@misbehave@", _spin(8.0))
     with EnvPool(config, seed=5) as pool:
         if pool.isolation_report().missing:
             pytest.skip(f"sandbox layers missing here: {pool.isolation_report().missing}")
-        source = _doors(misbehaviours, "slow")
+        source = DOORS.replace("@misbehave@", _spin(2.0))
         report = validate_program(source, pool=pool, seed=7)
         assert not report.ok and report.code == "slow_call"  # validation: 1 s budget
         env = make_env(source, pool, contract="reference", max_turns=3)
@@ -219,9 +221,7 @@ class NapEnv:
     def step(self, action):
         m = re.search(r"\\boxed\{(.*)\}", action)
         if m and m.group(1) == "spin":  # CPU instead of wall clock
-            x = 0
-            for i in range(@spin@):
-                x += i
+            @spin@
         else:
             time.sleep(float(m.group(1)) if m else 0.0)
         return "Rested.", 1.0, True, False, {}
@@ -241,7 +241,7 @@ def test_play_calls_run_under_their_own_limits():
                            call_cpu_budget_s=0.2, play_call_cpu_budget_s=1.5,
                            load_deadline_s=5.0, static_gate=False, spare_workers=1,
                            replay_audit_rate=1.0)
-    nap = NAP.replace("@spin@", str(_spin_iterations(0.4)))
+    nap = NAP.replace("@spin@", _spin(0.4, indent=12))
     with EnvPool(config, seed=3) as pool:
         if pool.isolation_report().missing:
             pytest.skip(f"sandbox layers missing here: {pool.isolation_report().missing}")
