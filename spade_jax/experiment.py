@@ -278,12 +278,16 @@ def check_warm_start(config: ExperimentConfig) -> None:
 def check_supervised_replay(config: ExperimentConfig) -> None:
     """``spade.supervised_replay`` (examples replayed a step) and ``train.supervised_coef``
     (their NLL term's weight) work together: one without the other would replay rows
-    that train nothing, or weigh a term that has no rows."""
+    that train nothing, or weigh a term that has no rows. So does
+    ``spade.supervised_replay_masks_level`` with the replay."""
     replay, coef = config.spade.supervised_replay, config.train.supervised_coef
     if bool(replay) != bool(coef > 0):
         raise ValueError(
             f"spade.supervised_replay={replay} and train.supervised_coef={coef}: set both "
             "(examples replayed per update and their NLL term's weight) or neither")
+    if config.spade.supervised_replay_masks_level and not replay:
+        raise ValueError("spade.supervised_replay_masks_level=True masks the level of replayed "
+                         "rows, but spade.supervised_replay=0 replays none: set both or neither")
 
 
 def _own_chain_hint(config: ExperimentConfig) -> str | None:

@@ -59,6 +59,7 @@ from spade_jax.spade import seed_programs
 from spade_jax.spade.config import Contract, GameSourceKind
 from spade_jax.spade.corpus import CorpusSampler, CorpusSamplerConfig, JsonlCorpus, ParquetCorpus
 from spade_jax.spade.default_corpus import DefaultCorpusConfig, default_corpus
+from spade_jax.spade.env_stats import stated_level_span
 from spade_jax.spade.game_source import FixedEnv, FixedPool, GameSource, SelfDesign
 from spade_jax.spade.loop import SpadeLoop
 from spade_jax.spade.memory import EnvironmentMemory, MemoryConfig
@@ -69,7 +70,7 @@ from spade_jax.spade.prompts import (
 )
 from spade_jax.spade.reward import make_designer_reward
 from spade_jax.spade.skills import get_skill_set
-from spade_jax.spade.warm_start import supervised_pairs, warm_start
+from spade_jax.spade.warm_start import supervised_pairs, warm_start, without_target_chars
 
 log = logging.getLogger(__name__)
 
@@ -578,7 +579,22 @@ def supervised_replay_examples(config: ExperimentConfig, tokenizer: Any,
         pairs = _designer_warm_start_pairs(config, loop, warm_start_programs(config))
     if jax.process_count() > 1:  # the corpus documents are drawn per host (see _warm_start)
         pairs = [(messages, target) for messages, target in distributed.agree_json(pairs)]
-    return supervised_pairs(tokenizer, pairs)
+    rows = supervised_pairs(tokenizer, pairs)
+    if config.spade.supervised_replay_masks_level:
+        rows = [_level_untrained(tokenizer, row, target)
+                for row, (_, target) in zip(rows, pairs, strict=True)]
+    return rows
+
+
+def _level_untrained(tokenizer: Any, row: Any, target: str) -> Any:
+    """A replayed row whose stated level's tokens are not trained (a target stating none
+    is kept whole)."""
+    span = stated_level_span(target)
+    if span is None:
+        return row
+    # Every digit changed, so each token that spells one differs between the two texts.
+    stand_in = "".join(str((int(d) + 1) % 10) for d in target[span[0]:span[1]])
+    return without_target_chars(tokenizer, row, target, *span, stand_in)
 
 
 def _tool_agent_sequences(config, tokenizer, pool, programs) -> list:

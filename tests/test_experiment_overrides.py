@@ -384,3 +384,16 @@ def test_overrides_that_are_valid_only_together_apply_in_either_order():
         load_experiment("toy", ["toy.chain_max_level=12", eleven])
     with pytest.raises(OverrideError, match="unknown config field 'nope'"):
         load_experiment("toy", ["toy.chain_max_level=12", "toy.nope=1"])
+
+
+def test_replay_settings_are_set_together():
+    """The replay's count, its NLL weight and its level mask: one without the others is
+    refused before a run starts, naming the settings."""
+    from spade_jax.experiment import check_supervised_replay
+
+    both = ["spade.supervised_replay=4", "train.supervised_coef=1.0"]
+    check_supervised_replay(load_experiment("toy", both))
+    check_supervised_replay(load_experiment("toy", [*both, "spade.supervised_replay_masks_level=True"]))
+    for alone in (both[:1], both[1:], ["spade.supervised_replay_masks_level=True"]):
+        with pytest.raises(ValueError, match="spade.supervised_replay"):
+            check_supervised_replay(load_experiment("toy", alone))

@@ -128,6 +128,10 @@ class SpadeConfig:
         SUPERVISED_REPLAY); their NLL weighs ``train.supervised_coef`` (PPO-ptx; needs it
         > 0). 0 (recipe): none. An anchor for a policy whose program writing is learned
         from few examples and erodes as the shared weights train.
+      supervised_replay_masks_level: the replayed rows do not train the tokens of their
+        program's stated level (``LEVEL = n``, the toy world's): the replay anchors how a
+        program is written, not the warm start's mix of levels, which RL's choice of level
+        is meant to leave. Needs ``supervised_replay``.
       invalid_penalty: None (recipe): invalid attempts are never trained. A float: every
         invalid attempt (and a valid game that scored nothing) is trained with this
         designer reward (the paper text's -1); under skill groups it joins its skill's
@@ -233,6 +237,7 @@ class SpadeConfig:
     max_design_attempts: int = 5
     invalid_penalty: float | None = None
     supervised_replay: int = 0
+    supervised_replay_masks_level: bool = False
     hint_mode: HintMode = HintMode.SELF
     hint_temperature: float = 0.3
     hint_max_tokens: int = 4096

@@ -468,3 +468,10 @@ def stated_level(source: str) -> int | None:
     world's programs do: ``spade_jax.toy.family``), None when it states none."""
     match = _STATED_LEVEL.search(source)
     return int(match.group(1)) if match else None
+
+
+def stated_level_span(text: str) -> tuple[int, int] | None:
+    """Where the digits of the first ``LEVEL = n`` line are in ``text`` ([start, end)),
+    None when it states no level."""
+    match = _STATED_LEVEL.search(text)
+    return match.span(1) if match else None

@@ -9,6 +9,7 @@ skip this (``warm_start.steps = 0``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -44,6 +45,34 @@ def supervised_pairs(tokenizer, pairs: Sequence[tuple[list[dict], str]]) -> list
     return [supervised_sequence(list(tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, enable_thinking=False)),
         tokenizer.encode(target) + [turn_end_id(tokenizer)]) for messages, target in pairs]
+
+
+def without_target_chars(tokenizer, sequence: TrainSequence, target: str, start: int, end: int,
+                         stand_in: str) -> TrainSequence:
+    """``sequence`` (``supervised_pairs``' row for ``target``) with its loss mask off on the
+    target tokens that spell ``target[start:end]``: the tokens that change when those
+    characters are replaced by ``stand_in`` (found by tokenizing both texts and cutting
+    their common prefix and suffix, so a token that merges the span with a neighbour is
+    masked too). ``stand_in`` should differ from the span at every character: a token of
+    a character the two share can match and stay trained."""
+    if not 0 <= start < end <= len(target) or stand_in == target[start:end]:
+        raise ValueError(f"need a non-empty span of the target and a different stand-in, got "
+                         f"[{start}, {end}) and {stand_in!r}")
+    ids, other = tokenizer.encode(target), tokenizer.encode(target[:start] + stand_in + target[end:])
+    prefix = 0
+    while prefix < min(len(ids), len(other)) and ids[prefix] == other[prefix]:
+        prefix += 1
+    suffix = 0
+    while (suffix < min(len(ids), len(other)) - prefix
+           and ids[-1 - suffix] == other[-1 - suffix]):
+        suffix += 1
+    answer_start = len(sequence.token_ids) - len(ids) - 1  # the turn-end token follows
+    if list(sequence.token_ids[answer_start:answer_start + len(ids)]) != list(ids):
+        raise ValueError("the sequence does not end with the target's tokens and a turn end")
+    mask = list(sequence.loss_mask)
+    for position in range(answer_start + prefix, answer_start + len(ids) - suffix):
+        mask[position] = 0
+    return dataclasses.replace(sequence, loss_mask=mask)
 
 
 def supervised_sequence(prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> TrainSequence:

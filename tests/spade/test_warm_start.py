@@ -225,3 +225,36 @@ def test_each_length_group_compiles_its_step_once(caplog):
         compiles = [r.getMessage() for r in caplog.records
                     if "Finished XLA compilation of jit(step)" in r.getMessage()]
         assert len(compiles) == 2, compiles  # one per length group
+
+
+def test_without_target_chars_leaves_the_spans_tokens_untrained(chat_tokenizer):
+    """``spade.supervised_replay_masks_level``'s cut: the loss mask goes off on exactly
+    the target tokens that spell the stated level (they change with it), the prompt and
+    every other target token keep theirs, whatever the level's digit count."""
+    from spade_jax.run import _level_untrained
+    from spade_jax.spade.env_stats import stated_level_span
+    from spade_jax.spade.warm_start import supervised_pairs, without_target_chars
+
+    messages = [{"role": "user", "content": "alpha start"}]
+    for level in ("7", "12"):
+        target = f"```python\nLEVEL = {level}\nBASE = 5\nseed obs {level}\n```"
+        (row,) = supervised_pairs(chat_tokenizer, [(messages, target)])
+        cut = _level_untrained(chat_tokenizer, row, target)
+        off = [i for i, (a, b) in enumerate(zip(row.loss_mask, cut.loss_mask, strict=True)) if a != b]
+        assert off and all(row.loss_mask[i] == 1 and cut.loss_mask[i] == 0 for i in off)
+        assert off == list(range(off[0], off[-1] + 1))  # one run of tokens
+        spelled = chat_tokenizer.decode([row.token_ids[i] for i in off])
+        assert level in spelled and "BASE" not in spelled and "seed" not in spelled
+        kept = [t for t, m in zip(cut.token_ids, cut.loss_mask, strict=True) if m]
+        assert f"= {level}\n" not in chat_tokenizer.decode(kept)  # the level's tokens left
+        assert sum(cut.loss_mask) == sum(row.loss_mask) - len(off)
+        assert cut.token_ids == row.token_ids and cut.role == row.role
+        assert f"obs {level}" in chat_tokenizer.decode(kept)  # a later mention stays trained
+        assert stated_level_span(target) == (target.index(level), target.index(level) + len(level))
+    plain = "```python\nBASE = 5\n```"
+    (row,) = supervised_pairs(chat_tokenizer, [(messages, plain)])
+    assert _level_untrained(chat_tokenizer, row, plain) is row  # states no level: kept whole
+    with pytest.raises(ValueError, match="different stand-in"):
+        without_target_chars(chat_tokenizer, row, plain, 3, 3, "x")
+    with pytest.raises(ValueError, match="does not end with the target"):
+        without_target_chars(chat_tokenizer, row, "something else", 0, 4, "else")
