@@ -22,16 +22,20 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
     os.environ["XLA_FLAGS"] += f" {fast_compile()}"
 
-# One persistent compilation cache for the run and every JAX subprocess it starts (they
-# inherit the environment): a program compiled once (the tiny experiment's train step, its
-# samplers) is loaded from disk by every later test file (after ``jax.clear_caches()``
-# below) and every `python -m spade_jax.train` subprocess, instead of being compiled again.
-# Every program is stored (a tiny program's compile, ~0.1-0.3 s, is paid again by every
-# file after the per-file cache clearing below; reading it back takes milliseconds). Tests
+# One persistent compilation cache for every JAX process of the run (both workers and
+# every subprocess: they inherit the environment), kept between runs in the user's cache
+# directory (tests/support/compile_cache.py): a program compiled once (the tiny
+# experiment's train step, its samplers) is loaded from disk by every later test file
+# (after ``jax.clear_caches()`` below), every `python -m spade_jax.train` subprocess and
+# every later run of the suite on this machine, instead of being compiled again. Every
+# program is stored (a tiny program's compile, ~0.1-0.3 s, is paid again by every file
+# after the per-file cache clearing below; reading it back takes milliseconds). Tests
 # that need a cache of their own (a resumed run reloading the killed run's programs) set
 # their own directory.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
-    Path(__file__).resolve().parents[1] / ".cache" / "jax_tests"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    from compile_cache import cache_dir
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -54,6 +58,16 @@ LONG_FILES_FIRST = (
     "tests/rl/test_update_rule_end_to_end.py",
     "tests/test_sharded_experiment.py",
 )
+
+
+def pytest_configure(config):
+    """Bounds the persistent compile cache once per run, in the controlling process
+    before any worker starts (tests/support/compile_cache.py)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller pruned already
+        return
+    from compile_cache import prune
+
+    prune(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
 
 
 def pytest_collection_modifyitems(config, items):
