@@ -30,7 +30,10 @@ def cache_dir(checkout: Path) -> Path:
     not writable, ``.cache/jax_tests`` in the checkout (which lasts as long as it does)."""
     if os.environ.get(_ENV_DIR):
         return Path(os.environ[_ENV_DIR])
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    try:
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (RuntimeError, KeyError):  # no home directory to be found
+        return checkout / ".cache" / "jax_tests"
     wanted = home / "spade_jax" / "jax_tests"
     try:
         wanted.mkdir(parents=True, exist_ok=True)
