@@ -679,7 +679,7 @@ def _supervised_pass(config, tokenizer, graphdef, state: TrainState, seqs) -> Tr
 def _toy_eval(config, loop: SpadeLoop, pool, step: int) -> dict[str, float]:
     """The toy world's held-out grid (``eval/toy/...``): fixed levels and seeds, played
     with the loop's own episode runner, never trained on."""
-    from spade_jax.envs import make_env
+    from spade_jax.envs import ProgramLoadError, make_env
     from spade_jax.toy import world
     from spade_jax.toy.family import render_program
 
@@ -687,16 +687,33 @@ def _toy_eval(config, loop: SpadeLoop, pool, step: int) -> dict[str, float]:
         raise ValueError("the toy world's held-out grid runs in one process; run toy "
                          "experiments single-host")
     grid = world.heldout_grid(config.toy, config.seed)
-    specs = [EpisodeSpec(env=make_env(render_program(level, rule), pool, contract="reference",
-                                      max_turns=config.agent.max_turns),
-                         env_id=f"heldout_L{level}_{rule}", seed=seed)
-             for level, rule, seed in grid]
+    played, specs, refused = [], [], {}
+    for level, rule, seed in grid:
+        # A grid program can be blocklisted by the pool: the designer may write the same
+        # text, and a play of it past a limit (a call timing out on an overloaded host)
+        # blocklists every copy. Those episodes are left out, logged and counted; the run
+        # goes on.
+        try:
+            env = make_env(render_program(level, rule), pool, contract="reference",
+                           max_turns=config.agent.max_turns)
+        except ProgramLoadError as err:
+            refused[f"level {level} ({rule})"] = str(err)
+            continue
+        played.append((level, rule, seed))
+        specs.append(EpisodeSpec(env=env, env_id=f"heldout_L{level}_{rule}", seed=seed))
     try:
-        records = loop.run_episodes(specs, seed=derive_seed(config.seed, step, Phase.EVAL))
+        records = (loop.run_episodes(specs, seed=derive_seed(config.seed, step, Phase.EVAL))
+                   if specs else [])
     finally:
         for spec in specs:
             spec.env.close()
-    return world.heldout_metrics(grid, [float(r.return_) for r in records])
+    metrics = world.heldout_metrics(played, [float(r.return_) for r in records]) if played else {}
+    if refused:
+        log.warning("held-out grid at step %d: %d of %d episodes not played, their programs "
+                    "refused: %s", step, len(grid) - len(played), len(grid),
+                    "; ".join(f"{k}: {v}" for k, v in sorted(refused.items())))
+        metrics["eval/toy/episodes_not_played"] = float(len(grid) - len(played))
+    return metrics
 
 
 def _held_out_eval(config, model, tokenizer, step) -> dict[str, float]:

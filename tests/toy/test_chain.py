@@ -537,3 +537,39 @@ def test_toy_twelve_is_toy_with_the_top_level_at_twelve():
     assert twelve.toy.chain_max_level == 12 and twelve.toy.chain_hint_max_level == 9
     assert set(twelve.toy.heldout_levels) == set(toy.toy.heldout_levels) | {10, 12}
     assert load_experiment("spade_self_generation:toy:twelve").toy == twelve.toy
+
+
+def test_a_blocklisted_grid_program_is_left_out_of_the_held_out_eval_and_the_run_goes_on():
+    """The held-out grid's programs are texts the designer can write too, and a play of
+    such a copy past a limit blocklists every copy (seen: a call timing out on an
+    overloaded host ended a `toy` run at its next evaluation). The evaluation then plays
+    the rest of the grid, logs what it left out and counts it."""
+    from types import SimpleNamespace
+
+    from spade_jax.envs import SandboxError
+    from spade_jax.experiment import load_experiment
+    from spade_jax.run import _toy_eval
+    from spade_jax.toy.family import render_program
+
+    config = load_experiment("toy", ["toy.heldout_levels=(2, 3)", "toy.heldout_episodes=2"])
+    grid = heldout_grid(config.toy, config.seed)
+    played = []
+
+    def run_episodes(specs, seed):
+        played.extend(spec.env_id for spec in specs)
+        return [SimpleNamespace(return_=1.0) for _ in specs]
+
+    loop = SimpleNamespace(run_episodes=run_episodes)
+    with EnvPool(SandboxConfig(call_deadline_s=3.0, spare_workers=1)) as pool:
+        whole = _toy_eval(config, loop, pool, step=4)
+        assert len(played) == len(grid) and "eval/toy/episodes_not_played" not in whole
+        level, rule, _ = grid[0]
+        pool.block(render_program(level, rule), SandboxError("timeout", "no reply within 2s"))
+        played.clear()
+        cut = _toy_eval(config, loop, pool, step=8)
+    left_out = sum(1 for lv, rl, _ in grid if (lv, rl) == (level, rule))
+    assert 0 < left_out < len(grid) and len(played) == len(grid) - left_out
+    assert cut["eval/toy/episodes_not_played"] == left_out
+    assert cut["eval/toy/pass@1"] == 1.0  # over the episodes played
+    assert {k for k in whole if k.startswith("eval/toy/level_")} >= \
+        {k for k in cut if k.startswith("eval/toy/level_")}
