@@ -79,7 +79,12 @@ def _toy() -> ExperimentConfig:
         # round) were the ones that stopped validating. The examples still follow other
         # tables than the games' own (docs/toy_world.md, "The toy experiment").
         toy=dataclasses.replace(config.toy, agent_examples=1000,
-                                designer_level_weights=(1,) * 9, chain_hint_max_level=9))
+                                designer_level_weights=(1,) * 9, chain_hint_max_level=9),
+        # A checkpoint every 12 rounds (key_digit: only the last): a 40-60 minute run
+        # killed near its end (the kernel's OOM killer, 2026-12-07) lost everything; a
+        # checkpoint changes nothing in the run (resumes are bit-exact:
+        # tests/cli/test_train_cli.py).
+        checkpoint_every=12)
 
 
 def _twelve(config: ExperimentConfig) -> ExperimentConfig:
