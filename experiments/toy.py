@@ -33,13 +33,16 @@ from spade_jax.experiment import ExperimentConfig, load_experiment
 def get_config(variant: str = "") -> ExperimentConfig:
     """``variant`` "check": the designer path's learning check
     (tests/toy/test_designer_check.py, in CI; the agent path's is ``key_digit:check``);
-    "twelve": the family's top level at 12, beyond the hint's reach (``_twelve``)."""
-    if variant not in ("", "check", "twelve"):
-        raise ValueError(f"toy variants: '', 'check' or 'twelve', got {variant!r} (the chain "
-                         "family's are chain:<variant>)")
+    "twelve": the family's top level at 12, beyond the hint's reach (``_twelve``);
+    "replay": the warm start's designer examples replayed in every update (``_replay``)."""
+    if variant not in ("", "check", "twelve", "replay"):
+        raise ValueError(f"toy variants: '', 'check', 'twelve' or 'replay', got {variant!r} "
+                         "(the chain family's are chain:<variant>)")
     config = _toy()
     if variant == "twelve":
         return _twelve(config)
+    if variant == "replay":
+        return _replay(config)
     return _check(config) if variant == "check" else config
 
 
@@ -103,6 +106,21 @@ def _twelve(config: ExperimentConfig) -> ExperimentConfig:
     agent = dataclasses.replace(config.agent, sampler=dataclasses.replace(
         config.agent.sampler, max_new_tokens=32))
     return dataclasses.replace(config, name="toy_twelve", toy=toy, agent=agent)
+
+
+def _replay(config: ExperimentConfig) -> ExperimentConfig:
+    """``toy`` with 4 of the warm start's designer examples replayed as supervised rows in
+    every update, their NLL added at weight 1.0 (PPO-ptx), the tokens of each program's
+    stated level left out of it (``spade.supervised_replay_masks_level``): the replay holds
+    how a program is written, which the agent's updates of the shared weights otherwise
+    erode (validity dips below 0.5 in 1-3 of 48 regenerations of every ``toy`` seed), and
+    leaves the choice of level to RL. About twice ``toy``'s run time: the replayed
+    programs (~300 tokens) pad every update (docs/toy_world.md, "Keeping the program
+    writing")."""
+    spade = dataclasses.replace(config.spade, supervised_replay=4,
+                                supervised_replay_masks_level=True)
+    train = dataclasses.replace(config.train, supervised_coef=1.0)
+    return dataclasses.replace(config, name="toy_replay", spade=spade, train=train)
 
 
 def _check(config: ExperimentConfig) -> ExperimentConfig:

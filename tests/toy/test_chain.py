@@ -573,3 +573,19 @@ def test_a_blocklisted_grid_program_is_left_out_of_the_held_out_eval_and_the_run
     assert cut["eval/toy/pass@1"] == 1.0  # over the episodes played
     assert {k for k in whole if k.startswith("eval/toy/level_")} >= \
         {k for k in cut if k.startswith("eval/toy/level_")}
+
+
+def test_toy_replay_is_toy_with_the_masked_replay():
+    """`toy:replay` is `toy` plus the three settings its runs were made with (docs/toy_world.md,
+    "Keeping the program writing"), and they pass the start-up check."""
+    from spade_jax.experiment import check_supervised_replay, load_experiment
+    from spade_jax.overrides import diff
+
+    toy, replay = load_experiment("toy"), load_experiment("toy:replay")
+    assert set(diff(toy, replay)) == {"name", "spade.supervised_replay",
+                                      "spade.supervised_replay_masks_level",
+                                      "train.supervised_coef"}
+    assert load_experiment("toy", ["spade.supervised_replay=4", "train.supervised_coef=1.0",
+                                   "spade.supervised_replay_masks_level=True"]).spade == replay.spade
+    check_supervised_replay(replay)
+    assert load_experiment("spade_self_generation:toy:replay").spade.supervised_replay == 4
