@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Where the cache lives unless SPADE_TEST_COMPILE_CACHE (or JAX_COMPILATION_CACHE_DIR)
-# says otherwise; a full run of the suite adds about 100 MB to a cold one.
+# The most the cache may hold after pruning: a full cold run of the suite writes about
+# 100 MB, so this keeps the entries of many recent commits.
 DEFAULT_LIMIT_BYTES = 2 << 30
 _ENV_DIR = "SPADE_TEST_COMPILE_CACHE"
 
