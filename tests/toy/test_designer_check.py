@@ -22,6 +22,7 @@ def test_the_frontier_the_check_names_is_the_one_the_warm_start_teaches():
 
 
 @pytest.mark.slow  # one short run: warm start and 5 rounds (2.5-3 min alone)
+@pytest.mark.timeout(1500)  # a hang, not a loaded box: 601 s beside two toy runs (2026-12-07)
 def test_the_designer_moves_its_games_into_the_agents_frontier(tmp_path):
     run_train("toy:check", tmp_path)
     findings = check_designer_path(read_metrics(tmp_path))

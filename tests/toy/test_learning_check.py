@@ -15,6 +15,7 @@ from spade_jax.toy.check import check_agent_path
 
 
 @pytest.mark.slow  # one short run: warm start and 16 rounds (~2 min)
+@pytest.mark.timeout(1500)  # a hang, not a loaded box: 601 s beside two toy runs (2026-12-07)
 def test_the_agent_learns_a_constant_key_in_sixteen_updates(tmp_path):
     run_train("key_digit:check", tmp_path)
     findings = check_agent_path(read_metrics(tmp_path))
