@@ -32,10 +32,13 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # after the per-file cache clearing below; reading it back takes milliseconds). Tests
 # that need a cache of their own (a resumed run reloading the killed run's programs) set
 # their own directory.
+# Only the directory the suite chose is pruned (below): a cache the user named is theirs.
+_PRUNED_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     from compile_cache import cache_dir
 
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir(Path(__file__).resolve().parents[1]))
+    _PRUNED_CACHE = cache_dir(Path(__file__).resolve().parents[1])
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_PRUNED_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -63,11 +66,11 @@ LONG_FILES_FIRST = (
 def pytest_configure(config):
     """Bounds the persistent compile cache once per run, in the controlling process
     before any worker starts (tests/support/compile_cache.py)."""
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller pruned already
+    if hasattr(config, "workerinput") or _PRUNED_CACHE is None:  # a worker, or the user's
         return
     from compile_cache import prune
 
-    prune(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
+    prune(_PRUNED_CACHE)
 
 
 def pytest_collection_modifyitems(config, items):
